@@ -1,0 +1,163 @@
+"""The `ckptconv` command: parse flags, call the library, render results. The one place errors become exit codes.
+
+Exit codes: 0 success, 1 verify mismatch, 2 bad input (one line on stderr, no traceback; set CKPTCONV_DEBUG=1
+for one), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(
+    name="ckptconv",
+    help="Convert LLM checkpoints between PyTorch Distributed Checkpoint (DCP) and Hugging Face safetensors.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+DtypeOpt = Annotated[
+    str, typer.Option("--dtype", help="bf16, fp16, fp32 or keep: dtype of floating tensors (int/bool never change).")
+]
+Fp32Opt = Annotated[
+    list[str] | None,
+    typer.Option("--fp32", help="Regex (re.search on the output key) of tensors kept fp32; repeatable; beats --dtype."),
+]
+MaxShardOpt = Annotated[
+    str, typer.Option("--max-shard-size", help="Largest output file, HF notation ('500MB', '5GB') or bytes.")
+]
+PrefixOpt = Annotated[
+    str | None, typer.Option("--prefix", help="Convert only keys under this prefix, and strip it ('model.').")
+]
+CopyFromOpt = Annotated[
+    Path | None, typer.Option("--copy-from", help="HF directory whose config, tokenizer and other files to copy.")
+]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT (atomically, at the end).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (files, keys, dtypes, bytes, ranks).")]
+BucketOpt = Annotated[
+    str, typer.Option("--bucket-size", help="Bytes in flight per rank while reading or gathering ('512MB').")
+]
+ReadOpt = Annotated[
+    str, typer.Option("--read", help="direct: writers read chunks from storage; gather: ranks read and send.")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Only warnings and errors on stderr.")]
+ProgressOpt = Annotated[
+    bool | None, typer.Option("--progress/--no-progress", help="Progress bar (default: only on a terminal).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (rank 0).")]
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _print_json(doc: dict[str, Any]) -> None:
+    if _rank() == 0:
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+
+
+@app.command("dcp-to-hf")
+def dcp_to_hf_cmd(
+    src: Annotated[Path, typer.Argument(help="DCP checkpoint directory (with .metadata).", show_default=False)],
+    out: Annotated[Path, typer.Argument(help="Output Hugging Face directory.", show_default=False)],
+    dtype: DtypeOpt = "bf16",
+    fp32: Fp32Opt = None,
+    max_shard_size: MaxShardOpt = "5GB",
+    prefix: PrefixOpt = None,
+    copy_from: CopyFromOpt = None,
+    overwrite: OverwriteOpt = False,
+    dry_run: DryRunOpt = False,
+    bucket_size: BucketOpt = "512MB",
+    read: ReadOpt = "direct",
+    quiet: QuietOpt = False,
+    progress: ProgressOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Convert a DCP checkpoint to Hugging Face safetensors (under torchrun: every rank shares the work)."""
+    from .convert import dcp_to_hf
+    from .errors import CkptconvError
+    from .report import human_bytes, plan_summary, render_plan
+    from .ui import Ui
+    from .world import world_from_env
+
+    if read not in ("direct", "gather"):
+        raise CkptconvError(f"--read {read!r} is not one of direct, gather")
+    with world_from_env() as world:
+        ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
+        result = dcp_to_hf(
+            src,
+            out,
+            world=world,
+            ui=ui,
+            dtype=dtype,
+            fp32=fp32 or (),
+            max_shard_size=max_shard_size,
+            prefix=prefix,
+            copy_from=copy_from,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            bucket_size=bucket_size,
+            read_path=read,  # type: ignore[arg-type]
+        )
+        summary = plan_summary(result.plan)
+        if json_out:
+            _print_json(
+                {"command": "dcp-to-hf", "src": str(src), "out": str(out), "dry_run": dry_run,
+                 "seconds": round(result.seconds, 3), "copied": result.copied, **summary}
+            )
+        elif dry_run:
+            if world.is_main:
+                render_plan(result.plan, ui.console)
+        else:
+            ui.info(
+                f"wrote {out}: {len(result.plan.files)} file(s), {summary['num_tensors']} tensors, "
+                f"{human_bytes(result.plan.total_size)} in {result.seconds:.1f}s on {world.size} rank(s)"
+            )
+
+
+@app.command("inspect")
+def inspect_cmd(
+    path: Annotated[Path, typer.Argument(help="DCP directory, HF directory or .safetensors file.", show_default=False)],
+    json_out: JsonOpt = False,
+) -> None:
+    """Show what a checkpoint holds (reads metadata and headers only)."""
+    from rich.console import Console
+
+    from .report import inspect, render_inspect
+
+    info = inspect(path)
+    if json_out:
+        _print_json(info)
+    else:
+        render_inspect(info, Console(highlight=False, soft_wrap=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import click
+
+    from .errors import CkptconvError
+
+    try:
+        app(args=argv, prog_name="ckptconv", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.UsageError as e:
+        hint = f" (see 'ckptconv {e.ctx.info_name} --help')" if e.ctx and e.ctx.info_name != "ckptconv" else ""
+        sys.stderr.write(f"ckptconv: error: {e.format_message()}{hint}\n")
+        sys.exit(2)
+    except (click.Abort, KeyboardInterrupt):
+        sys.stderr.write("ckptconv: interrupted\n")
+        sys.exit(130)
+    except CkptconvError as e:
+        if os.environ.get("CKPTCONV_DEBUG"):
+            raise
+        if not (e.agreed and _rank() != 0):
+            sys.stderr.write(f"ckptconv: error: {' '.join(str(e).split())}\n")
+        sys.exit(e.exit_code)

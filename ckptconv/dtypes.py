@@ -1,0 +1,107 @@
+"""Which dtype each output tensor gets: `--dtype` for floating tensors, `--fp32` patterns beat it.
+
+Only the ordinary floating dtypes (fp64, fp32, fp16, bf16) are ever cast. Integer, bool, complex and fp8
+tensors keep their dtype and bytes whatever the flags say.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import CkptconvError
+
+DTYPE_NAMES: dict[str, torch.dtype | None] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "keep": None,
+}
+
+CASTABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
+# safetensors dtype names <-> torch dtypes (only those both sides know)
+_ST_NAMES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        _ST_NAMES[_name] = getattr(torch, _attr)
+_TORCH_TO_ST = {v: k for k, v in _ST_NAMES.items()}
+
+
+def st_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype."""
+    try:
+        return _TORCH_TO_ST[dtype]
+    except KeyError:
+        raise CkptconvError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def from_st_name(name: str) -> torch.dtype | None:
+    """The torch dtype of a safetensors dtype name, None if unknown."""
+    return _ST_NAMES.get(name)
+
+
+def short_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `bfloat16`."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype_flag(value: str, flag: str = "--dtype") -> torch.dtype | None:
+    try:
+        return DTYPE_NAMES[value]
+    except KeyError:
+        raise CkptconvError(f"{flag} {value!r} is not one of {', '.join(DTYPE_NAMES)}") from None
+
+
+@dataclass
+class DtypePolicy:
+    """`target=None` keeps every dtype; `fp32` are regexes searched in the output key."""
+
+    target: torch.dtype | None = torch.bfloat16
+    fp32: Sequence[str] = ()
+    _compiled: list[re.Pattern[str]] = field(init=False, repr=False)
+    _matched: set[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._compiled = []
+        for pattern in self.fp32:
+            try:
+                self._compiled.append(re.compile(pattern))
+            except re.error as e:
+                raise CkptconvError(f"--fp32 {pattern!r} is not a valid regular expression ({e})") from None
+        self._matched = set()
+
+    def resolve(self, hf_key: str, dtype: torch.dtype) -> torch.dtype:
+        """The output dtype of the tensor `hf_key` stored as `dtype`."""
+        if dtype not in CASTABLE:
+            return dtype
+        for compiled in self._compiled:
+            if compiled.search(hf_key):
+                self._matched.add(compiled.pattern)
+                return torch.float32
+        return dtype if self.target is None else self.target
+
+    def unmatched(self) -> list[str]:
+        """The --fp32 patterns that matched no floating tensor so far."""
+        return [p.pattern for p in self._compiled if p.pattern not in self._matched]
+
+    def warnings(self) -> Iterable[str]:
+        for pattern in self.unmatched():
+            yield f"--fp32 {pattern!r} matched no floating-point tensor"

@@ -1,0 +1,365 @@
+"""DCP checkpoints on a file system: `.metadata` -> specs (safely), chunk reads.
+
+Call order: `open_dcp(path)` on every rank (reads `.metadata` and the file sizes, no tensor bytes), then
+`DcpReader(ckpt)` on the ranks that read chunks; each `read_chunk_into` reads exactly one stored chunk.
+Writing DCP goes through torch's public `dcp.save` (see convert.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import struct
+import zipfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_md
+
+from ..errors import CkptconvError
+from ..layout import tiling_problem
+from ..specs import ChunkFormat, ChunkSpec, NonTensorItem, TensorSpec
+from .safe_pickle import load_dcp_metadata, pickle_globals, read_tensor_record
+
+METADATA_FILE = ".metadata"
+MAX_HEADER_BYTES = 100 * 2**20  # a larger safetensors header inside a .distcp is refused
+
+
+@dataclass(frozen=True)
+class DcpCheckpoint:
+    """Everything `.metadata` says, validated; tensors and items keep the order the job saved them in."""
+
+    path: Path
+    tensors: dict[str, TensorSpec]
+    items: dict[str, NonTensorItem]
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # fqn -> nesting in the saved dict
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def is_dcp_dir(path: Path) -> bool:
+    return path.is_dir() and (path / METADATA_FILE).is_file()
+
+
+def open_dcp(path: Path) -> DcpCheckpoint:
+    """Read and validate `path/.metadata`; raise CkptconvError naming the problem and the fix."""
+    md_path = path / METADATA_FILE
+    try:
+        data = md_path.read_bytes()
+    except OSError as e:
+        raise CkptconvError(f"{md_path}: cannot read ({e.strerror})") from None
+    metadata = load_dcp_metadata(data, str(md_path))
+    return _specs_from_metadata(path, metadata)
+
+
+def _specs_from_metadata(root: Path, metadata: dcp_md.Metadata) -> DcpCheckpoint:
+    where = root / METADATA_FILE
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CkptconvError(f"{where}: has no storage index (not written by FileSystemWriter?)")
+    locations: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    for index, info in storage.items():
+        if not isinstance(index, dcp_md.MetadataIndex):
+            raise CkptconvError(f"{where}: malformed storage index entry")
+        offset = None if index.offset is None else tuple(int(x) for x in index.offset)
+        locations[(index.fqn, offset)] = info
+    file_sizes = _FileSizes(root)
+    planner_paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    tensors: dict[str, TensorSpec] = {}
+    items: dict[str, NonTensorItem] = {}
+    paths: dict[str, tuple[str | int, ...]] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise CkptconvError(f"{where}: a key is not a string")
+        raw_path = planner_paths.get(fqn)
+        paths[fqn] = tuple(raw_path) if isinstance(raw_path, (tuple, list)) else (fqn,)
+        if isinstance(entry, dcp_md.BytesStorageMetadata):
+            file, start, length = _location(locations, fqn, None, file_sizes, where)
+            items[fqn] = NonTensorItem(fqn, paths[fqn], file, start, length)
+        elif isinstance(entry, dcp_md.TensorStorageMetadata):
+            tensors[fqn] = _tensor_spec(fqn, entry, locations, file_sizes, where)
+        else:
+            raise CkptconvError(f"{where}: key {fqn!r} has an unknown storage type")
+    formats = _sniff_formats(root, tensors.values())
+    tensors = {
+        fqn: dataclasses.replace(t, chunks=tuple(dataclasses.replace(c, fmt=formats[c.file]) for c in t.chunks))
+        for fqn, t in tensors.items()
+    }
+    return DcpCheckpoint(root, tensors, items, paths)
+
+
+def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, where: Path) -> TensorSpec:
+    dtype = getattr(entry.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise CkptconvError(f"{where}: tensor {fqn!r} has no valid dtype")
+    shape = _int_tuple(entry.size, fqn, where)
+    chunks = []
+    for chunk in entry.chunks:
+        offsets = _int_tuple(chunk.offsets, fqn, where)
+        sizes = _int_tuple(chunk.sizes, fqn, where)
+        file, start, length = _location(locations, fqn, offsets, file_sizes, where)
+        chunks.append(ChunkSpec(offsets, sizes, file, start, length, "torch_save"))
+    problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in chunks])
+    if problem:
+        raise CkptconvError(f"{where}: tensor {fqn!r} {list(shape)}: {problem}; the checkpoint is incomplete")
+    return TensorSpec(fqn, dtype, shape, tuple(chunks))
+
+
+def _int_tuple(value: Any, fqn: str, where: Path) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in value)
+    except (TypeError, ValueError):
+        raise CkptconvError(f"{where}: tensor {fqn!r} has a malformed size or offset") from None
+    if any(x < 0 for x in out):
+        raise CkptconvError(f"{where}: tensor {fqn!r} has a negative size or offset")
+    return out
+
+
+def _location(
+    locations: dict, fqn: str, offsets: tuple[int, ...] | None, file_sizes: _FileSizes, where: Path
+) -> tuple[str, int, int]:
+    info = locations.get((fqn, offsets))
+    if info is None:
+        raise CkptconvError(f"{where}: no stored data for {fqn!r} at offset {offsets}; the metadata is corrupt")
+    rel = getattr(info, "relative_path", None)
+    start, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not isinstance(rel, str) or not isinstance(start, int) or not isinstance(length, int):
+        raise CkptconvError(f"{where}: malformed storage entry for {fqn!r}")
+    if getattr(info, "transform_descriptors", None):
+        raise CkptconvError(
+            f"{where}: {fqn!r} is stored with transforms {info.transform_descriptors} "
+            "(compression or another DCP extension), which ckptconv does not read yet"
+        )
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or ".." in pure.parts or not pure.parts:
+        raise CkptconvError(f"{where}: {fqn!r} points outside the checkpoint ({rel!r}); refusing to read it")
+    size = file_sizes.size(rel)
+    if size is None:
+        raise CkptconvError(f"{where.parent / rel}: missing; the checkpoint is incomplete (re-copy it)")
+    if start < 0 or length < 0 or start + length > size:
+        raise CkptconvError(
+            f"{where.parent / rel}: truncated ({size} bytes, {fqn!r} needs bytes up to {start + length}); "
+            "re-copy the checkpoint"
+        )
+    return rel, start, length
+
+
+class _FileSizes:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._sizes: dict[str, int | None] = {}
+
+    def size(self, rel: str) -> int | None:
+        if rel not in self._sizes:
+            try:
+                self._sizes[rel] = (self.root / rel).stat().st_size
+            except OSError:
+                self._sizes[rel] = None
+        return self._sizes[rel]
+
+
+def _sniff_formats(root: Path, tensors: Iterable[TensorSpec]) -> dict[str, ChunkFormat]:
+    """Tell the two chunk serializations apart by the bytes where a file's first tensor chunk starts.
+
+    torch_save items are zip archives ("PK"); in the safetensors serialization every tensor item of a file
+    points at one safetensors blob (8-byte header length, then a JSON header).
+    """
+    first: dict[str, int] = {}
+    for t in tensors:
+        for c in t.chunks:
+            first[c.file] = min(first.get(c.file, c.byte_offset), c.byte_offset)
+    formats: dict[str, ChunkFormat] = {}
+    for rel, offset in first.items():
+        with open(root / rel, "rb") as f:
+            f.seek(offset)
+            head = f.read(4)
+        formats[rel] = "torch_save" if head == b"PK\x03\x04" else "safetensors"
+    return formats
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, writable in place (works for bf16, bool, 0-d)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+class DcpReader:
+    """Reads stored chunks of one DCP checkpoint into caller-owned tensors. Safe for concurrent threads."""
+
+    def __init__(self, ckpt: DcpCheckpoint) -> None:
+        self.ckpt = ckpt
+        self._fds: dict[str, int] = {}
+        self._st_headers: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> DcpReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            fd = self._fds[rel] = os.open(self.ckpt.path / rel, os.O_RDONLY)
+        return fd
+
+    def pread(self, rel: str, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes of `rel` at `offset`, or raise naming the truncated file."""
+        fd, done = self._fd(rel), 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n <= 0:
+                raise CkptconvError(f"{self.ckpt.path / rel}: truncated at byte {offset + done}; re-copy it")
+            done += n
+
+    def read_bytes(self, rel: str, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.pread(rel, offset, memoryview(buf))
+        return bytes(buf)
+
+    def read_chunk_into(self, spec: TensorSpec, chunk: ChunkSpec, out: torch.Tensor) -> None:
+        """Fill `out` (contiguous, `spec.dtype`, `chunk.sizes`) with the stored chunk."""
+        assert out.is_contiguous() and out.dtype == spec.dtype and tuple(out.shape) == chunk.sizes
+        if chunk.numel == 0:
+            return
+        where = self._locate(spec, chunk)
+        if where is None:
+            out.copy_(self._torch_load_chunk(spec, chunk))
+        else:
+            self.pread(chunk.file, where, byte_view(out))
+
+    def read_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
+        out = torch.empty(chunk.sizes, dtype=spec.dtype)
+        self.read_chunk_into(spec, chunk, out)
+        return out
+
+    def _locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
+        """The file offset of the chunk's raw bytes, None when only torch.load can read it."""
+        nbytes = chunk.numel * spec.dtype.itemsize
+        if chunk.fmt == "safetensors":
+            header = self._st_header(chunk.file, chunk.byte_offset)
+            entry = header.get(spec.fqn)
+            if not isinstance(entry, dict) or list(entry.get("shape", [])) != list(chunk.sizes):
+                raise self._corrupt(chunk, f"has no stored tensor {spec.fqn!r} of shape {list(chunk.sizes)}")
+            begin, end = entry.get("data_offsets", (0, -1))
+            if end - begin != nbytes:
+                raise self._corrupt(chunk, f"stores {end - begin} bytes for {spec.fqn!r}, expected {nbytes}")
+            return int(header["__data_start__"]) + int(begin)
+        return self._locate_in_zip(spec, chunk, nbytes)
+
+    def _locate_in_zip(self, spec: TensorSpec, chunk: ChunkSpec, nbytes: int) -> int | None:
+        window = _Window(self, chunk.file, chunk.byte_offset, chunk.byte_length)
+        try:
+            archive = zipfile.ZipFile(window)
+            names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
+            if archive.read(names["byteorder"]) != b"little":
+                return None
+            record = read_tensor_record(archive.read(names["data.pkl"]))
+            if record is None or record.dtype != spec.dtype or not record.is_contiguous:
+                return None
+            if record.size != chunk.sizes:
+                raise self._corrupt(chunk, f"stores shape {list(record.size)}, expected {list(chunk.sizes)}")
+            info = names[f"data/{record.storage_key}"]
+        except (zipfile.BadZipFile, KeyError, EOFError, ValueError) as e:
+            raise self._corrupt(chunk, f"is not a readable torch.save record ({e})") from None
+        if info.compress_type != zipfile.ZIP_STORED:
+            return None
+        local = self.read_bytes(chunk.file, chunk.byte_offset + info.header_offset, 30)
+        if local[:4] != b"PK\x03\x04":
+            raise self._corrupt(chunk, "has a broken zip entry")
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        data_start = info.header_offset + 30 + name_len + extra_len
+        start = data_start + record.storage_offset * spec.dtype.itemsize
+        if start + nbytes > data_start + info.file_size or data_start + info.file_size > chunk.byte_length:
+            raise self._corrupt(chunk, "stores fewer bytes than its shape needs")
+        return chunk.byte_offset + start
+
+    def _torch_load_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
+        data = self.read_bytes(chunk.file, chunk.byte_offset, chunk.byte_length)
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise self._corrupt(chunk, f"could not be loaded safely ({type(e).__name__})") from None
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes:
+            raise self._corrupt(chunk, f"does not hold a tensor of shape {list(chunk.sizes)}")
+        return tensor
+
+    def _st_header(self, rel: str, offset: int) -> dict[str, Any]:
+        key = (rel, offset)
+        if key not in self._st_headers:
+            (length,) = struct.unpack("<Q", self.read_bytes(rel, offset, 8))
+            if length > MAX_HEADER_BYTES:
+                raise CkptconvError(f"{self.ckpt.path / rel}: safetensors header of {length} bytes is too large")
+            try:
+                header = json.loads(self.read_bytes(rel, offset + 8, length))
+            except ValueError:
+                raise CkptconvError(f"{self.ckpt.path / rel}: unreadable safetensors header; re-copy it") from None
+            if not isinstance(header, dict):
+                raise CkptconvError(f"{self.ckpt.path / rel}: unreadable safetensors header; re-copy it")
+            header["__data_start__"] = offset + 8 + length
+            self._st_headers[key] = header
+        return self._st_headers[key]
+
+    def _corrupt(self, chunk: ChunkSpec, what: str) -> CkptconvError:
+        return CkptconvError(
+            f"{self.ckpt.path / chunk.file}: the chunk at byte {chunk.byte_offset} {what}; "
+            "the checkpoint is corrupt, re-save or re-copy it"
+        )
+
+    def load_item(self, item: NonTensorItem) -> tuple[bytes, Any, str | None]:
+        """(raw torch.save bytes, the value loaded with weights_only=True, why it was not loaded or None)."""
+        raw = self.read_bytes(item.file, item.byte_offset, item.byte_length)
+        try:
+            return raw, torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True), None
+        except Exception:
+            names = [n for n in pickle_globals(_data_pkl(raw)) if not n.startswith(("torch.", "collections."))]
+            what = ", ".join(dict.fromkeys(names)) or "objects weights_only loading does not allow"
+            return raw, None, f"holds {what}"
+
+
+def _data_pkl(raw: bytes) -> bytes:
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(raw))
+        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+        return archive.read(name)
+    except Exception:
+        return b""
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of bytes [start, start+length) of a checkpoint file."""
+
+    def __init__(self, reader: DcpReader, rel: str, start: int, length: int) -> None:
+        self.reader, self.rel, self.start, self.length, self.pos = reader, rel, start, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        if n:
+            self.reader.pread(self.rel, self.start + self.pos, memoryview(buffer).cast("B")[:n])
+            self.pos += n
+        return n

@@ -1,0 +1,217 @@
+"""Hugging Face safetensors: header reading (bounded, validated) and a streaming writer.
+
+The writer lays out a file exactly as `safetensors.torch.save` does (same header, same data order, same
+padding), but takes tensors one at a time, so no process ever holds a whole output file.
+Call order: `SafetensorsWriter(path, entries)` writes the header; `write(key, tensor)` once per entry in
+entry order; `close()` checks that every byte was written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..dtypes import from_st_name, st_name
+from ..errors import CkptconvError
+from .dcp import byte_view
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 2**20
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def header_bytes(entries: Sequence[Entry], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length and JSON header safetensors writes for `entries` laid out in the given order."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        header[e.key] = {"dtype": st_name(e.dtype), "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+class SafetensorsWriter:
+    def __init__(self, path: Path, entries: Sequence[Entry]) -> None:
+        self.path = path
+        self.entries = list(entries)
+        self._next = 0
+        try:
+            self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
+            self._file.write(header_bytes(self.entries))
+        except OSError as e:
+            raise CkptconvError(f"{path}: cannot write ({e.strerror}); check free space and permissions") from None
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        entry = self.entries[self._next]
+        assert entry.key == key and tensor.dtype == entry.dtype and tuple(tensor.shape) == entry.shape, key
+        if entry.nbytes:
+            try:
+                self._file.write(byte_view(tensor.contiguous()))
+            except OSError as e:
+                raise CkptconvError(
+                    f"{self.path}: cannot write ({e.strerror}); check free space and permissions"
+                ) from None
+        self._next += 1
+
+    def close(self) -> None:
+        assert self._next == len(self.entries), f"{self.path}: {len(self.entries) - self._next} tensors missing"
+        try:
+            self._file.close()
+        except OSError as e:
+            raise CkptconvError(f"{self.path}: cannot write ({e.strerror})") from None
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """`model.safetensors.index.json` as transformers' save_pretrained writes it."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    data_offset: int  # absolute offset of the first byte in `file`
+    nbytes: int
+
+
+def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """Parse and validate one safetensors header: (tensors by key, __metadata__). Reads no tensor bytes."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CkptconvError(f"{path}: too short to be a safetensors file (truncated?)")
+            (length,) = struct.unpack("<Q", head)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise CkptconvError(f"{path}: header length {length} is impossible; the file is corrupt or truncated")
+            raw = f.read(length)
+    except OSError as e:
+        raise CkptconvError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise CkptconvError(f"{path}: the safetensors header is not valid JSON; the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise CkptconvError(f"{path}: the safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    start = 8 + length
+    tensors: dict[str, StoredTensor] = {}
+    spans = []
+    for key, info in header.items():
+        tensors[key] = _stored(path, key, info, start, size)
+        spans.append((tensors[key].data_offset, tensors[key].data_offset + tensors[key].nbytes, key))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise CkptconvError(f"{path}: tensors {a!r} and {b!r} overlap; the file is corrupt")
+    return tensors, {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+
+
+def _stored(path: Path, key: str, info: Any, start: int, size: int) -> StoredTensor:
+    try:
+        dtype = from_st_name(info["dtype"])
+        shape = tuple(int(s) for s in info["shape"])
+        begin, end = (int(x) for x in info["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise CkptconvError(f"{path}: malformed header entry for {key!r}") from None
+    if dtype is None:
+        raise CkptconvError(f"{path}: tensor {key!r} has unknown dtype {info.get('dtype')!r}")
+    entry = Entry(key, dtype, shape)
+    if any(s < 0 for s in shape) or end - begin != entry.nbytes or begin < 0:
+        raise CkptconvError(f"{path}: tensor {key!r}: shape {list(shape)} does not match its {end - begin} bytes")
+    if start + end > size:
+        raise CkptconvError(f"{path}: tensor {key!r} lies past the end of the file (truncated?)")
+    return StoredTensor(key, dtype, shape, path, start + begin, end - begin)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class HfCheckpoint:
+    path: Path  # the directory, or the single .safetensors file
+    tensors: dict[str, StoredTensor]  # in file order, then header order
+    files: tuple[Path, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")))
+
+
+def open_hf(path: Path) -> HfCheckpoint:
+    """Read the headers of a safetensors file or HF directory (with or without an index); validate them."""
+    if path.is_file():
+        tensors, _ = read_header(path)
+        return HfCheckpoint(path, tensors, (path,))
+    index_path = path / INDEX_FILE
+    weight_map: dict[str, str] | None = None
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise CkptconvError(f"{index_path}: not a valid safetensors index (no weight_map)") from None
+        names = list(dict.fromkeys(weight_map.values()))
+    else:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    if not names:
+        raise CkptconvError(f"{path}: no .safetensors files; not a Hugging Face safetensors checkpoint")
+    tensors: dict[str, StoredTensor] = {}
+    files = []
+    for name in names:
+        file = path / name
+        if not file.is_file():
+            raise CkptconvError(f"{index_path}: names {name}, which is missing; re-download the model")
+        files.append(file)
+        for key, stored in read_header(file)[0].items():
+            if key in tensors:
+                raise CkptconvError(f"{path}: key {key!r} is in both {tensors[key].file.name} and {name}")
+            if weight_map is not None and weight_map.get(key) != name:
+                raise CkptconvError(f"{index_path}: does not list {key!r} of {name}; the index is stale")
+            tensors[key] = stored
+    if weight_map is not None:
+        missing = [k for k in weight_map if k not in tensors]
+        if missing:
+            raise CkptconvError(
+                f"{index_path}: lists {missing[0]!r} in {weight_map[missing[0]]}, which does not hold it"
+            )
+    return HfCheckpoint(path, tensors, tuple(files))

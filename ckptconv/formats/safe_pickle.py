@@ -1,0 +1,180 @@
+"""Unpickling without running code from the checkpoint.
+
+`load_dcp_metadata` accepts only the classes DCP's `.metadata` is made of (see
+torch/distributed/checkpoint/metadata.py); `read_tensor_record` reads the `data.pkl` of a torch.save zip into
+a plain description of the tensor (dtype, storage key, offset, size, stride) without building anything.
+Any other global in the pickle stops the load with a `CkptconvError` naming it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import filesystem as dcp_fs
+from torch.distributed.checkpoint import metadata as dcp_md
+
+from ..errors import CkptconvError
+
+_LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
+
+
+def _get_layout(name: str) -> torch.layout:
+    if name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"unknown layout {name!r}")
+    return _LAYOUTS[name]
+
+
+def _path(*parts: str) -> str:
+    return str(PurePosixPath(*parts))
+
+
+def _dtype_globals() -> dict[tuple[str, str], Any]:
+    return {("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
+_METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    **{
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    },
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_fs._StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _get_layout,
+    ("pathlib", "PosixPath"): _path,
+    ("pathlib", "PurePosixPath"): _path,
+    ("pathlib", "WindowsPath"): _path,
+    ("pathlib", "Path"): _path,
+    ("collections", "OrderedDict"): dict,
+    **_dtype_globals(),
+}
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise _Refused(f"{module}.{name}") from None
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+def load_dcp_metadata(data: bytes, where: str) -> dcp_md.Metadata:
+    """Unpickle DCP `.metadata` bytes, allowing only the DCP metadata classes."""
+    try:
+        metadata = _AllowlistUnpickler(data, _METADATA_GLOBALS).load()
+    except _Refused as e:
+        raise CkptconvError(
+            f"{where}: refusing to load: the metadata references {e}, which is not part of DCP metadata "
+            "(a pickle payload or a non-standard planner); ckptconv never runs code from a checkpoint"
+        ) from None
+    except Exception as e:
+        raise CkptconvError(
+            f"{where}: not a readable DCP metadata file ({type(e).__name__}: {e}); "
+            "the checkpoint is truncated or corrupt, re-save or re-copy it"
+        ) from None
+    if not isinstance(metadata, dcp_md.Metadata):
+        raise CkptconvError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """What a torch.save'd tensor's data.pkl says, without building the tensor."""
+
+    dtype: torch.dtype
+    storage_key: str
+    storage_numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.size), reversed(self.stride), strict=True):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _storage_globals() -> dict[tuple[str, str], Any]:
+    # the legacy typed-storage names torch.save writes into data.pkl, e.g. ("torch", "BFloat16Storage")
+    names = torch.storage._dtype_to_storage_type_map()
+    return {("torch", name): _StorageType(dtype) for dtype, name in names.items()}
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: int, size: Any, stride: Any, *_: Any) -> TensorRecord:
+    dtype, key, numel = storage
+    return TensorRecord(dtype, key, numel, int(storage_offset), tuple(size), tuple(stride))
+
+
+_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("collections", "OrderedDict"): dict,
+    ("torch", "Size"): torch.Size,
+    **_storage_globals(),
+}
+
+
+class _TensorRecordUnpickler(_AllowlistUnpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise pickle.UnpicklingError("unexpected storage type")
+        return (storage_type.dtype, str(key), int(numel))
+
+
+def read_tensor_record(data_pkl: bytes) -> TensorRecord | None:
+    """The tensor a torch.save data.pkl describes, or None when it is anything but one plain tensor."""
+    try:
+        record = _TensorRecordUnpickler(data_pkl, _TENSOR_GLOBALS).load()
+    except Exception:
+        return None
+    return record if isinstance(record, TensorRecord) else None
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """The `module.name` globals a pickle would import, read from its opcodes without running it."""
+    names: list[str] = []
+    strings: list[str] = []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                strings.append(str(arg))
+            elif opcode.name == "GLOBAL":
+                names.append(str(arg).replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+    except Exception:
+        pass
+    return names

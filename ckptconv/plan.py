@@ -1,0 +1,210 @@
+"""Pure planning: specs x key selection x dtype policy x max shard size x world size -> a save plan.
+
+Every rank computes the same plan from the same `.metadata`, with no I/O and no collectives. That is what
+makes `--dry-run` free and the output bytes independent of the number of ranks: ranks only decide who writes
+which file, never what a file contains.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from .dtypes import DtypePolicy
+from .errors import CkptconvError
+from .formats.dcp import DcpCheckpoint
+from .specs import NonTensorItem, TensorSpec
+
+MODEL_GROUP = "model"
+# top-level groups of a training checkpoint that are not model weights: their tensors never land in HF files
+NON_MODEL_GROUPS = frozenset(
+    {
+        "optim",
+        "optimizer",
+        "optimizers",
+        "optim_state",
+        "optimizer_state",
+        "lr_scheduler",
+        "lr_schedulers",
+        "scheduler",
+        "schedulers",
+        "dataloader",
+        "train_state",
+        "rng",
+        "rng_state",
+    }
+)
+OPTIMIZER_GROUPS = frozenset({"optim", "optimizer", "optimizers", "optim_state", "optimizer_state"})
+SAFETENSORS_PATTERN = "model{suffix}.safetensors"
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    hf_key: str
+    src: TensorSpec
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class OutFile:
+    name: str
+    tensors: tuple[OutTensor, ...]  # in the order safetensors lays out data: itemsize descending, then key
+    owner: int  # the rank that writes this file
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which checkpoint tensors become which HF keys, which non-tensor items are stashed, and why."""
+
+    keys: tuple[tuple[str, str], ...]  # (hf_key, fqn)
+    stash: tuple[NonTensorItem, ...]
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HfSavePlan:
+    files: tuple[OutFile, ...]
+    stash: tuple[NonTensorItem, ...]
+    notes: tuple[str, ...]
+    warnings: tuple[str, ...]
+    world_size: int
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.files) > 1
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {t.hf_key: f.name for f in self.files for t in f.tensors}
+
+    def files_of(self, rank: int) -> list[OutFile]:
+        return [f for f in self.files if f.owner == rank]
+
+
+def select_tensors(ckpt: DcpCheckpoint, prefix: str | None) -> Selection:
+    """Pick the model's tensors and the non-tensor items to stash; strip `prefix` (or the `model` group)."""
+    def group(fqn: str) -> str | None:
+        path = ckpt.paths.get(fqn, (fqn,))
+        return str(path[0]) if len(path) > 1 else None
+
+    notes: list[str] = []
+    groups = {group(fqn) for fqn in ckpt.tensors}
+    if prefix is not None:
+        strip = prefix if prefix.endswith(".") else prefix + "."
+        chosen = [fqn for fqn in ckpt.tensors if fqn.startswith(strip)]
+        if not chosen:
+            starts = sorted({fqn.split(".", 1)[0] + "." for fqn in ckpt.tensors})[:8]
+            raise CkptconvError(
+                f"--prefix {prefix!r} matched no tensor key; keys start with: {', '.join(starts) or '(none)'}"
+            )
+        skipped = len(ckpt.tensors) - len(chosen)
+        if skipped:
+            notes.append(f"--prefix {prefix!r}: {len(chosen)} tensors kept, {skipped} outside it skipped")
+    elif MODEL_GROUP in groups:
+        strip = MODEL_GROUP + "."
+        chosen = [fqn for fqn in ckpt.tensors if group(fqn) == MODEL_GROUP]
+        others = sorted(str(g) for g in groups - {MODEL_GROUP} if g is not None)
+        notes.append(
+            f"taking the {MODEL_GROUP!r} group ({len(chosen)} tensors)"
+            + (f"; not converting {', '.join(repr(g) for g in others)}" if others else "")
+            + (f" nor {len(ckpt.tensors) - len(chosen)} other top-level tensors" if None in groups else "")
+        )
+    else:
+        strip = ""
+        chosen = [fqn for fqn in ckpt.tensors if group(fqn) not in NON_MODEL_GROUPS]
+        dropped = sorted({str(group(f)) for f in ckpt.tensors if group(f) in NON_MODEL_GROUPS})
+        if dropped:
+            notes.append(f"not converting the {', '.join(repr(g) for g in dropped)} state")
+    keys = tuple((fqn[len(strip) :], fqn) for fqn in chosen)
+    for hf_key, fqn in keys:
+        if not hf_key:
+            raise CkptconvError(f"--prefix {prefix!r} leaves the key {fqn!r} empty; use a shorter prefix")
+    stash = tuple(item for fqn, item in ckpt.items.items() if group(fqn) not in OPTIMIZER_GROUPS)
+    return Selection(keys, stash, tuple(notes))
+
+
+def natural_key(key: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that puts `layers.2` before `layers.10`: shards then follow the model's layer order."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", key))
+
+
+def data_order(tensors: Sequence[OutTensor]) -> tuple[OutTensor, ...]:
+    """safetensors' own layout: larger itemsize first, then by key (so our streamed file equals its writer's)."""
+    return tuple(sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.hf_key)))
+
+
+def assign_owners(nbytes: Sequence[int], world_size: int) -> list[int]:
+    """Largest first to the least loaded rank (ties to the lower rank): balanced by bytes, deterministic."""
+    loads = [0] * world_size
+    owners = [0] * len(nbytes)
+    for index in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[index] = rank
+        loads[rank] += nbytes[index]
+    return owners
+
+
+def plan_dcp_to_hf(
+    ckpt: DcpCheckpoint,
+    policy: DtypePolicy,
+    *,
+    max_shard_size: int,
+    world_size: int,
+    prefix: str | None = None,
+) -> HfSavePlan:
+    selection = select_tensors(ckpt, prefix)
+    if not selection.keys:
+        raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
+    outs = {
+        hf_key: OutTensor(hf_key, ckpt.tensors[fqn], policy.resolve(hf_key, ckpt.tensors[fqn].dtype))
+        for hf_key, fqn in sorted(selection.keys, key=lambda pair: natural_key(pair[0]))
+    }
+    split = split_state_dict_into_shards_factory(
+        outs,
+        get_storage_size=lambda t: t.nbytes,
+        get_storage_id=lambda t: None,
+        filename_pattern=SAFETENSORS_PATTERN,
+        max_shard_size=max_shard_size,
+    )
+    names = list(split.filename_to_tensors)
+    groups = [data_order([outs[k] for k in split.filename_to_tensors[name]]) for name in names]
+    owners = assign_owners([sum(t.nbytes for t in g) for g in groups], world_size)
+    files = tuple(OutFile(name, g, owner) for name, g, owner in zip(names, groups, owners, strict=True))
+    return HfSavePlan(files, selection.stash, selection.notes, tuple(policy.warnings()), world_size)
+
+
+def parse_size(value: str | int, flag: str = "--max-shard-size") -> int:
+    """Bytes from HF notation ("500MB", "5GB": powers of ten, as huggingface_hub parses them) or a number."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    if isinstance(value, int):
+        size = value
+    else:
+        text = value.strip()
+        try:
+            size = int(text) if text.isdigit() else parse_size_to_int(text)
+        except ValueError:
+            raise CkptconvError(f"{flag} {value!r}: not a size; use bytes or a number with KB, MB, GB or TB") from None
+    if size <= 0:
+        raise CkptconvError(f"{flag} {value!r}: must be positive")
+    return size

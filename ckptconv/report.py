@@ -1,0 +1,128 @@
+"""`inspect`: what a checkpoint holds, from metadata and headers only (no tensor bytes are read)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .dtypes import short_name
+from .errors import CkptconvError
+from .formats.dcp import is_dcp_dir, open_dcp
+from .formats.hf import is_hf_dir, open_hf
+from .plan import HfSavePlan
+
+
+def inspect(path: Path) -> dict[str, Any]:
+    """A JSON-able description of the checkpoint at `path` (DCP dir, HF dir or .safetensors file)."""
+    if not path.exists():
+        raise CkptconvError(f"{path}: no such file or directory")
+    if is_dcp_dir(path):
+        ckpt = open_dcp(path)
+        tensors = [
+            {
+                "key": t.fqn,
+                "dtype": short_name(t.dtype),
+                "shape": list(t.shape),
+                "nbytes": t.nbytes,
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file} for c in t.chunks],
+            }
+            for t in ckpt.tensors.values()
+        ]
+        formats = sorted({c.fmt for t in ckpt.tensors.values() for c in t.chunks})
+        extra = {"serialization": formats, "non_tensor_items": list(ckpt.items)}
+        kind = "dcp"
+    elif is_hf_dir(path) or (path.is_file() and path.suffix == ".safetensors"):
+        hf = open_hf(path)
+        tensors = [
+            {"key": t.key, "dtype": short_name(t.dtype), "shape": list(t.shape), "nbytes": t.nbytes, "file": t.file.name}
+            for t in hf.tensors.values()
+        ]
+        extra = {"files": [f.name for f in hf.files]}
+        kind = "safetensors"
+    else:
+        raise CkptconvError(f"{path}: neither a DCP checkpoint (.metadata) nor safetensors; nothing to inspect")
+    histogram = Counter(t["dtype"] for t in tensors)
+    return {
+        "path": str(path),
+        "format": kind,
+        "num_tensors": len(tensors),
+        "total_bytes": sum(t["nbytes"] for t in tensors),
+        "dtypes": dict(sorted(histogram.items())),
+        **extra,
+        "tensors": tensors,
+    }
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    return f"{n} B"
+
+
+def render_inspect(info: dict[str, Any], console: Console) -> None:
+    console.print(
+        f"{info['path']}: {info['format']}, {info['num_tensors']} tensors, {human_bytes(info['total_bytes'])}, "
+        + ", ".join(f"{d}: {n}" for d, n in info["dtypes"].items()),
+        markup=False,
+    )
+    table = Table("key", "dtype", "shape", "bytes", "chunks" if info["format"] == "dcp" else "file", box=None)
+    for t in info["tensors"]:
+        where = str(len(t["chunks"])) if "chunks" in t else t["file"]
+        table.add_row(t["key"], t["dtype"], str(t["shape"]), human_bytes(t["nbytes"]), where)
+    console.print(table)
+    if info.get("non_tensor_items"):
+        console.print("non-tensor items: " + ", ".join(info["non_tensor_items"]), markup=False)
+
+
+def plan_summary(plan: HfSavePlan) -> dict[str, Any]:
+    return {
+        "files": [
+            {
+                "name": f.name,
+                "rank": f.owner,
+                "nbytes": f.nbytes,
+                "tensors": [
+                    {
+                        "key": t.hf_key,
+                        "source": t.src.fqn,
+                        "dtype": short_name(t.dtype),
+                        "source_dtype": short_name(t.src.dtype),
+                        "shape": list(t.shape),
+                        "nbytes": t.nbytes,
+                    }
+                    for t in f.tensors
+                ],
+            }
+            for f in plan.files
+        ],
+        "total_size": plan.total_size,
+        "num_tensors": sum(len(f.tensors) for f in plan.files),
+        "stash": [i.fqn for i in plan.stash],
+        "world_size": plan.world_size,
+        "notes": list(plan.notes),
+        "warnings": list(plan.warnings),
+    }
+
+
+def render_plan(plan: HfSavePlan, console: Console) -> None:
+    console.print(
+        f"plan: {len(plan.files)} file(s), {sum(len(f.tensors) for f in plan.files)} tensors, "
+        f"{human_bytes(plan.total_size)}, {plan.world_size} rank(s)",
+        markup=False,
+    )
+    for f in plan.files:
+        console.print(f"{f.name}  rank {f.owner}  {human_bytes(f.nbytes)}", markup=False)
+        table = Table("key", "source", "dtype", "shape", "bytes", box=None, padding=(0, 1, 0, 2))
+        for t in f.tensors:
+            cast = short_name(t.dtype) if t.dtype == t.src.dtype else f"{short_name(t.src.dtype)} -> {short_name(t.dtype)}"
+            table.add_row(t.hf_key, t.src.fqn, cast, str(list(t.shape)), human_bytes(t.nbytes))
+        console.print(table)
+    if plan.stash:
+        console.print("stashed non-tensor items: " + ", ".join(i.fqn for i in plan.stash), markup=False)

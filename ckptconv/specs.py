@@ -1,0 +1,63 @@
+"""Frozen descriptions of what is stored where; no tensor bytes.
+
+Key spaces: `fqn` is a runtime / DCP key (as the training job saved it), `hf_key` is an output key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+ChunkFormat = Literal["torch_save", "safetensors"]
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One stored block of a tensor: `sizes` elements starting at `offsets` in global coordinates."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # path relative to the checkpoint directory
+    byte_offset: int  # where the item starts in `file`
+    byte_length: int  # how many bytes the item occupies there
+    fmt: ChunkFormat
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes, strict=True))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A whole (global) tensor of a checkpoint and the chunks that store it."""
+
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkSpec, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class NonTensorItem:
+    """A non-tensor value (`step`, `args.lr`, ...) stored as torch.save bytes; `path` is its nesting."""
+
+    fqn: str
+    path: tuple[str | int, ...]
+    file: str
+    byte_offset: int
+    byte_length: int

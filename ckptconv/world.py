@@ -1,0 +1,97 @@
+"""Who we are in a torchrun job, and how ranks agree on errors so that none of them hangs.
+
+A single process (no torchrun) is a world of size 1 and never touches torch.distributed. Under torchrun the
+process group uses gloo for CPU tensors (and nccl for CUDA tensors when CUDA is present), with a finite
+timeout so that a dead peer turns into an error rather than a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CkptconvError
+
+DEFAULT_TIMEOUT_S = int(os.environ.get("CKPTCONV_TIMEOUT_S", "600"))
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (a plain list of one item outside torchrun)."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def agree(self, error: BaseException | None = None) -> None:
+        """Collective: raise on every rank if any rank failed, with the lowest failing rank's message.
+
+        Call it at the same point on every rank. A rank that failed passes its exception; the others pass None.
+        """
+        mine = None if error is None else (_one_line(error), getattr(error, "exit_code", 1))
+        reports = self.all_gather_object(mine)
+        for rank, report in enumerate(reports):
+            if report is None:
+                continue
+            if error is not None and rank == self.rank and not isinstance(error, CkptconvError):
+                raise error  # a bug: keep its traceback on the rank where it happened
+            message, code = report
+            prefix = f"rank {rank}: " if self.distributed and rank != self.rank else ""
+            raise CkptconvError(prefix + message, exit_code=code, agreed=self.distributed) from error
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error) if isinstance(error, CkptconvError) else f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+@contextmanager
+def world_from_env(timeout_s: int = DEFAULT_TIMEOUT_S) -> Iterator[World]:
+    """The world torchrun describes in the environment; a process group only when WORLD_SIZE > 1."""
+    size = _env_int("WORLD_SIZE") or 1
+    rank = _env_int("RANK") or 0
+    if size <= 1:
+        yield World(0, 1)
+        return
+    import torch
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield World(dist.get_rank(), dist.get_world_size())
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()

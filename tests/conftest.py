@@ -1,0 +1,65 @@
+"""Shared fixtures: real DCP checkpoints written by FSDP2 jobs under torchrun (gloo, CPU), built once per session."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("CKPTCONV_DEBUG", None)
+    return env
+
+
+def torchrun(nproc: int, *args: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """Run `python -m torch.distributed.run --standalone --nproc-per-node nproc ARGS...`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def ckptconv(*args: str, nproc: int = 0, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in a fresh process: plain `python -m ckptconv` (nproc=0) or under torchrun."""
+    if nproc:
+        return torchrun(nproc, "-m", "ckptconv", *args, check=False, timeout=timeout)
+    cmd = [sys.executable, "-m", "ckptconv", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def make_dcp(path: Path, nproc: int, layout: str, fmt: str = "torch_save") -> Path:
+    torchrun(nproc, str(WORKERS / "make_dcp.py"), str(path), layout, fmt)
+    return path
+
+
+def reference(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(str(path) + ".ref.pt", weights_only=True)
+
+
+def tree_sha256(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def fsdp2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 ranks, uneven shards, fp32 A_log, int and bool buffers, optimizer state, step and nested args."""
+    return make_dcp(tmp_path_factory.mktemp("fsdp2") / "ckpt", 2, "fsdp2")
+
+
+@pytest.fixture(scope="session")
+def mesh2d_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 ranks, a 2x2 (dp, tp) mesh: FSDP2 x TP blocks and strided rows, in the safetensors serialization."""
+    return make_dcp(tmp_path_factory.mktemp("mesh2d") / "ckpt", 4, "mesh2d", "safetensors")

@@ -1,4 +1,6 @@
-"""The `ckptconv` command: parse flags, call the library, render results. The one place errors become exit codes.
+"""The `ckptconv` command: parse flags, call the library, render results.
+
+This is the one place errors become exit codes.
 
 Exit codes: 0 success, 1 verify mismatch, 2 bad input (one line on stderr, no traceback; set CKPTCONV_DEBUG=1
 for one), 130 interrupted.
@@ -24,11 +26,16 @@ app = typer.Typer(
 )
 
 DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="bf16, fp16, fp32 or keep: dtype of floating tensors (int/bool never change).")
+    str,
+    typer.Option(
+        "--dtype", help="bf16, fp16, fp32 or keep: dtype of floating tensors (int/bool never change)."
+    ),
 ]
 Fp32Opt = Annotated[
     list[str] | None,
-    typer.Option("--fp32", help="Regex (re.search on the output key) of tensors kept fp32; repeatable; beats --dtype."),
+    typer.Option(
+        "--fp32", help="Regex (re.search on the output key) of tensors kept fp32; repeatable; beats --dtype."
+    ),
 ]
 MaxShardOpt = Annotated[
     str, typer.Option("--max-shard-size", help="Largest output file, HF notation ('500MB', '5GB') or bytes.")
@@ -37,10 +44,15 @@ PrefixOpt = Annotated[
     str | None, typer.Option("--prefix", help="Convert only keys under this prefix, and strip it ('model.').")
 ]
 CopyFromOpt = Annotated[
-    Path | None, typer.Option("--copy-from", help="HF directory whose config, tokenizer and other files to copy.")
+    Path | None,
+    typer.Option("--copy-from", help="HF directory whose config, tokenizer and other files to copy."),
 ]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT (atomically, at the end).")]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (files, keys, dtypes, bytes, ranks).")]
+OverwriteOpt = Annotated[
+    bool, typer.Option("--overwrite", help="Replace a non-empty OUT (atomically, at the end).")
+]
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Print the plan (files, keys, dtypes, bytes, ranks).")
+]
 BucketOpt = Annotated[
     str, typer.Option("--bucket-size", help="Bytes in flight per rank while reading or gathering ('512MB').")
 ]
@@ -65,7 +77,9 @@ def _print_json(doc: dict[str, Any]) -> None:
 
 @app.command("dcp-to-hf")
 def dcp_to_hf_cmd(
-    src: Annotated[Path, typer.Argument(help="DCP checkpoint directory (with .metadata).", show_default=False)],
+    src: Annotated[
+        Path, typer.Argument(help="DCP checkpoint directory (with .metadata).", show_default=False)
+    ],
     out: Annotated[Path, typer.Argument(help="Output Hugging Face directory.", show_default=False)],
     dtype: DtypeOpt = "bf16",
     fp32: Fp32Opt = None,
@@ -109,12 +123,21 @@ def dcp_to_hf_cmd(
         summary = plan_summary(result.plan)
         if json_out:
             _print_json(
-                {"command": "dcp-to-hf", "src": str(src), "out": str(out), "dry_run": dry_run,
-                 "seconds": round(result.seconds, 3), "copied": result.copied, **summary}
+                {
+                    "command": "dcp-to-hf",
+                    "src": str(src),
+                    "out": str(out),
+                    "dry_run": dry_run,
+                    "seconds": round(result.seconds, 3),
+                    "copied": result.copied,
+                    **summary,
+                }
             )
         elif dry_run:
             if world.is_main:
-                render_plan(result.plan, ui.console)
+                from rich.console import Console
+
+                render_plan(result.plan, Console(highlight=False, soft_wrap=True))
         else:
             ui.info(
                 f"wrote {out}: {len(result.plan.files)} file(s), {summary['num_tensors']} tensors, "
@@ -124,7 +147,9 @@ def dcp_to_hf_cmd(
 
 @app.command("inspect")
 def inspect_cmd(
-    path: Annotated[Path, typer.Argument(help="DCP directory, HF directory or .safetensors file.", show_default=False)],
+    path: Annotated[
+        Path, typer.Argument(help="DCP directory, HF directory or .safetensors file.", show_default=False)
+    ],
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a checkpoint holds (reads metadata and headers only)."""
@@ -149,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.UsageError as e:
-        hint = f" (see 'ckptconv {e.ctx.info_name} --help')" if e.ctx and e.ctx.info_name != "ckptconv" else ""
+        hint = (
+            f" (see 'ckptconv {e.ctx.info_name} --help')" if e.ctx and e.ctx.info_name != "ckptconv" else ""
+        )
         sys.stderr.write(f"ckptconv: error: {e.format_message()}{hint}\n")
         sys.exit(2)
     except (click.Abort, KeyboardInterrupt):

@@ -6,10 +6,10 @@ Every function here is collective under torchrun: call it on every rank with the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, ParamSpec, TypeVar, cast
 
 from . import outdir
 from .dtypes import DtypePolicy, parse_dtype_flag
@@ -23,6 +23,8 @@ from .unshard import direct_tensors, gather_tensors
 from .world import World
 
 ReadPath = Literal["direct", "gather"]
+P = ParamSpec("P")
+T = TypeVar("T")
 DEFAULT_BUCKET = 512 * 2**20
 
 
@@ -45,22 +47,24 @@ def resolve_dcp_source(src: Path) -> Path:
         if src.suffix == ".safetensors" or src.is_dir():
             raise CkptconvError(f"{src}: is a Hugging Face safetensors checkpoint, not DCP; use hf-to-dcp")
         raise CkptconvError(f"{src}: is a file; dcp-to-hf reads a DCP checkpoint directory (with .metadata)")
-    raise CkptconvError(f"{src}: not a DCP checkpoint (no .metadata inside); point at the checkpoint directory")
+    raise CkptconvError(
+        f"{src}: not a DCP checkpoint (no .metadata inside); point at the checkpoint directory"
+    )
 
 
-def _everyone(world: World, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+def _everyone(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run `fn` on every rank and agree on the outcome: all ranks get the result or all raise."""
     try:
         result, error = fn(*args, **kwargs), None
     except Exception as e:
         result, error = None, e
     world.agree(error)
-    return result
+    return cast(T, result)
 
 
-def _on_main(world: World, fn, *args):  # type: ignore[no-untyped-def]
+def _on_main(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
     """Run `fn` on rank 0 only; every rank learns whether it failed."""
-    return _everyone(world, lambda: fn(*args) if world.is_main else None)
+    return _everyone(world, lambda: fn(*args, **kwargs) if world.is_main else None)
 
 
 def dcp_to_hf(
@@ -89,9 +93,7 @@ def dcp_to_hf(
         if copy_from is not None and not copy_from.is_dir():
             raise CkptconvError(f"--copy-from {copy_from}: not a directory")
         ckpt = open_dcp(resolve_dcp_source(src))
-        plan = plan_dcp_to_hf(
-            ckpt, policy, max_shard_size=shard_bytes, world_size=world.size, prefix=prefix
-        )
+        plan = plan_dcp_to_hf(ckpt, policy, max_shard_size=shard_bytes, world_size=world.size, prefix=prefix)
         if not dry_run:
             outdir.check_out(out, overwrite)
         return ckpt, plan, bucket
@@ -120,20 +122,31 @@ def dcp_to_hf(
 
 
 def _write_shards(
-    plan: HfSavePlan, ckpt: DcpCheckpoint, staging: Path, world: World, ui: Ui, bucket: int, read_path: ReadPath
+    plan: HfSavePlan,
+    ckpt: DcpCheckpoint,
+    staging: Path,
+    world: World,
+    ui: Ui,
+    bucket: int,
+    read_path: ReadPath,
 ) -> None:
     mine = plan.files_of(world.rank)
     source = gather_tensors if read_path == "gather" else direct_tensors
-    with DcpReader(ckpt) as reader, ui.bytes_progress(
-        f"writing {len(mine)} of {len(plan.files)} files", sum(f.nbytes for f in mine)
-    ) as progress:
+    with (
+        DcpReader(ckpt) as reader,
+        ui.bytes_progress(
+            f"writing {len(mine)} of {len(plan.files)} files", sum(f.nbytes for f in mine)
+        ) as progress,
+    ):
         writer: SafetensorsWriter | None = None
         try:
             for f, t, tensor in source(plan, world, reader, bucket):
                 if writer is None or writer.path.name != f.name:
                     if writer is not None:
                         writer.close()
-                    writer = SafetensorsWriter(staging / f.name, [Entry(x.hf_key, x.dtype, x.shape) for x in f.tensors])
+                    writer = SafetensorsWriter(
+                        staging / f.name, [Entry(x.hf_key, x.dtype, x.shape) for x in f.tensors]
+                    )
                 writer.write(t.hf_key, tensor)
                 progress.advance(t.nbytes)
             if writer is not None:
@@ -163,6 +176,9 @@ def _load_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, ui: Ui) -> list[StashedIt
         for item in plan.stash:
             raw, value, why = reader.load_item(item)
             if why is not None:
-                ui.warn(f"non-tensor item {item.fqn!r} {why}: stashed as bytes, not loaded (ckptconv never unpickles it)")
+                ui.warn(
+                    f"non-tensor item {item.fqn!r} {why}: stashed as bytes, not loaded "
+                    "(ckptconv never unpickles it)"
+                )
             items.append(StashedItem(item.fqn, item.path, raw, value, why is None and json_exact(value), why))
     return items

@@ -45,6 +45,33 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("
 _TORCH_TO_ST = {v: k for k, v in _ST_NAMES.items()}
 
 
+# safetensors lays data out by its Dtype enum, last variant first (then by key); this is that order
+_ST_LAYOUT = (
+    "U64",
+    "I64",
+    "F64",
+    "C64",
+    "F32",
+    "U32",
+    "I32",
+    "BF16",
+    "F16",
+    "U16",
+    "I16",
+    "F8_E8M0",
+    "F8_E4M3",
+    "F8_E5M2",
+    "I8",
+    "U8",
+    "BOOL",
+)
+
+
+def st_layout_rank(dtype: torch.dtype) -> int:
+    """Where safetensors puts tensors of `dtype` in a file: lower comes first."""
+    return _ST_LAYOUT.index(st_name(dtype))
+
+
 def st_name(dtype: torch.dtype) -> str:
     """The safetensors name of a torch dtype."""
     try:

@@ -33,8 +33,10 @@ def tiling_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
         return f"chunks cover {covered} elements of a tensor of {total} (an overlap)"
     if total == 0 or len(unique) <= 1:
         return None
-    cuts = [sorted({0, n, *(o[d] for o, _ in unique), *(o[d] + s[d] for o, s in unique)}) for d, n in
-            enumerate(shape)]
+    cuts = [
+        sorted({0, n, *(o[d] for o, _ in unique), *(o[d] + s[d] for o, s in unique)})
+        for d, n in enumerate(shape)
+    ]
     if math.prod(len(c) - 1 for c in cuts) <= _MAX_GRID_CELLS:
         return _grid_overlap(cuts, unique)
     return _pairwise_overlap(unique)
@@ -57,7 +59,7 @@ def _grid_overlap(cuts: list[list[int]], boxes: list[Box]) -> str | None:
 def _product(ranges: list[range]) -> list[tuple[int, ...]]:
     cells: list[tuple[int, ...]] = [()]
     for r in ranges:
-        cells = [c + (i,) for c in cells for i in r]
+        cells = [(*c, i) for c in cells for i in r]
     return cells
 
 

@@ -1,4 +1,4 @@
-"""Atomic output directories: write into a hidden staging directory beside OUT, rename it into place at the end.
+"""Atomic output directories: write into a hidden staging directory beside OUT, rename it at the end.
 
 While a conversion runs nothing at OUT changes, so OUT never looks finished before it is; an interrupted run
 leaves only `.OUT.ckptconv-partial` beside it, which the next run replaces. Rank 0 owns every step here;
@@ -37,7 +37,9 @@ def prepare(out: Path) -> Path:
             shutil.rmtree(staging)
         staging.mkdir()
     except OSError as e:
-        raise CkptconvError(f"{staging}: cannot create ({e.strerror}); check permissions and free space") from None
+        raise CkptconvError(
+            f"{staging}: cannot create ({e.strerror}); check permissions and free space"
+        ) from None
     return staging
 
 
@@ -83,4 +85,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 def _is_weight_file(name: str) -> bool:
     from .stash import STASH_FILE
 
-    return name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json") or name in (STASH_FILE, ".metadata")
+    return (
+        name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json") or name in (STASH_FILE, ".metadata")
+    )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
-from .dtypes import DtypePolicy
+from .dtypes import DtypePolicy, st_layout_rank
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
 from .specs import NonTensorItem, TensorSpec
@@ -60,7 +60,7 @@ class OutTensor:
 @dataclass(frozen=True)
 class OutFile:
     name: str
-    tensors: tuple[OutTensor, ...]  # in the order safetensors lays out data: itemsize descending, then key
+    tensors: tuple[OutTensor, ...]  # in the order safetensors lays out data (see data_order)
     owner: int  # the rank that writes this file
 
     @property
@@ -103,6 +103,7 @@ class HfSavePlan:
 
 def select_tensors(ckpt: DcpCheckpoint, prefix: str | None) -> Selection:
     """Pick the model's tensors and the non-tensor items to stash; strip `prefix` (or the `model` group)."""
+
     def group(fqn: str) -> str | None:
         path = ckpt.paths.get(fqn, (fqn,))
         return str(path[0]) if len(path) > 1 else None
@@ -149,8 +150,8 @@ def natural_key(key: str) -> tuple[tuple[int, int | str], ...]:
 
 
 def data_order(tensors: Sequence[OutTensor]) -> tuple[OutTensor, ...]:
-    """safetensors' own layout: larger itemsize first, then by key (so our streamed file equals its writer's)."""
-    return tuple(sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.hf_key)))
+    """safetensors' own layout: by its dtype order, then by key (so our streamed file equals its writer's)."""
+    return tuple(sorted(tensors, key=lambda t: (st_layout_rank(t.dtype), t.hf_key)))
 
 
 def assign_owners(nbytes: Sequence[int], world_size: int) -> list[int]:
@@ -204,7 +205,9 @@ def parse_size(value: str | int, flag: str = "--max-shard-size") -> int:
         try:
             size = int(text) if text.isdigit() else parse_size_to_int(text)
         except ValueError:
-            raise CkptconvError(f"{flag} {value!r}: not a size; use bytes or a number with KB, MB, GB or TB") from None
+            raise CkptconvError(
+                f"{flag} {value!r}: not a size; use bytes or a number with KB, MB, GB or TB"
+            ) from None
     if size <= 0:
         raise CkptconvError(f"{flag} {value!r}: must be positive")
     return size

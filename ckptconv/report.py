@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from .dtypes import short_name
 from .errors import CkptconvError
@@ -28,7 +27,9 @@ def inspect(path: Path) -> dict[str, Any]:
                 "dtype": short_name(t.dtype),
                 "shape": list(t.shape),
                 "nbytes": t.nbytes,
-                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file} for c in t.chunks],
+                "chunks": [
+                    {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file} for c in t.chunks
+                ],
             }
             for t in ckpt.tensors.values()
         ]
@@ -38,13 +39,21 @@ def inspect(path: Path) -> dict[str, Any]:
     elif is_hf_dir(path) or (path.is_file() and path.suffix == ".safetensors"):
         hf = open_hf(path)
         tensors = [
-            {"key": t.key, "dtype": short_name(t.dtype), "shape": list(t.shape), "nbytes": t.nbytes, "file": t.file.name}
+            {
+                "key": t.key,
+                "dtype": short_name(t.dtype),
+                "shape": list(t.shape),
+                "nbytes": t.nbytes,
+                "file": t.file.name,
+            }
             for t in hf.tensors.values()
         ]
         extra = {"files": [f.name for f in hf.files]}
         kind = "safetensors"
     else:
-        raise CkptconvError(f"{path}: neither a DCP checkpoint (.metadata) nor safetensors; nothing to inspect")
+        raise CkptconvError(
+            f"{path}: neither a DCP checkpoint (.metadata) nor safetensors; nothing to inspect"
+        )
     histogram = Counter(t["dtype"] for t in tensors)
     return {
         "path": str(path),
@@ -66,17 +75,24 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _columns(rows: list[list[str]], indent: str = "") -> list[str]:
+    """Plain aligned columns (no truncation, so long keys stay whole and greppable)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))] if rows else []
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
 def render_inspect(info: dict[str, Any], console: Console) -> None:
     console.print(
-        f"{info['path']}: {info['format']}, {info['num_tensors']} tensors, {human_bytes(info['total_bytes'])}, "
-        + ", ".join(f"{d}: {n}" for d, n in info["dtypes"].items()),
+        f"{info['path']}: {info['format']}, {info['num_tensors']} tensors, "
+        f"{human_bytes(info['total_bytes'])}, " + ", ".join(f"{d}: {n}" for d, n in info["dtypes"].items()),
         markup=False,
     )
-    table = Table("key", "dtype", "shape", "bytes", "chunks" if info["format"] == "dcp" else "file", box=None)
+    rows = [["key", "dtype", "shape", "bytes", "chunks" if info["format"] == "dcp" else "file"]]
     for t in info["tensors"]:
         where = str(len(t["chunks"])) if "chunks" in t else t["file"]
-        table.add_row(t["key"], t["dtype"], str(t["shape"]), human_bytes(t["nbytes"]), where)
-    console.print(table)
+        rows.append([t["key"], t["dtype"], str(t["shape"]), human_bytes(t["nbytes"]), where])
+    for line in _columns(rows, "  "):
+        console.print(line, markup=False)
     if info.get("non_tensor_items"):
         console.print("non-tensor items: " + ", ".join(info["non_tensor_items"]), markup=False)
 
@@ -118,11 +134,20 @@ def render_plan(plan: HfSavePlan, console: Console) -> None:
         markup=False,
     )
     for f in plan.files:
-        console.print(f"{f.name}  rank {f.owner}  {human_bytes(f.nbytes)}", markup=False)
-        table = Table("key", "source", "dtype", "shape", "bytes", box=None, padding=(0, 1, 0, 2))
+        console.print(f"{f.name}  written by rank {f.owner}  {human_bytes(f.nbytes)}", markup=False)
+        rows = [["key", "source", "dtype", "shape", "bytes"]]
         for t in f.tensors:
-            cast = short_name(t.dtype) if t.dtype == t.src.dtype else f"{short_name(t.src.dtype)} -> {short_name(t.dtype)}"
-            table.add_row(t.hf_key, t.src.fqn, cast, str(list(t.shape)), human_bytes(t.nbytes))
-        console.print(table)
+            src, dst = short_name(t.src.dtype), short_name(t.dtype)
+            rows.append(
+                [
+                    t.hf_key,
+                    t.src.fqn,
+                    dst if src == dst else f"{src} -> {dst}",
+                    str(list(t.shape)),
+                    human_bytes(t.nbytes),
+                ]
+            )
+        for line in _columns(rows, "  "):
+            console.print(line, markup=False)
     if plan.stash:
         console.print("stashed non-tensor items: " + ", ".join(i.fqn for i in plan.stash), markup=False)

@@ -1,8 +1,8 @@
 """Non-tensor items (`step`, `args`, nested dicts) <-> `ckptconv_state.json` in an HF directory.
 
 Each item keeps its DCP key, its nesting path, and its value: as JSON when JSON holds it exactly (ints,
-finite floats, strings, bools, None, lists, dicts with string keys), otherwise as its original torch.save bytes
-(base64), so a DCP -> HF -> DCP round trip loses nothing. Items that only a full
+finite floats, strings, bools, None, lists, dicts with string keys), otherwise as its original torch.save
+bytes (base64), so a DCP -> HF -> DCP round trip loses nothing. Items that only a full
 unpickler could load (custom classes) are kept as bytes and never loaded.
 """
 

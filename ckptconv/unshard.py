@@ -104,7 +104,9 @@ class Transfer:
     writer: int
 
 
-def gather_rounds(plan: HfSavePlan, bucket_bytes: int) -> list[list[tuple[int, list[tuple[OutFile, OutTensor]]]]]:
+def gather_rounds(
+    plan: HfSavePlan, bucket_bytes: int
+) -> list[list[tuple[int, list[tuple[OutFile, OutTensor]]]]]:
     """Pure: round k holds the k-th bucket of every writer's stream (each bucket <= bucket_bytes of source
     bytes, or one tensor larger than that)."""
     per_writer = []
@@ -123,7 +125,7 @@ def gather_rounds(plan: HfSavePlan, bucket_bytes: int) -> list[list[tuple[int, l
 
 
 def gather_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_bytes: int) -> Iterator[Item]:
-    """Collective: this rank's output tensors in file order, chunks read by their reader rank and sent over."""
+    """Collective: this rank's output tensors in file order; each chunk is read by its reader rank."""
     import torch.distributed as dist
 
     for round_ in gather_rounds(plan, bucket_bytes):

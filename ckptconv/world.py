@@ -51,7 +51,7 @@ class World:
     def agree(self, error: BaseException | None = None) -> None:
         """Collective: raise on every rank if any rank failed, with the lowest failing rank's message.
 
-        Call it at the same point on every rank. A rank that failed passes its exception; the others pass None.
+        Call it at the same point on every rank: a rank that failed passes its exception, the others None.
         """
         mine = None if error is None else (_one_line(error), getattr(error, "exit_code", 1))
         reports = self.all_gather_object(mine)
@@ -79,7 +79,6 @@ def _env_int(name: str) -> int | None:
 def world_from_env(timeout_s: int = DEFAULT_TIMEOUT_S) -> Iterator[World]:
     """The world torchrun describes in the environment; a process group only when WORLD_SIZE > 1."""
     size = _env_int("WORLD_SIZE") or 1
-    rank = _env_int("RANK") or 0
     if size <= 1:
         yield World(0, 1)
         return

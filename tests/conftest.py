@@ -1,4 +1,4 @@
-"""Shared fixtures: real DCP checkpoints written by FSDP2 jobs under torchrun (gloo, CPU), built once per session."""
+"""Shared fixtures: real DCP checkpoints written by FSDP2 jobs under torchrun (gloo, CPU), built once."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, *args: str, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    nproc: int, *args: str, check: bool = True, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
     """Run `python -m torch.distributed.run --standalone --nproc-per-node nproc ARGS...`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
@@ -37,7 +39,9 @@ def ckptconv(*args: str, nproc: int = 0, timeout: int = 300) -> subprocess.Compl
     if nproc:
         return torchrun(nproc, "-m", "ckptconv", *args, check=False, timeout=timeout)
     cmd = [sys.executable, "-m", "ckptconv", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=_env(), timeout=timeout, stdin=subprocess.DEVNULL
+    )
 
 
 def make_dcp(path: Path, nproc: int, layout: str, fmt: str = "torch_save") -> Path:
@@ -50,7 +54,9 @@ def reference(path: Path) -> dict[str, torch.Tensor]:
 
 
 def tree_sha256(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()
+    }
 
 
 @pytest.fixture(scope="session")

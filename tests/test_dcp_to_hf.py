@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from conftest import ckptconv, make_dcp, reference, tree_sha256
 from safetensors import safe_open
@@ -26,10 +25,16 @@ def load_dir(out: Path) -> dict[str, torch.Tensor]:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
-def expected(ref: dict[str, torch.Tensor], dtype: torch.dtype | None, fp32: str | None = FP32) -> dict[str, torch.Tensor]:
+def expected(
+    ref: dict[str, torch.Tensor], dtype: torch.dtype | None, fp32: str | None = FP32
+) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in ref.items():
         if not value.is_floating_point() or dtype is None:
@@ -105,8 +110,18 @@ def test_mesh2d_strided_safetensors_serialization(mesh2d_ckpt: Path, tmp_path: P
     shas = []
     for nproc, read in [(2, "direct"), (3, "gather")]:
         out = tmp_path / f"o{nproc}"
-        proc = ckptconv("dcp-to-hf", str(mesh2d_ckpt), str(out), "--dtype", "keep", "--max-shard-size", "500",
-                        "--read", read, nproc=nproc)
+        proc = ckptconv(
+            "dcp-to-hf",
+            str(mesh2d_ckpt),
+            str(out),
+            "--dtype",
+            "keep",
+            "--max-shard-size",
+            "500",
+            "--read",
+            read,
+            nproc=nproc,
+        )
         assert proc.returncode == 0, proc.stderr
         check_layout(out)
         got = load_dir(out)

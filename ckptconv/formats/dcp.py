@@ -89,7 +89,9 @@ def _specs_from_metadata(root: Path, metadata: dcp_md.Metadata) -> DcpCheckpoint
             raise CkptconvError(f"{where}: key {fqn!r} has an unknown storage type")
     formats = _sniff_formats(root, tensors.values())
     tensors = {
-        fqn: dataclasses.replace(t, chunks=tuple(dataclasses.replace(c, fmt=formats[c.file]) for c in t.chunks))
+        fqn: dataclasses.replace(
+            t, chunks=tuple(dataclasses.replace(c, fmt=formats[c.file]) for c in t.chunks)
+        )
         for fqn, t in tensors.items()
     }
     return DcpCheckpoint(root, tensors, items, paths)
@@ -127,7 +129,9 @@ def _location(
 ) -> tuple[str, int, int]:
     info = locations.get((fqn, offsets))
     if info is None:
-        raise CkptconvError(f"{where}: no stored data for {fqn!r} at offset {offsets}; the metadata is corrupt")
+        raise CkptconvError(
+            f"{where}: no stored data for {fqn!r} at offset {offsets}; the metadata is corrupt"
+        )
     rel = getattr(info, "relative_path", None)
     start, length = getattr(info, "offset", None), getattr(info, "length", None)
     if not isinstance(rel, str) or not isinstance(start, int) or not isinstance(length, int):
@@ -179,14 +183,22 @@ def _sniff_formats(root: Path, tensors: Iterable[TensorSpec]) -> dict[str, Chunk
     for rel, offset in first.items():
         with open(root / rel, "rb") as f:
             f.seek(offset)
-            head = f.read(4)
-        formats[rel] = "torch_save" if head == b"PK\x03\x04" else "safetensors"
+            head = f.read(9)
+        if head[:4] == b"PK\x03\x04":
+            formats[rel] = "torch_save"
+        elif len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] <= MAX_HEADER_BYTES:
+            formats[rel] = "safetensors"
+        else:
+            raise CkptconvError(
+                f"{root / rel}: no torch.save record nor safetensors header at byte {offset}; "
+                "the checkpoint is corrupt, re-save or re-copy it"
+            )
     return formats
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous tensor, writable in place (works for bf16, bool, 0-d)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class DcpReader:
@@ -300,11 +312,15 @@ class DcpReader:
         if key not in self._st_headers:
             (length,) = struct.unpack("<Q", self.read_bytes(rel, offset, 8))
             if length > MAX_HEADER_BYTES:
-                raise CkptconvError(f"{self.ckpt.path / rel}: safetensors header of {length} bytes is too large")
+                raise CkptconvError(
+                    f"{self.ckpt.path / rel}: safetensors header of {length} bytes is too large"
+                )
             try:
                 header = json.loads(self.read_bytes(rel, offset + 8, length))
             except ValueError:
-                raise CkptconvError(f"{self.ckpt.path / rel}: unreadable safetensors header; re-copy it") from None
+                raise CkptconvError(
+                    f"{self.ckpt.path / rel}: unreadable safetensors header; re-copy it"
+                ) from None
             if not isinstance(header, dict):
                 raise CkptconvError(f"{self.ckpt.path / rel}: unreadable safetensors header; re-copy it")
             header["__data_start__"] = offset + 8 + length
@@ -323,7 +339,9 @@ class DcpReader:
         try:
             return raw, torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True), None
         except Exception:
-            names = [n for n in pickle_globals(_data_pkl(raw)) if not n.startswith(("torch.", "collections."))]
+            names = [
+                n for n in pickle_globals(_data_pkl(raw)) if not n.startswith(("torch.", "collections."))
+            ]
             what = ", ".join(dict.fromkeys(names)) or "objects weights_only loading does not allow"
             return raw, None, f"holds {what}"
 

@@ -8,6 +8,7 @@ entry order; `close()` checks that every byte was written.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -46,7 +47,11 @@ def header_bytes(entries: Sequence[Entry], metadata: dict[str, str] | None = Non
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for e in entries:
-        header[e.key] = {"dtype": st_name(e.dtype), "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.key] = {
+            "dtype": st_name(e.dtype),
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
@@ -62,7 +67,9 @@ class SafetensorsWriter:
             self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
             self._file.write(header_bytes(self.entries))
         except OSError as e:
-            raise CkptconvError(f"{path}: cannot write ({e.strerror}); check free space and permissions") from None
+            raise CkptconvError(
+                f"{path}: cannot write ({e.strerror}); check free space and permissions"
+            ) from None
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         entry = self.entries[self._next]
@@ -77,7 +84,9 @@ class SafetensorsWriter:
         self._next += 1
 
     def close(self) -> None:
-        assert self._next == len(self.entries), f"{self.path}: {len(self.entries) - self._next} tensors missing"
+        assert self._next == len(self.entries), (
+            f"{self.path}: {len(self.entries) - self._next} tensors missing"
+        )
         try:
             self._file.close()
         except OSError as e:
@@ -113,14 +122,18 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
                 raise CkptconvError(f"{path}: too short to be a safetensors file (truncated?)")
             (length,) = struct.unpack("<Q", head)
             if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise CkptconvError(f"{path}: header length {length} is impossible; the file is corrupt or truncated")
+                raise CkptconvError(
+                    f"{path}: header length {length} is impossible; the file is corrupt or truncated"
+                )
             raw = f.read(length)
     except OSError as e:
         raise CkptconvError(f"{path}: cannot read ({e.strerror})") from None
     try:
         header = json.loads(raw)
     except ValueError:
-        raise CkptconvError(f"{path}: the safetensors header is not valid JSON; the file is corrupt") from None
+        raise CkptconvError(
+            f"{path}: the safetensors header is not valid JSON; the file is corrupt"
+        ) from None
     if not isinstance(header, dict):
         raise CkptconvError(f"{path}: the safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -131,7 +144,7 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
         tensors[key] = _stored(path, key, info, start, size)
         spans.append((tensors[key].data_offset, tensors[key].data_offset + tensors[key].nbytes, key))
     spans.sort()
-    for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
+    for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
         if begin < end:
             raise CkptconvError(f"{path}: tensors {a!r} and {b!r} overlap; the file is corrupt")
     return tensors, {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
@@ -148,7 +161,9 @@ def _stored(path: Path, key: str, info: Any, start: int, size: int) -> StoredTen
         raise CkptconvError(f"{path}: tensor {key!r} has unknown dtype {info.get('dtype')!r}")
     entry = Entry(key, dtype, shape)
     if any(s < 0 for s in shape) or end - begin != entry.nbytes or begin < 0:
-        raise CkptconvError(f"{path}: tensor {key!r}: shape {list(shape)} does not match its {end - begin} bytes")
+        raise CkptconvError(
+            f"{path}: tensor {key!r}: shape {list(shape)} does not match its {end - begin} bytes"
+        )
     if start + end > size:
         raise CkptconvError(f"{path}: tensor {key!r} lies past the end of the file (truncated?)")
     return StoredTensor(key, dtype, shape, path, start + begin, end - begin)
@@ -180,8 +195,7 @@ def is_hf_dir(path: Path) -> bool:
 def open_hf(path: Path) -> HfCheckpoint:
     """Read the headers of a safetensors file or HF directory (with or without an index); validate them."""
     if path.is_file():
-        tensors, _ = read_header(path)
-        return HfCheckpoint(path, tensors, (path,))
+        return HfCheckpoint(path, read_header(path)[0], (path,))
     index_path = path / INDEX_FILE
     weight_map: dict[str, str] | None = None
     if index_path.is_file():

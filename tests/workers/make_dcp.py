@@ -48,7 +48,9 @@ class Tiny(torch.nn.Module):
 
 def main() -> None:
     out, layout = sys.argv[1], sys.argv[2]
-    fmt = SerializationFormat.SAFETENSORS if sys.argv[3:] == ["safetensors"] else SerializationFormat.TORCH_SAVE
+    fmt = (
+        SerializationFormat.SAFETENSORS if sys.argv[3:] == ["safetensors"] else SerializationFormat.TORCH_SAVE
+    )
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     torch.manual_seed(0)
@@ -69,11 +71,18 @@ def main() -> None:
     model(torch.arange(7).reshape(1, 7) % 11).float().pow(2).mean().backward()
     opt.step()
     model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd, "step": 3, "args": {"lr": 0.01, "name": "tiny", "sizes": [6, 10]}}
+    state = {
+        "model": model_sd,
+        "optim": optim_sd,
+        "step": 3,
+        "args": {"lr": 0.01, "name": "tiny", "sizes": [6, 10]},
+    }
     if layout == "tiny":
         state = {"model": model_sd}
     dcp.save(state, storage_writer=FileSystemWriter(out, serialization_format=fmt))
-    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model_sd.items()}
+    full = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model_sd.items()
+    }
     if dist.get_rank() == 0:
         torch.save(full, out + ".ref.pt")
     dist.destroy_process_group()

@@ -1,0 +1,507 @@
+"""Benchmark `ckptconv dcp-to-hf` against `cp -r` and plain PyTorch recipes on synthetic LLM checkpoints.
+
+What it measures, per checkpoint size (default ~1 GB and ~4 GB of fp32 weights):
+
+  cp -r                    copying the checkpoint directory: the I/O floor
+  import torch             `python -c "import torch"`: interpreter + torch start-up, paid by any Python method
+  torchrun import torch    the same under `torchrun --nproc-per-node 2`: the start-up floor of 2-rank runs
+  ckptconv 1 rank          `python -m ckptconv dcp-to-hf CKPT OUT --dtype bf16 --quiet --overwrite`
+  ckptconv 2r direct       the same under `torchrun --standalone --nproc-per-node 2`, `--read direct`
+  ckptconv 2r gather       ... with `--read gather`
+  format_utils+save_file   torch's `dcp_to_torch_save` to a .pt, `torch.load`, cast to bf16, `save_file`
+  dcp.load+save_torch_sd   `dcp.load(no_dist=True)` into tensors preallocated from the metadata, cast to bf16,
+                           `huggingface_hub.save_torch_state_dict`
+
+Every command runs `--runs` times (methods interleaved run by run) as a fresh subprocess of this interpreter
+(`sys.executable`); the table shows the median wall time, and the peak RSS over the runs, sampled every 20 ms
+over the whole process tree with psutil: "RSS/rank" is the largest single worker process (the leaves of the
+tree, so the torchrun agent is left out), "RSS sum" the largest sum over all processes of the tree (agent
+included).
+RSS counts the pages a process has touched, including file pages it maps. The exact kernel high-water mark of
+the largest process (`wait4` ru_maxrss, agent included) is kept in bench.json.
+
+The checkpoints are written once by a real FSDP2 job (2 ranks, gloo, CPU; scripts/_bench_make_dcp.py) into the
+work directory and reused by later invocations. The page cache is warm: the checkpoint was just written and
+is read over and over, so the numbers measure the converters, not the disk. Outputs are deleted and `sync` is
+called between runs, outside the timed region, so no run pays for an earlier run's write-back; nothing is
+fsynced inside a run beyond what each tool does itself.
+
+usage (from the repository root):
+  .venv/bin/python scripts/bench.py                     # sizes 1,4 GB, 3 runs each: about 10 minutes
+  .venv/bin/python scripts/bench.py --quick             # 0.25 GB, 1 run: a smoke test
+  .venv/bin/python scripts/bench.py --sizes 2 --runs 5 --workdir /tmp/bench
+Writes WORKDIR/bench.md (the table in markdown) and WORKDIR/bench.json (every raw number); logs of the last
+run of each command are in WORKDIR/logs. Progress goes to stderr, the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+PY = sys.executable
+GIB = 1024**3
+POLL_SECONDS = 0.02
+NPROC = 2
+
+Kind = Literal["io", "startup", "convert"]
+
+
+def torchrun(*args: str) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}", *args]
+
+
+def ckptconv_args(ckpt: Path, out: Path) -> list[str]:
+    return ["dcp-to-hf", str(ckpt), str(out), "--dtype", "bf16", "--quiet", "--overwrite"]
+
+
+@dataclass(frozen=True)
+class Method:
+    key: str
+    label: str
+    ranks: int
+    kind: Kind
+    argv: Callable[[Path, Path], list[str]]  # (checkpoint, output dir) -> command line
+
+    @property
+    def startup_key(self) -> str:
+        """The start-up row whose time is subtracted to get this method's time "beyond start-up"."""
+        return "torchrun_import" if self.ranks > 1 else "import_torch"
+
+
+METHODS: tuple[Method, ...] = (
+    Method("cp", "cp -r", 1, "io", lambda c, o: ["cp", "-r", str(c), str(o)]),
+    Method("import_torch", "import torch", 1, "startup", lambda c, o: [PY, "-c", "import torch"]),
+    Method(
+        "torchrun_import", "torchrun import torch", NPROC, "startup",
+        lambda c, o: torchrun("--no-python", PY, "-c", "import torch"),
+    ),
+    Method(
+        "ckptconv_1", "ckptconv 1 rank", 1, "convert",
+        lambda c, o: [PY, "-m", "ckptconv", *ckptconv_args(c, o)],
+    ),
+    Method(
+        "ckptconv_2_direct", f"ckptconv {NPROC}r direct", NPROC, "convert",
+        lambda c, o: torchrun("-m", "ckptconv", *ckptconv_args(c, o), "--read", "direct"),
+    ),
+    Method(
+        "ckptconv_2_gather", f"ckptconv {NPROC}r gather", NPROC, "convert",
+        lambda c, o: torchrun("-m", "ckptconv", *ckptconv_args(c, o), "--read", "gather"),
+    ),
+    Method(
+        "format_utils", "format_utils+save_file", 1, "convert",
+        lambda c, o: [PY, str(SCRIPTS / "_bench_baseline.py"), "format_utils", str(c), str(o)],
+    ),
+    Method(
+        "dcp_load", "dcp.load+save_torch_sd", 1, "convert",
+        lambda c, o: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load", str(c), str(o)],
+    ),
+)
+BY_KEY = {m.key: m for m in METHODS}
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[bench {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+def size_label(size_gb: float) -> str:
+    return f"{size_gb:g}GB"
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Running one command under a memory monitor
+
+
+class TreeMonitor(threading.Thread):
+    """Samples the RSS of a process and all its descendants until stopped; keeps the peaks."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(name=f"rss-monitor-{pid}", daemon=True)
+        self.pid = pid
+        self.peak_leaf = 0  # largest single leaf process (a worker, not the launcher above it)
+        self.peak_sum = 0  # largest sum over the whole tree
+        self.max_procs = 0
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+    def run(self) -> None:
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self._stop_event.is_set():
+            self._sample(root)
+            self._stop_event.wait(POLL_SECONDS)
+
+    def _sample(self, root: psutil.Process) -> None:
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        rss: dict[int, int] = {}
+        parents: set[int] = set()
+        for p in procs:
+            try:
+                with p.oneshot():
+                    rss[p.pid] = p.memory_info().rss
+                    parents.add(p.ppid())
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        if not rss:
+            return
+        leaves = [v for pid, v in rss.items() if pid not in parents]
+        self.peak_leaf = max(self.peak_leaf, *leaves) if leaves else self.peak_leaf
+        self.peak_sum = max(self.peak_sum, sum(rss.values()))
+        self.max_procs = max(self.max_procs, len(rss))
+
+
+@dataclass
+class Sample:
+    seconds: float
+    rss_rank: int  # bytes: peak RSS of the largest worker process
+    rss_sum: int  # bytes: peak of the summed RSS of the process tree
+    maxrss_kernel: int  # bytes: wait4 ru_maxrss, the largest process of the tree (launcher included)
+    procs: int  # most processes seen at once in the tree
+
+
+class CommandFailed(RuntimeError):
+    pass
+
+
+def run_measured(argv: Sequence[str], logfile: Path, env: dict[str, str]) -> Sample:
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    with logfile.open("wb") as logf:
+        logf.write(("$ " + " ".join(argv) + "\n").encode())
+        logf.flush()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        monitor = TreeMonitor(proc.pid)
+        monitor.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        monitor.stop()
+    if proc.returncode != 0:
+        tail = logfile.read_text(errors="replace").strip().splitlines()[-15:]
+        raise CommandFailed(f"exit {proc.returncode}: {' '.join(argv)}\n  " + "\n  ".join(tail))
+    return Sample(seconds, monitor.peak_leaf, monitor.peak_sum, usage.ru_maxrss * 1024, monitor.max_procs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def ensure_checkpoint(workdir: Path, size_gb: float, env: dict[str, str]) -> Path:
+    ckpt = workdir / f"dcp-{size_label(size_gb)}"
+    if (ckpt / ".metadata").is_file():
+        log(f"reusing {ckpt} ({dir_bytes(ckpt) / 1e9:.2f} GB)")
+        return ckpt
+    remove(ckpt)
+    log(f"generating {ckpt} with FSDP2 on {NPROC} ranks ...")
+    argv = torchrun(str(SCRIPTS / "_bench_make_dcp.py"), str(ckpt), str(size_gb))
+    sample = run_measured(argv, workdir / "logs" / f"make-{size_label(size_gb)}.log", env)
+    log(f"generated {ckpt}: {dir_bytes(ckpt) / 1e9:.2f} GB in {sample.seconds:.1f}s")
+    return ckpt
+
+
+def checkpoint_shape(ckpt: Path) -> dict[str, Any]:
+    path = ckpt.with_name(ckpt.name + ".shape.json")
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class Result:
+    size_gb: float
+    method: str
+    samples: list[Sample] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.samples)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(s.seconds for s in self.samples)
+
+    @property
+    def rss_rank(self) -> int:
+        return max(s.rss_rank for s in self.samples)
+
+    @property
+    def rss_sum(self) -> int:
+        return max(s.rss_sum for s in self.samples)
+
+
+@dataclass
+class SizeReport:
+    size_gb: float
+    ckpt: Path
+    ckpt_bytes: int
+    shape: dict[str, Any]
+    results: dict[str, Result]
+
+    def seconds(self, key: str) -> float | None:
+        r = self.results.get(key)
+        return r.seconds if r is not None and r.ok else None
+
+    def vs_ckptconv(self, key: str) -> float | None:
+        """This method's median time over ckptconv 1 rank's (>1: slower than ckptconv)."""
+        t, ref = self.seconds(key), self.seconds("ckptconv_1")
+        return t / ref if t is not None and ref else None
+
+    def beyond_startup_over_cp(self, key: str) -> float | None:
+        """(time - start-up time) / cp -r time, for the conversions."""
+        m = BY_KEY[key]
+        t, start, cp = self.seconds(key), self.seconds(m.startup_key), self.seconds("cp")
+        if m.kind != "convert" or t is None or start is None or not cp:
+            return None
+        return (t - start) / cp
+
+
+COLUMNS = (
+    ("size", "<"), ("method", "<"), ("ranks", ">"), ("median s", ">"), ("GB/s", ">"), ("RSS/rank GiB", ">"),
+    ("RSS sum GiB", ">"), ("vs ckptconv 1r", ">"), ("beyond start-up / cp", ">"),
+)
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
+    rows = []
+    for rep in reports:
+        for m in METHODS:
+            r = rep.results[m.key]
+            head = [size_label(rep.size_gb), m.label, str(m.ranks)]
+            if not r.ok:
+                rows.append([*head, "FAILED", "-", "-", "-", "-", "-"])
+                continue
+            gbps = rep.ckpt_bytes / 1e9 / r.seconds if m.kind != "startup" else None
+            rows.append([
+                *head, f"{r.seconds:.2f}", _fmt(gbps, ".2f"), f"{r.rss_rank / GIB:.2f}",
+                f"{r.rss_sum / GIB:.2f}", _fmt(rep.vs_ckptconv(m.key), ".2f", "x"),
+                _fmt(rep.beyond_startup_over_cp(m.key), ".2f"),
+            ])
+    return rows
+
+
+def render_text(rows: list[list[str]]) -> str:
+    names = [c for c, _ in COLUMNS]
+    widths = [max(len(r[i]) for r in [names, *rows]) for i in range(len(names))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(f"{c:{a}{w}}" for c, (_, a), w in zip(cells, COLUMNS, widths, strict=True)).rstrip()
+
+    out = [line(names), "  ".join("-" * w for w in widths)]
+    prev_size = rows[0][0] if rows else ""
+    for r in rows:
+        if r[0] != prev_size:
+            out.append("")
+            prev_size = r[0]
+        out.append(line(r))
+    return "\n".join(out)
+
+
+def render_markdown(rows: list[list[str]]) -> str:
+    names = [c for c, _ in COLUMNS]
+    sep = ["---" if a == "<" else "---:" for _, a in COLUMNS]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [names, sep, *rows])
+
+
+def _faster(ref: float | None, other: float | None) -> str:
+    if ref is None or other is None:
+        return "n/a (a run failed)"
+    ratio = other / ref
+    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+
+
+def headlines(reports: Sequence[SizeReport]) -> list[str]:
+    lines = []
+    for rep in reports:
+        size = size_label(rep.size_gb)
+        t1, t2 = rep.seconds("ckptconv_1"), rep.seconds("ckptconv_2_direct")
+        fu, dl = rep.seconds("format_utils"), rep.seconds("dcp_load")
+        lines.append(f"dcp-to-hf @{size}: ckptconv 1 rank is {_faster(t1, fu)} than format_utils+save_file, "
+                     f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict")
+        lines.append(f"dcp-to-hf @{size}: ckptconv {NPROC} ranks (direct) is {_faster(t2, fu)} than "
+                     f"format_utils+save_file, {_faster(t2, dl)} than dcp.load+save_torch_state_dict")
+        parts = [f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}"
+                 for k in ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")]
+        lines.append(f"dcp-to-hf @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
+    if len(reports) > 1:
+        first, last = reports[0], reports[-1]
+        for key in ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather"):
+            a, b = first.results[key], last.results[key]
+            if a.ok and b.ok:
+                lines.append(
+                    f"peak RSS per rank {size_label(first.size_gb)} vs {size_label(last.size_gb)} "
+                    f"({BY_KEY[key].label}): {a.rss_rank / GIB:.2f} GiB vs {b.rss_rank / GIB:.2f} GiB"
+                )
+    return lines
+
+
+NOTES = (
+    "Warm page cache: each checkpoint was just written and is read again and again, so this measures the\n"
+    "converters, not the disk. Median wall time of the runs; RSS is the peak over the runs, sampled every\n"
+    "20 ms. GB/s = checkpoint bytes (1e9) / median seconds. 'vs ckptconv 1r' = median / ckptconv 1 rank's\n"
+    "median (>1 is slower). 'beyond start-up / cp' = (median - start-up median) / cp -r median, the\n"
+    "start-up being `import torch` for one process and `torchrun import torch` for two ranks."
+)
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+        "cpus": os.cpu_count(), "mem_gib": round(psutil.virtual_memory().total / GIB, 1),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--sizes", help="comma-separated checkpoint sizes in GB of fp32 weights (default 1,4)")
+    p.add_argument("--runs", type=int, help="runs per method and size; the median is reported (default 3)")
+    p.add_argument("--quick", action="store_true", help="a smoke test: --sizes 0.25 --runs 1 unless given")
+    p.add_argument("--workdir", type=Path, default=ROOT / "bench-out", help="checkpoints, outputs, reports")
+    args = p.parse_args(argv)
+    args.sizes = [float(s) for s in (args.sizes or ("0.25" if args.quick else "1,4")).split(",") if s.strip()]
+    args.runs = args.runs or (1 if args.quick else 3)
+    if args.runs < 1 or not args.sizes or min(args.sizes) <= 0:
+        p.error("--runs must be >= 1 and --sizes positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir: Path = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.pop("CKPTCONV_DEBUG", None)
+    out = workdir / "out"
+    logs = workdir / "logs"
+
+    reports: list[SizeReport] = []
+    for size_gb in args.sizes:
+        ckpt = ensure_checkpoint(workdir, size_gb, env)
+        nbytes = dir_bytes(ckpt)
+        results = {m.key: Result(size_gb, m.key) for m in METHODS}
+        rep = SizeReport(size_gb, ckpt, nbytes, checkpoint_shape(ckpt), results)
+        for run in range(1, args.runs + 1):
+            for m in METHODS:
+                r = rep.results[m.key]
+                if r.error is not None:
+                    continue
+                dest = out / m.key
+                remove(dest)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.sync()
+                try:
+                    s = run_measured(m.argv(ckpt, dest), logs / f"{size_label(size_gb)}-{m.key}.log", env)
+                except CommandFailed as e:
+                    r.error = str(e)
+                    log(f"{size_label(size_gb)} run {run}/{args.runs} {m.label}: FAILED {e}")
+                    continue
+                finally:
+                    remove(dest)
+                r.samples.append(s)
+                log(f"{size_label(size_gb)} run {run}/{args.runs} {m.label:<24} {s.seconds:7.2f} s  "
+                    f"RSS/rank {s.rss_rank / GIB:5.2f} GiB  sum {s.rss_sum / GIB:5.2f} GiB")
+        reports.append(rep)
+    remove(out)
+
+    rows = table_rows(reports)
+    heads = headlines(reports)
+    title = (
+        f"ckptconv dcp-to-hf benchmark: {args.runs} run(s) per method, "
+        f"fp32 DCP (FSDP2, {NPROC} ranks) -> bf16 safetensors"
+    )
+    shapes = [f"{size_label(r.size_gb)}: {r.ckpt_bytes / 1e9:.2f} GB on disk, {r.shape}" for r in reports]
+    print(title)
+    print()
+    print(render_text(rows))
+    print()
+    print("\n".join(heads))
+    print()
+    print(NOTES)
+    print("checkpoints: " + "; ".join(shapes))
+
+    (workdir / "bench.md").write_text(
+        f"# {title}\n\n{render_markdown(rows)}\n\n" + "".join(f"- {h}\n" for h in heads)
+        + f"\n{NOTES}\n\nCheckpoints:\n\n" + "".join(f"- {s}\n" for s in shapes)
+    )
+    doc = {
+        "runs": args.runs, "environment": environment(), "headlines": heads,
+        "commands": {m.key: m.argv(Path("CKPT"), Path("OUT")) for m in METHODS},
+        "sizes": [
+            {
+                "size_gb": r.size_gb, "checkpoint": str(r.ckpt), "checkpoint_bytes": r.ckpt_bytes,
+                "shape": r.shape,
+                "methods": {
+                    k: {
+                        "label": BY_KEY[k].label, "ranks": BY_KEY[k].ranks, "error": res.error,
+                        "median_seconds": res.seconds if res.ok else None,
+                        "vs_ckptconv_1": r.vs_ckptconv(k),
+                        "beyond_startup_over_cp": r.beyond_startup_over_cp(k),
+                        "runs": [asdict(s) for s in res.samples],
+                    }
+                    for k, res in r.results.items()
+                },
+            }
+            for r in reports
+        ],
+    }
+    (workdir / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
+    log(f"wrote {workdir / 'bench.md'} and {workdir / 'bench.json'}")
+
+    failed = [r for rep in reports for r in rep.results.values() if r.error is not None]
+    for r in failed:
+        sys.stderr.write(f"FAILED {size_label(r.size_gb)} {BY_KEY[r.method].label}: {r.error}\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Every bad input: exit 2, one line naming the path or flag and the fix, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import ckptconv
+
+from ckptconv.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("ckptconv: error: ")]
+    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, err)
+
+
+def copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+class Payload:
+    """Pickles into a call of os.system: loading it would create the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--dtype", "int4"], ["--dtype", "int4"]),
+        (["--fp32", "A_log(["], ["--fp32", "A_log(["]),
+        (["--max-shard-size", "5 parsecs"], ["--max-shard-size"]),
+        (["--max-shard-size", "0"], ["--max-shard-size"]),
+        (["--read", "teleport"], ["--read"]),
+        (["--prefix", "nothing."], ["--prefix", "keys start with"]),
+    ],
+)
+def test_bad_flags(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], args, needles
+) -> None:
+    out = tmp_path / "out"
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), *args)
+    assert_one_line(code, err, *needles)
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_bad_sources(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    code, err = run(capsys, "dcp-to-hf", str(tmp_path / "missing"), str(out))
+    assert_one_line(code, err, "missing", "no such file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, err = run(capsys, "dcp-to-hf", str(empty), str(out))
+    assert_one_line(code, err, "empty", ".metadata")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"x")
+    code, err = run(capsys, "dcp-to-hf", str(hf), str(out))
+    assert_one_line(code, err, "hf-to-dcp")
+    assert not out.exists()
+
+
+def test_truncated_distcp(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = copy_ckpt(fsdp2_ckpt, tmp_path / "ckpt")
+    victim = ckpt / "__1_0.distcp"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    code, err = run(capsys, "dcp-to-hf", str(ckpt), str(tmp_path / "out"))
+    assert_one_line(code, err, "__1_0.distcp", "truncated")
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_chunk_bytes(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = copy_ckpt(fsdp2_ckpt, tmp_path / "ckpt")
+    victim = ckpt / "__0_0.distcp"
+    victim.write_bytes(b"\0" * victim.stat().st_size)  # same size, no zip records left
+    code, err = run(capsys, "dcp-to-hf", str(ckpt), str(tmp_path / "out"))
+    assert_one_line(code, err, "__0_0.distcp")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize("damage", ["junk", "truncated", "empty"])
+def test_bad_metadata(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    ckpt = copy_ckpt(fsdp2_ckpt, tmp_path / "ckpt")
+    md = ckpt / ".metadata"
+    data = md.read_bytes()
+    md.write_bytes(
+        {"junk": b"not a pickle at all", "truncated": data[: len(data) // 2], "empty": b""}[damage]
+    )
+    for command in (["dcp-to-hf", str(ckpt), str(tmp_path / "out")], ["inspect", str(ckpt)]):
+        code, err = run(capsys, *command)
+        assert_one_line(code, err, ".metadata")
+    assert not (tmp_path / "out").exists()
+
+
+def test_pickle_payload_in_metadata_never_runs(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(fsdp2_ckpt, tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    for command in (["dcp-to-hf", str(ckpt), str(tmp_path / "out")], ["inspect", str(ckpt)]):
+        proc = ckptconv(*command)  # a real process: nothing may run, no traceback
+        assert_one_line(proc.returncode, proc.stderr, "posix.system", "refusing")
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_is_a_file_or_not_empty(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    as_file = tmp_path / "file"
+    as_file.write_text("keep me")
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(as_file))
+    assert_one_line(code, err, str(as_file), "not a directory")
+    assert as_file.read_text() == "keep me"
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "model-00001-of-00009.safetensors").write_text("old")
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(full))
+    assert_one_line(code, err, str(full), "--overwrite")
+    assert [p.name for p in full.iterdir()] == ["model-00001-of-00009.safetensors"]
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(full), "--overwrite", "--quiet")
+    assert code == 0, err
+    assert sorted(p.name for p in full.iterdir()) == ["ckptconv_state.json", "model.safetensors"]
+    assert not list(tmp_path.glob(".full*"))
+
+
+def test_hole_in_chunks_is_refused(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.distributed.checkpoint as dcp_api
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ckpt = copy_ckpt(fsdp2_ckpt, tmp_path / "ckpt")
+    metadata = FileSystemReader(str(ckpt)).read_metadata()
+    entry = metadata.state_dict_metadata["model.layers.0.up.weight"]
+    assert isinstance(entry, dcp_api.metadata.TensorStorageMetadata)
+    entry.chunks.pop()  # the last rows are no longer stored anywhere
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    code, err = run(capsys, "dcp-to-hf", str(ckpt), str(tmp_path / "out"))
+    assert_one_line(code, err, "model.layers.0.up.weight", "hole")

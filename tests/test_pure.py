@@ -1,0 +1,202 @@
+"""Pure pieces as tables: tiling, dtype rules, sizes, sharding, owners, gather rounds, safetensors headers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save
+
+from ckptconv.dtypes import DtypePolicy, st_layout_rank
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.dcp import DcpCheckpoint
+from ckptconv.formats.hf import Entry, SafetensorsWriter, header_bytes, read_header
+from ckptconv.layout import tiling_problem
+from ckptconv.plan import assign_owners, parse_size, plan_dcp_to_hf
+from ckptconv.specs import ChunkSpec, TensorSpec
+from ckptconv.unshard import gather_rounds, reader_rank
+
+
+@pytest.mark.parametrize(
+    ("shape", "boxes", "problem"),
+    [
+        ((4, 3), [((0, 0), (2, 3)), ((2, 0), (2, 3))], None),
+        ((4, 3), [((0, 0), (2, 3)), ((2, 0), (2, 3)), ((4, 0), (0, 3))], None),  # zero-size chunk
+        ((4, 3), [((0, 0), (4, 3)), ((0, 0), (4, 3))], None),  # an exact duplicate (replicated save)
+        (
+            (4, 4),
+            [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))],
+            None,
+        ),  # 2-D blocks
+        ((10,), [((0,), (3,)), ((5,), (3,)), ((3,), (2,)), ((8,), (2,))], None),  # strided rows
+        ((), [((), ())], None),  # 0-d
+        ((4, 3), [((0, 0), (2, 3))], "hole"),
+        ((4, 3), [((0, 0), (3, 3)), ((2, 0), (2, 3))], "overlap"),
+        ((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 2)), ((1, 2), (2, 2))], "overlap"),
+        ((4, 3), [((0, 0), (5, 3))], "outside"),
+        ((4, 3), [((0,), (4,))], "rank"),
+    ],
+)
+def test_tiling(shape, boxes, problem) -> None:
+    found = tiling_problem(shape, boxes)
+    assert (found is None) if problem is None else (problem in (found or "")), found
+
+
+def test_tiling_hole_and_overlap_that_cancel_out() -> None:
+    # same total volume as the tensor, but one block is covered twice and another never
+    boxes = [((0, 0), (2, 2)), ((0, 0), (2, 2)), ((2, 0), (2, 2)), ((0, 2), (2, 2)), ((1, 2), (2, 2))]
+    assert "overlap" in (tiling_problem((4, 4), boxes[1:]) or "")
+
+
+@pytest.mark.parametrize(
+    ("key", "dtype", "target", "fp32", "want"),
+    [
+        ("a.weight", torch.float32, torch.bfloat16, [], torch.bfloat16),
+        ("a.A_log", torch.float32, torch.bfloat16, ["A_log$"], torch.float32),
+        ("a.A_log", torch.bfloat16, torch.bfloat16, ["A_log$"], torch.float32),
+        ("a.A_log_x", torch.float32, torch.bfloat16, ["A_log$"], torch.bfloat16),
+        ("pos", torch.int64, torch.bfloat16, ["pos"], torch.int64),
+        ("mask", torch.bool, torch.float16, [], torch.bool),
+        ("q", torch.float8_e4m3fn, torch.bfloat16, [], torch.float8_e4m3fn),
+        ("w", torch.float16, None, [], torch.float16),
+    ],
+)
+def test_dtype_policy(key, dtype, target, fp32, want) -> None:
+    assert DtypePolicy(target, fp32).resolve(key, dtype) == want
+
+
+def test_dtype_policy_unmatched_and_invalid() -> None:
+    policy = DtypePolicy(torch.bfloat16, ["A_log$", "never"])
+    policy.resolve("x.A_log", torch.float32)
+    policy.resolve("never", torch.int64)  # int tensors do not count as a match
+    assert policy.unmatched() == ["never"]
+    with pytest.raises(CkptconvError, match="--fp32"):
+        DtypePolicy(torch.bfloat16, ["(unclosed"])
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [("500MB", 500_000_000), ("5GB", 5_000_000_000), ("1234", 1234), (77, 77), ("2KB", 2000)],
+)
+def test_parse_size(value, want) -> None:
+    assert parse_size(value) == want
+
+
+@pytest.mark.parametrize("value", ["", "GB", "5 parsecs", "-1", "0", "1.5XB"])
+def test_parse_size_rejects(value) -> None:
+    with pytest.raises(CkptconvError, match="--max-shard-size"):
+        parse_size(value)
+
+
+def test_assign_owners_balances_bytes_deterministically() -> None:
+    assert assign_owners([10, 10, 10], 3) == [0, 1, 2]
+    assert assign_owners([1, 100, 50, 50], 2) == [0, 0, 1, 1]  # 100 | 50+50, then the tie to rank 0
+    assert assign_owners([5, 5], 4) == [0, 1]
+
+
+def fake_ckpt(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], ranks: int = 2) -> DcpCheckpoint:
+    tensors = {}
+    for fqn, (shape, dtype) in shapes.items():
+        rows = shape[0] if shape else 1
+        step = -(-rows // ranks)
+        chunks = (
+            tuple(
+                ChunkSpec(
+                    (r * step, *[0] * (len(shape) - 1)),
+                    (min(step, rows - r * step), *shape[1:]),
+                    f"__{r}_0.distcp",
+                    0,
+                    1,
+                    "torch_save",
+                )
+                for r in range(ranks)
+                if r * step < rows
+            )
+            if shape
+            else (ChunkSpec((), (), "__0_0.distcp", 0, 1, "torch_save"),)
+        )
+        tensors[fqn] = TensorSpec(fqn, dtype, shape, chunks)
+    return DcpCheckpoint(Path("/nowhere"), tensors, {}, {fqn: ("model", fqn[6:]) for fqn in tensors})
+
+
+def test_plan_shards_like_save_pretrained_and_is_rank_independent() -> None:
+    ckpt = fake_ckpt(
+        {
+            "model.layers.10.w": ((4, 4), torch.float32),
+            "model.layers.2.w": ((4, 4), torch.float32),
+            "model.embed": ((8, 4), torch.float32),
+            "model.layers.2.A_log": ((3,), torch.float32),
+            "model.pos": ((5,), torch.int64),
+        }
+    )
+    plans = [
+        plan_dcp_to_hf(ckpt, DtypePolicy(torch.bfloat16, ["A_log$"]), max_shard_size=70, world_size=n)
+        for n in (1, 2, 3)
+    ]
+    layouts = [[(f.name, [(t.hf_key, t.dtype) for t in f.tensors]) for f in p.files] for p in plans]
+    assert layouts[0] == layouts[1] == layouts[2]
+    names = [f.name for f in plans[0].files]
+    assert names == [f"model-{i:05d}-of-{len(names):05d}.safetensors" for i in range(1, len(names) + 1)]
+    assert all(f.tensors for f in plans[0].files)
+    order = [t.hf_key for f in plans[0].files for t in sorted(f.tensors, key=lambda t: t.hf_key)]
+    assert order.index("layers.2.w") < order.index("layers.10.w")
+    assert (
+        plans[0].weight_map["layers.2.A_log"] and plans[0].total_size == 32 * 2 + 3 * 4 + 5 * 8 + 16 * 2 * 2
+    )
+    assert {f.owner for f in plans[2].files} == {0, 1, 2} or len(plans[2].files) < 3
+
+
+def test_gather_rounds_respect_the_budget() -> None:
+    ckpt = fake_ckpt({f"model.t{i}": ((64, 4), torch.float32) for i in range(8)})  # 1 KiB each
+    plan = plan_dcp_to_hf(ckpt, DtypePolicy(None), max_shard_size=2048, world_size=2)
+    rounds = gather_rounds(plan, bucket_bytes=2048)
+    for round_ in rounds:
+        for _, bucket in round_:
+            assert sum(t.src.nbytes for _, t in bucket) <= 2048 or len(bucket) == 1
+    streamed = {r: [t.hf_key for round_ in rounds for w, b in round_ if w == r for _, t in b] for r in (0, 1)}
+    assert streamed == {r: [t.hf_key for f in plan.files_of(r) for t in f.tensors] for r in (0, 1)}
+    assert [reader_rank(f"__{r}_0.distcp", 3) for r in range(5)] == [0, 1, 2, 0, 1]
+
+
+dtypes = st.sampled_from(
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.int8,
+        torch.bool,
+        torch.float64,
+        torch.uint8,
+        torch.int32,
+        torch.int16,
+        torch.float8_e4m3fn,
+    ]
+)
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.dictionaries(
+        st.from_regex(r"[a-z][a-z0-9._]{0,12}", fullmatch=True),
+        st.tuples(dtypes, shapes),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_streamed_writer_equals_safetensors(tmp_path_factory, spec) -> None:
+    tensors = {k: (torch.randn(s) * 10).to(d) for k, (d, s) in spec.items()}
+    order = sorted(tensors, key=lambda k: (st_layout_rank(tensors[k].dtype), k))
+    path = tmp_path_factory.mktemp("st") / "x.safetensors"
+    writer = SafetensorsWriter(path, [Entry(k, tensors[k].dtype, tuple(tensors[k].shape)) for k in order])
+    for k in order:
+        writer.write(k, tensors[k])
+    writer.close()
+    assert path.read_bytes() == save(tensors, metadata={"format": "pt"})
+    stored, meta = read_header(path)
+    assert meta == {"format": "pt"} and set(stored) == set(tensors)
+    assert header_bytes([]) == save({}, metadata={"format": "pt"})

@@ -145,3 +145,25 @@ def test_zero_size_chunks_four_ranks(tmp_path: Path) -> None:
     got = load_dir(out)
     for key, value in expected(ref, torch.float16).items():
         assert same_bits(got[key], value), key
+
+
+def test_one_rank_failing_stops_every_rank_once(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from ckptconv.formats.dcp import open_dcp
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fsdp2_ckpt, ckpt)
+    spec = open_dcp(ckpt).tensors["model.head.weight"]
+    chunk = max(spec.chunks, key=lambda c: c.byte_offset)  # not the first record of its file
+    with open(ckpt / chunk.file, "r+b") as f:  # break only this record: found by the rank that writes it
+        f.seek(chunk.byte_offset)
+        f.write(b"\0" * chunk.byte_length)
+    out = tmp_path / "out"
+    proc = ckptconv("dcp-to-hf", str(ckpt), str(out), "--max-shard-size", "300", nproc=2, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "ckptconv: error:" in line]
+    assert len(errors) == 1 and chunk.file in errors[0], proc.stderr
+    # torchrun's launcher prints its own ChildFailedError summary; the workers print no traceback
+    assert "ckptconv/" not in proc.stderr.replace(str(tmp_path), "")
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

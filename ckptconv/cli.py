@@ -63,6 +63,9 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Only warnings and
 ProgressOpt = Annotated[
     bool | None, typer.Option("--progress/--no-progress", help="Progress bar (default: only on a terminal).")
 ]
+RevisionOpt = Annotated[
+    str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit) of a repo id.")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (rank 0).")]
 
 
@@ -145,19 +148,91 @@ def dcp_to_hf_cmd(
             )
 
 
+@app.command("hf-to-dcp")
+def hf_to_dcp_cmd(
+    src: Annotated[
+        str,
+        typer.Argument(
+            help="HF model directory, .safetensors file, or hub repo id (org/name).", show_default=False
+        ),
+    ],
+    out: Annotated[Path, typer.Argument(help="Output DCP checkpoint directory.", show_default=False)],
+    dtype: DtypeOpt = "keep",
+    fp32: Fp32Opt = None,
+    prefix: Annotated[
+        str | None, typer.Option("--prefix", help="Prepend this to every key, as nested groups ('model.').")
+    ] = None,
+    revision: RevisionOpt = None,
+    overwrite: OverwriteOpt = False,
+    dry_run: DryRunOpt = False,
+    quiet: QuietOpt = False,
+    progress: ProgressOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Convert a Hugging Face model to a DCP checkpoint that dcp.load reads at any world size."""
+    from .convert import hf_to_dcp
+    from .report import dcp_plan_summary, human_bytes, render_dcp_plan
+    from .ui import Ui
+    from .world import world_from_env
+
+    with world_from_env() as world:
+        ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
+        result = hf_to_dcp(
+            src,
+            out,
+            world=world,
+            ui=ui,
+            dtype=dtype,
+            fp32=fp32 or (),
+            prefix=prefix,
+            revision=revision,
+            overwrite=overwrite,
+            dry_run=dry_run,
+        )
+        summary = dcp_plan_summary(result.plan)
+        if json_out:
+            _print_json(
+                {
+                    "command": "hf-to-dcp",
+                    "src": src,
+                    "source_path": str(result.source),
+                    "out": str(out),
+                    "dry_run": dry_run,
+                    "seconds": round(result.seconds, 3),
+                    **summary,
+                }
+            )
+        elif dry_run:
+            if world.is_main:
+                from rich.console import Console
+
+                render_dcp_plan(result.plan, Console(highlight=False, soft_wrap=True))
+        else:
+            ui.info(
+                f"wrote {out}: {summary['num_tensors']} tensors, {human_bytes(result.plan.total_size)}, "
+                f"{len(result.plan.stash)} non-tensor items, in {result.seconds:.1f}s on {world.size} rank(s)"
+            )
+
+
 @app.command("inspect")
 def inspect_cmd(
     path: Annotated[
-        Path, typer.Argument(help="DCP directory, HF directory or .safetensors file.", show_default=False)
+        str,
+        typer.Argument(
+            help="DCP directory, HF directory, .safetensors file or hub repo id.", show_default=False
+        ),
     ],
+    revision: RevisionOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a checkpoint holds (reads metadata and headers only)."""
     from rich.console import Console
 
+    from .formats.hf import download, looks_like_repo_id
     from .report import inspect, render_inspect
 
-    info = inspect(path)
+    local = download(path, revision) if looks_like_repo_id(path) else Path(path)
+    info = inspect(local)
     if json_out:
         _print_json(info)
     else:

@@ -9,15 +9,27 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, ParamSpec, TypeVar, cast
+from typing import Any, Literal, ParamSpec, TypeVar, cast
+
+import torch
 
 from . import outdir
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
-from .formats.dcp import DcpCheckpoint, DcpReader, is_dcp_dir, open_dcp
-from .formats.hf import INDEX_FILE, Entry, SafetensorsWriter, write_index
-from .plan import HfSavePlan, parse_size, plan_dcp_to_hf
-from .stash import StashedItem, json_exact, write_stash
+from .formats.dcp import DcpCheckpoint, DcpReader, is_dcp_dir, open_dcp, write_dcp
+from .formats.hf import (
+    INDEX_FILE,
+    Entry,
+    RowReader,
+    SafetensorsWriter,
+    download,
+    is_hf_dir,
+    looks_like_repo_id,
+    open_hf,
+    write_index,
+)
+from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
+from .stash import StashedItem, json_exact, read_stash, write_stash
 from .ui import Ui
 from .unshard import direct_tensors, gather_tensors
 from .world import World
@@ -182,3 +194,139 @@ def _load_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, ui: Ui) -> list[StashedIt
                 )
             items.append(StashedItem(item.fqn, item.path, raw, value, why is None and json_exact(value), why))
     return items
+
+
+def resolve_hf_source(src: str, revision: str | None) -> Path:
+    """The local safetensors file or directory `src` names, downloading a hub repo id if needed."""
+    path = Path(src)
+    if path.exists():
+        if revision is not None:
+            raise CkptconvError(f"--revision applies to hub repo ids; {src} is a local path")
+        if is_dcp_dir(path):
+            raise CkptconvError(f"{path}: is a DCP checkpoint, not Hugging Face safetensors; use dcp-to-hf")
+        if path.is_file() and path.suffix != ".safetensors":
+            raise CkptconvError(f"{path}: not a .safetensors file")
+        if path.is_dir() and not is_hf_dir(path):
+            raise CkptconvError(
+                f"{path}: no .safetensors files (only safetensors weights are read, not .bin)"
+            )
+        return path
+    if looks_like_repo_id(src):
+        return download(src, revision)
+    raise CkptconvError(f"{src}: no such file or directory, and not a hub repo id (org/name)")
+
+
+def hf_to_dcp(
+    src: str,
+    out: Path,
+    *,
+    world: World,
+    ui: Ui,
+    dtype: str = "keep",
+    fp32: Sequence[str] = (),
+    prefix: str | None = None,
+    revision: str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+) -> DcpResult:
+    """Convert the HF model `src` (directory, file or hub repo id) to the DCP directory `out`. Collective."""
+    start = time.perf_counter()
+    located = _on_main(world, resolve_hf_source, src, revision)
+    path: Path = world.all_gather_object(located)[0]  # rank 0 downloads; the others read what it found
+
+    def prepare() -> DcpSavePlan:
+        policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
+        hf = open_hf(path)
+        stash = read_stash(path) if path.is_dir() else []
+        plan = plan_hf_to_dcp(hf, policy, world_size=world.size, prefix=prefix, stash=stash)
+        if not dry_run:
+            outdir.check_out(out, overwrite)
+        return plan
+
+    plan = _everyone(world, prepare)
+    for warning in plan.warnings:
+        ui.warn(warning)
+    result = DcpResult(out, path, plan)
+    if dry_run:
+        return result
+    _on_main(world, outdir.prepare, out)
+    staging = outdir.staging_dir(out)
+    try:
+        _everyone(world, _save_dcp, plan, staging, world, ui)
+        _on_main(world, outdir.publish, staging, out)
+    except BaseException:
+        if world.is_main:
+            outdir.discard(out)
+        raise
+    result.seconds = time.perf_counter() - start
+    result.written = True
+    return result
+
+
+@dataclass
+class DcpResult:
+    out: Path
+    source: Path
+    plan: DcpSavePlan
+    seconds: float = 0.0
+    written: bool = False
+
+
+def _save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> None:
+    state_dict, raw_items = _dcp_state_dict(plan, world)
+    by_key = {t.key: t for t in plan.tensors}
+    reader = RowReader()
+
+    def read_rows(fqn: str, lo: int, hi: int) -> torch.Tensor:
+        t = by_key[fqn]
+        rows = reader.rows(t.src, lo, hi)
+        return rows if rows.dtype == t.dtype else rows.to(t.dtype)
+
+    mine = plan.nbytes_of(world.rank)
+    with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
+        try:
+            write_dcp(staging, state_dict, read_rows, raw_items, progress.advance)
+        finally:
+            reader.close()
+
+
+def _dcp_state_dict(plan: DcpSavePlan, world: World) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """Meta-device placeholders (DTensors with `Shard(0)` rows under torchrun) for `write_dcp` to fill."""
+    mesh = None
+    if world.distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world.size,))
+    state: dict[str, Any] = {}
+    lead = "".join(part + "." for part in plan.nesting)
+    for t in plan.tensors:
+        _nest(state, (*plan.nesting, t.key[len(lead) :]), _placeholder(plan, t, mesh, world.rank))
+    raw_items = {}
+    for item in plan.stash:
+        _nest(state, item.path, item.value if item.has_value else item.raw)
+        if not item.has_value:
+            raw_items[item.key] = item.raw
+    return state, raw_items
+
+
+def _placeholder(plan: DcpSavePlan, t: DcpOutTensor, mesh: Any, rank: int) -> torch.Tensor:
+    if mesh is None:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not t.shape:
+        local = torch.empty((), dtype=t.dtype, device="meta")
+        return DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    lo, hi = plan.rows_of(t, rank)
+    local = torch.empty((hi - lo, *t.shape[1:]), dtype=t.dtype, device="meta")
+    stride = torch.empty(t.shape, device="meta").stride()
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(t.shape), stride=stride
+    )
+
+
+def _nest(state: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
+    node = state
+    for part in path[:-1]:
+        node = node.setdefault(str(part), {})
+    node[str(path[-1])] = value

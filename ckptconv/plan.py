@@ -1,5 +1,8 @@
 """Pure planning: specs x key selection x dtype policy x max shard size x world size -> a save plan.
 
+dcp-to-hf: `plan_dcp_to_hf` -> `HfSavePlan` (files, their keys in layout order, the rank writing each).
+hf-to-dcp: `plan_hf_to_dcp` -> `DcpSavePlan` (keys, dtypes, the rows each rank saves).
+
 Every rank computes the same plan from the same `.metadata`, with no I/O and no collectives. That is what
 makes `--dry-run` free and the output bytes independent of the number of ranks: ranks only decide who writes
 which file, never what a file contains.
@@ -7,6 +10,7 @@ which file, never what a file contains.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +21,9 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from .dtypes import DtypePolicy, st_layout_rank
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
+from .formats.hf import HfCheckpoint, StoredTensor
 from .specs import NonTensorItem, TensorSpec
+from .stash import StashedItem
 
 MODEL_GROUP = "model"
 # top-level groups of a training checkpoint that are not model weights: their tensors never land in HF files
@@ -211,3 +217,75 @@ def parse_size(value: str | int, flag: str = "--max-shard-size") -> int:
     if size <= 0:
         raise CkptconvError(f"{flag} {value!r}: must be positive")
     return size
+
+
+@dataclass(frozen=True)
+class DcpOutTensor:
+    key: str  # the DCP key, prefix included
+    src: StoredTensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.src.shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.src.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class DcpSavePlan:
+    """hf-to-dcp: every tensor is saved as `Shard(0)` rows over all ranks (0-d tensors replicated)."""
+
+    tensors: tuple[DcpOutTensor, ...]
+    nesting: tuple[str, ...]  # the prefix as nested groups: "model." -> ("model",)
+    stash: tuple[StashedItem, ...]
+    warnings: tuple[str, ...]
+    world_size: int
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def rows_of(self, t: DcpOutTensor, rank: int) -> tuple[int, int]:
+        return shard_rows(t.shape[0], self.world_size, rank) if t.shape else (0, 1)
+
+    def nbytes_of(self, rank: int) -> int:
+        """The bytes `rank` saves (0-d tensors count on every rank)."""
+        total = 0
+        for t in self.tensors:
+            lo, hi = self.rows_of(t, rank)
+            total += t.nbytes if not t.shape else (hi - lo) * (t.nbytes // t.shape[0] if t.shape[0] else 0)
+        return total
+
+
+def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The rows [lo, hi) `rank` holds under `Shard(0)`: torch.chunk's split, as DTensor and FSDP2 use it."""
+    step = -(-rows // world_size) if rows else 0
+    return min(rank * step, rows), min((rank + 1) * step, rows)
+
+
+def plan_hf_to_dcp(
+    hf: HfCheckpoint,
+    policy: DtypePolicy,
+    *,
+    world_size: int,
+    prefix: str | None = None,
+    stash: Sequence[StashedItem] = (),
+) -> DcpSavePlan:
+    if prefix is not None and (not prefix.strip(".") or ".." in prefix):
+        raise CkptconvError(f"--prefix {prefix!r}: use dotted names such as 'model.'")
+    nesting = tuple(prefix.strip(".").split(".")) if prefix else ()
+    lead = "".join(part + "." for part in nesting)
+    tensors = tuple(
+        DcpOutTensor(lead + key, stored, policy.resolve(lead + key, stored.dtype))
+        for key, stored in sorted(hf.tensors.items(), key=lambda kv: natural_key(kv[0]))
+    )
+    for item in stash:
+        for t in tensors:
+            if item.key == t.key or t.key.startswith(item.key + ".") or item.key.startswith(t.key + "."):
+                raise CkptconvError(
+                    f"{hf.path}: stashed item {item.key!r} collides with tensor {t.key!r}; pass --prefix"
+                )
+    return DcpSavePlan(tensors, nesting, tuple(stash), tuple(policy.warnings()), world_size)

@@ -12,7 +12,7 @@ from .dtypes import short_name
 from .errors import CkptconvError
 from .formats.dcp import is_dcp_dir, open_dcp
 from .formats.hf import is_hf_dir, open_hf
-from .plan import HfSavePlan
+from .plan import DcpSavePlan, HfSavePlan
 
 
 def inspect(path: Path) -> dict[str, Any]:
@@ -151,3 +151,53 @@ def render_plan(plan: HfSavePlan, console: Console) -> None:
             console.print(line, markup=False)
     if plan.stash:
         console.print("stashed non-tensor items: " + ", ".join(i.fqn for i in plan.stash), markup=False)
+
+
+def dcp_plan_summary(plan: DcpSavePlan) -> dict[str, Any]:
+    return {
+        "tensors": [
+            {
+                "key": t.key,
+                "source": t.src.key,
+                "dtype": short_name(t.dtype),
+                "source_dtype": short_name(t.src.dtype),
+                "shape": list(t.shape),
+                "nbytes": t.nbytes,
+                "rows_per_rank": [list(plan.rows_of(t, r)) for r in range(plan.world_size)]
+                if t.shape
+                else None,
+            }
+            for t in plan.tensors
+        ],
+        "num_tensors": len(plan.tensors),
+        "total_size": plan.total_size,
+        "non_tensor_items": [i.key for i in plan.stash],
+        "world_size": plan.world_size,
+        "warnings": list(plan.warnings),
+    }
+
+
+def render_dcp_plan(plan: DcpSavePlan, console: Console) -> None:
+    console.print(
+        f"plan: {len(plan.tensors)} tensors, {human_bytes(plan.total_size)}, saved as Shard(0) rows over "
+        f"{plan.world_size} rank(s)",
+        markup=False,
+    )
+    rows = [["key", "source", "dtype", "shape", "bytes", "rows per rank"]]
+    for t in plan.tensors:
+        src, dst = short_name(t.src.dtype), short_name(t.dtype)
+        split = " ".join(f"{lo}:{hi}" for lo, hi in (plan.rows_of(t, r) for r in range(plan.world_size)))
+        rows.append(
+            [
+                t.key,
+                t.src.key,
+                dst if src == dst else f"{src} -> {dst}",
+                str(list(t.shape)),
+                human_bytes(t.nbytes),
+                split if t.shape else "replicated",
+            ]
+        )
+    for line in _columns(rows, "  "):
+        console.print(line, markup=False)
+    if plan.stash:
+        console.print("restored non-tensor items: " + ", ".join(i.key for i in plan.stash), markup=False)

@@ -2,7 +2,7 @@
 
 Call order: `open_dcp(path)` on every rank (reads `.metadata` and the file sizes, no tensor bytes), then
 `DcpReader(ckpt)` on the ranks that read chunks; each `read_chunk_into` reads exactly one stored chunk.
-Writing DCP goes through torch's public `dcp.save` (see convert.py).
+Writing: `write_dcp` goes through torch's public `dcp.save`, with a planner that reads each chunk lazily.
 """
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ import io
 import json
 import os
 import struct
+import warnings
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import metadata as dcp_md
 
 from ..errors import CkptconvError
 from ..layout import tiling_problem
 from ..specs import ChunkFormat, ChunkSpec, NonTensorItem, TensorSpec
+from . import safe_pickle as md
 from .safe_pickle import load_dcp_metadata, pickle_globals, read_tensor_record
 
 METADATA_FILE = ".metadata"
@@ -56,17 +57,22 @@ def open_dcp(path: Path) -> DcpCheckpoint:
     except OSError as e:
         raise CkptconvError(f"{md_path}: cannot read ({e.strerror})") from None
     metadata = load_dcp_metadata(data, str(md_path))
-    return _specs_from_metadata(path, metadata)
+    try:
+        return _specs_from_metadata(path, metadata)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CkptconvError(
+            f"{md_path}: malformed DCP metadata ({e}); re-save or re-copy the checkpoint"
+        ) from None
 
 
-def _specs_from_metadata(root: Path, metadata: dcp_md.Metadata) -> DcpCheckpoint:
+def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
     where = root / METADATA_FILE
     storage = metadata.storage_data
     if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
         raise CkptconvError(f"{where}: has no storage index (not written by FileSystemWriter?)")
     locations: dict[tuple[str, tuple[int, ...] | None], Any] = {}
     for index, info in storage.items():
-        if not isinstance(index, dcp_md.MetadataIndex):
+        if not isinstance(index, md.MetadataIndex):
             raise CkptconvError(f"{where}: malformed storage index entry")
         offset = None if index.offset is None else tuple(int(x) for x in index.offset)
         locations[(index.fqn, offset)] = info
@@ -80,10 +86,10 @@ def _specs_from_metadata(root: Path, metadata: dcp_md.Metadata) -> DcpCheckpoint
             raise CkptconvError(f"{where}: a key is not a string")
         raw_path = planner_paths.get(fqn)
         paths[fqn] = tuple(raw_path) if isinstance(raw_path, (tuple, list)) else (fqn,)
-        if isinstance(entry, dcp_md.BytesStorageMetadata):
+        if isinstance(entry, md.BytesStorageMetadata):
             file, start, length = _location(locations, fqn, None, file_sizes, where)
             items[fqn] = NonTensorItem(fqn, paths[fqn], file, start, length)
-        elif isinstance(entry, dcp_md.TensorStorageMetadata):
+        elif isinstance(entry, md.TensorStorageMetadata):
             tensors[fqn] = _tensor_spec(fqn, entry, locations, file_sizes, where)
         else:
             raise CkptconvError(f"{where}: key {fqn!r} has an unknown storage type")
@@ -381,3 +387,51 @@ class _Window(io.RawIOBase):
             self.reader.pread(self.rel, self.start + self.pos, memoryview(buffer).cast("B")[:n])
             self.pos += n
         return n
+
+
+def write_dcp(
+    directory: Path,
+    state_dict: dict[str, Any],
+    read_rows: Callable[[str, int, int], torch.Tensor],
+    raw_items: dict[str, bytes],
+    on_bytes: Callable[[int], None] = lambda n: None,
+) -> None:
+    """Collective: `dcp.save` the `state_dict` of meta tensors / meta-backed DTensors into `directory`.
+
+    No tensor data is held up front: when DCP asks for a chunk, `read_rows(fqn, lo, hi)` reads rows [lo, hi)
+    of that tensor (already in its output dtype), so a rank holds one chunk at a time. Non-tensor items are
+    torch.save'd by DCP, except those in `raw_items`, whose original torch.save bytes are written verbatim.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    class _RowsPlanner(dcp.DefaultSavePlanner):
+        def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+            fqn = write_item.index.fqn
+            if write_item.type == WriteItemType.BYTE_IO:
+                if fqn in raw_items:
+                    return io.BytesIO(raw_items[fqn])
+                return super().resolve_data(write_item)
+            assert write_item.tensor_data is not None
+            chunk = write_item.tensor_data.chunk
+            lo = int(chunk.offsets[0]) if len(chunk.offsets) else 0
+            hi = lo + int(chunk.sizes[0]) if len(chunk.sizes) else 1
+            tensor = read_rows(fqn, lo, hi)
+            on_bytes(tensor.numel() * tensor.element_size())
+            return tensor
+
+    writer = dcp.FileSystemWriter(str(directory), thread_count=1)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save(state_dict, storage_writer=writer, planner=_RowsPlanner(), no_dist=not _dist_ready())
+    except OSError as e:
+        raise CkptconvError(
+            f"{directory}: cannot write ({e.strerror}); check free space and permissions"
+        ) from None
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

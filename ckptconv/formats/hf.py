@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -169,14 +169,6 @@ def _stored(path: Path, key: str, info: Any, start: int, size: int) -> StoredTen
     return StoredTensor(key, dtype, shape, path, start + begin, end - begin)
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True)
 class HfCheckpoint:
     path: Path  # the directory, or the single .safetensors file
@@ -229,3 +221,69 @@ def open_hf(path: Path) -> HfCheckpoint:
                 f"{index_path}: lists {missing[0]!r} in {weight_map[missing[0]]}, which does not hold it"
             )
     return HfCheckpoint(path, tensors, tuple(files))
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# what hf-to-dcp and inspect fetch from the hub: weights, index, config, and a ckptconv stash if any
+HUB_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "ckptconv_state.json",
+]
+
+
+def looks_like_repo_id(src: str) -> bool:
+    return bool(_REPO_ID.match(src)) and not Path(src).exists()
+
+
+def download(repo_id: str, revision: str | None) -> Path:
+    """The local snapshot of a hub repo (weights and config only), through huggingface_hub's cache.
+
+    Honors HF_HOME and HF_HUB_OFFLINE: offline, a cached snapshot is used and an uncached one is an error.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id}" + (f"@{revision}" if revision else "")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError:
+        raise CkptconvError(
+            f"{where}: not in the local Hugging Face cache and the hub cannot be reached "
+            "(HF_HUB_OFFLINE is set or no network); download it once online, or pass a local directory"
+        ) from None
+    except RevisionNotFoundError:
+        raise CkptconvError(f"{where}: no such revision; check --revision") from None
+    except RepositoryNotFoundError:
+        raise CkptconvError(
+            f"{where}: no such repository on the hub (or it is private: run `hf auth login`)"
+        ) from None
+    except (HfHubHTTPError, OSError) as e:
+        raise CkptconvError(f"{where}: download failed ({type(e).__name__}: {e})") from None
+
+
+class RowReader:
+    """Reads rows [lo, hi) of stored tensors with safetensors' `safe_open(...).get_slice`, a handle a file."""
+
+    def __init__(self) -> None:
+        self._handles: dict[Path, Any] = {}
+
+    def rows(self, t: StoredTensor, lo: int, hi: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        handle = self._handles.get(t.file)
+        if handle is None:
+            handle = self._handles[t.file] = safe_open(str(t.file), framework="pt")
+        if not t.shape:
+            return handle.get_tensor(t.key)
+        return handle.get_slice(t.key)[lo:hi]
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -16,8 +16,6 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import filesystem as dcp_fs
-from torch.distributed.checkpoint import metadata as dcp_md
 
 from ..errors import CkptconvError
 
@@ -38,21 +36,87 @@ def _dtype_globals() -> dict[tuple[str, str], Any]:
     return {("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
+class Record:
+    """A plain attribute bag standing in for one of DCP's metadata classes (built by NEWOBJ + BUILD).
+
+    Loading into stand-ins rather than torch's own classes keeps `import torch.distributed.checkpoint` (most
+    of a second) out of the CLI, and means nothing but attribute assignment happens while unpickling.
+    """
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) form
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+class Metadata(Record):
+    state_dict_metadata: Any = None
+    planner_data: Any = None
+    storage_data: Any = None
+
+
+class TensorStorageMetadata(Record):
+    properties: Any
+    size: Any
+    chunks: list[Any]
+
+
+class BytesStorageMetadata(Record):
+    pass
+
+
+class ChunkStorageMetadata(Record):
+    offsets: Any
+    sizes: Any
+
+
+class MetadataIndex(Record):
+    fqn: str
+    offset: Any = None
+    index: Any = None
+
+
+class StorageInfo(Record):
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: Any = None
+
+
+class StorageMeta(Record):
+    pass
+
+
+class TensorProperties(Record):
+    dtype: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 5:  # TensorProperties.__getstate__'s tuple
+            self.dtype = state[0]
+            return
+        super().__setstate__(state)
+
+
+def _mem_format(value: int) -> int:
+    return int(value)
+
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **{
-        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_md, name)
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        )
-    },
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_fs._StorageInfo,
+    (_DCP_MD, "Metadata"): Metadata,
+    (_DCP_MD, "TensorStorageMetadata"): TensorStorageMetadata,
+    (_DCP_MD, "BytesStorageMetadata"): BytesStorageMetadata,
+    (_DCP_MD, "ChunkStorageMetadata"): ChunkStorageMetadata,
+    (_DCP_MD, "TensorProperties"): TensorProperties,
+    (_DCP_MD, "MetadataIndex"): MetadataIndex,
+    (_DCP_MD, "StorageMeta"): StorageMeta,
+    (_DCP_MD, "_MEM_FORMAT_ENCODING"): _mem_format,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,
@@ -80,7 +144,7 @@ class _Refused(pickle.UnpicklingError):
     pass
 
 
-def load_dcp_metadata(data: bytes, where: str) -> dcp_md.Metadata:
+def load_dcp_metadata(data: bytes, where: str) -> Metadata:
     """Unpickle DCP `.metadata` bytes, allowing only the DCP metadata classes."""
     try:
         metadata = _AllowlistUnpickler(data, _METADATA_GLOBALS).load()
@@ -94,7 +158,7 @@ def load_dcp_metadata(data: bytes, where: str) -> dcp_md.Metadata:
             f"{where}: not a readable DCP metadata file ({type(e).__name__}: {e}); "
             "the checkpoint is truncated or corrupt, re-save or re-copy it"
         ) from None
-    if not isinstance(metadata, dcp_md.Metadata):
+    if not isinstance(metadata, Metadata):
         raise CkptconvError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
 

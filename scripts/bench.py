@@ -217,7 +217,10 @@ def run_measured(argv: Sequence[str], logfile: Path, env: dict[str, str]) -> Sam
     if proc.returncode != 0:
         tail = logfile.read_text(errors="replace").strip().splitlines()[-15:]
         raise CommandFailed(f"exit {proc.returncode}: {' '.join(argv)}\n  " + "\n  ".join(tail))
-    return Sample(seconds, monitor.peak_leaf, monitor.peak_sum, usage.ru_maxrss * 1024, monitor.max_procs)
+    kernel = usage.ru_maxrss * 1024  # KiB on Linux
+    if monitor.max_procs <= 1:  # one process (or too short to sample): the kernel's high-water mark is exact
+        return Sample(seconds, max(monitor.peak_leaf, kernel), max(monitor.peak_sum, kernel), kernel, 1)
+    return Sample(seconds, monitor.peak_leaf, monitor.peak_sum, kernel, monitor.max_procs)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -240,6 +243,17 @@ def ensure_checkpoint(workdir: Path, size_gb: float, env: dict[str, str]) -> Pat
 def checkpoint_shape(ckpt: Path) -> dict[str, Any]:
     path = ckpt.with_name(ckpt.name + ".shape.json")
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def describe_shape(shape: dict[str, Any]) -> str:
+    try:
+        return (
+            f"hidden {shape['hidden']}, ffn {shape['ffn']}, vocab {shape['vocab']}, "
+            f"{shape['layers']} layers, {shape['heads']} heads / {shape['kv_heads']} kv heads, "
+            f"{shape['params'] / 1e6:.1f}M fp32 params"
+        )
+    except KeyError:
+        return "shape unknown"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -424,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = workdir / "out"
     logs = workdir / "logs"
 
+    load_start = os.getloadavg()[0]
     reports: list[SizeReport] = []
     for size_gb in args.sizes:
         ckpt = ensure_checkpoint(workdir, size_gb, env)
@@ -452,6 +467,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"RSS/rank {s.rss_rank / GIB:5.2f} GiB  sum {s.rss_sum / GIB:5.2f} GiB")
         reports.append(rep)
     remove(out)
+    load_end = os.getloadavg()[0]
+    load = (
+        f"1-minute load average {load_start:.2f} at start, {load_end:.2f} at end "
+        f"({os.cpu_count()} CPUs; other jobs on the machine skew the timings)"
+    )
 
     rows = table_rows(reports)
     heads = headlines(reports)
@@ -459,7 +479,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"ckptconv dcp-to-hf benchmark: {args.runs} run(s) per method, "
         f"fp32 DCP (FSDP2, {NPROC} ranks) -> bf16 safetensors"
     )
-    shapes = [f"{size_label(r.size_gb)}: {r.ckpt_bytes / 1e9:.2f} GB on disk, {r.shape}" for r in reports]
+    shapes = [
+        f"{size_label(r.size_gb)}: {r.ckpt_bytes / 1e9:.2f} GB, {describe_shape(r.shape)}" for r in reports
+    ]
     print(title)
     print()
     print(render_text(rows))
@@ -467,14 +489,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(heads))
     print()
     print(NOTES)
-    print("checkpoints: " + "; ".join(shapes))
+    print(load)
+    print("checkpoints:\n" + "".join(f"  {s}\n" for s in shapes), end="")
 
     (workdir / "bench.md").write_text(
         f"# {title}\n\n{render_markdown(rows)}\n\n" + "".join(f"- {h}\n" for h in heads)
-        + f"\n{NOTES}\n\nCheckpoints:\n\n" + "".join(f"- {s}\n" for s in shapes)
+        + f"\n{NOTES}\n\n{load}.\n\nCheckpoints:\n\n" + "".join(f"- {s}\n" for s in shapes)
     )
     doc = {
         "runs": args.runs, "environment": environment(), "headlines": heads,
+        "loadavg_1min": {"start": load_start, "end": load_end},
         "commands": {m.key: m.argv(Path("CKPT"), Path("OUT")) for m in METHODS},
         "sizes": [
             {

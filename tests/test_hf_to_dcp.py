@@ -190,3 +190,20 @@ def test_bad_hf_inputs(hf_llama: Path, fsdp2_ckpt: Path, tmp_path: Path, capsys:
         assert not Path(out).exists() and not list(tmp_path.glob(".out*"))
     code, err = run(capsys, "hf-to-dcp", "no/such-dir-or-repo/x", out)
     assert_one_line(code, err, "no such file")
+
+
+def test_dry_run_and_overwrite(hf_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptconv.cli import main
+
+    out = tmp_path / "out"
+    main(["hf-to-dcp", str(hf_llama), str(out), "--dry-run", "--dtype", "bf16", "--fp32", "norm"])
+    text = capsys.readouterr().out
+    assert not out.exists()
+    assert "model.embed_tokens.weight" in text and "float32 -> bfloat16" in text and "0:64" in text
+    out.mkdir()
+    (out / ".metadata").write_text("stale")
+    (out / "__7_0.distcp").write_text("stale")
+    code, err = run(capsys, "hf-to-dcp", str(hf_llama), str(out))
+    assert_one_line(code, err, "--overwrite")
+    assert run(capsys, "hf-to-dcp", str(hf_llama), str(out), "--overwrite", "--quiet")[0] == 0
+    assert not (out / "__7_0.distcp").exists() and set(load_plain(out)) == set(load_dir(hf_llama))

@@ -54,7 +54,7 @@ DryRunOpt = Annotated[
     bool, typer.Option("--dry-run", help="Print the plan (files, keys, dtypes, bytes, ranks).")
 ]
 BucketOpt = Annotated[
-    str, typer.Option("--bucket-size", help="Bytes in flight per rank while reading or gathering ('512MB').")
+    str, typer.Option("--bucket-size", help="Bytes in flight per rank while reading or gathering ('128MB').")
 ]
 ReadOpt = Annotated[
     str, typer.Option("--read", help="direct: writers read chunks from storage; gather: ranks read and send.")
@@ -91,7 +91,7 @@ def dcp_to_hf_cmd(
     copy_from: CopyFromOpt = None,
     overwrite: OverwriteOpt = False,
     dry_run: DryRunOpt = False,
-    bucket_size: BucketOpt = "512MB",
+    bucket_size: BucketOpt = "128MB",
     read: ReadOpt = "direct",
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,

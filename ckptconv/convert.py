@@ -37,7 +37,7 @@ from .world import World
 ReadPath = Literal["direct", "gather"]
 P = ParamSpec("P")
 T = TypeVar("T")
-DEFAULT_BUCKET = 512 * 2**20
+DEFAULT_BUCKET = 128 * 10**6
 
 
 @dataclass

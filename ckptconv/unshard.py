@@ -13,7 +13,9 @@ Call order: build one `DcpReader` per rank; call `direct_tensors(...)` or `gathe
 
 from __future__ import annotations
 
+import math
 import re
+import threading
 import zlib
 from collections import deque
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats.dcp import DcpReader
+from .formats.dcp import DcpReader, byte_view
 from .plan import HfSavePlan, OutFile, OutTensor
 from .specs import ChunkSpec
 from .world import World
@@ -42,16 +44,53 @@ def place(out: torch.Tensor, chunk: ChunkSpec, data: torch.Tensor) -> None:
     _region(out, chunk).copy_(data)
 
 
+SLAB_BYTES = 32 * 2**20  # a chunk that must be cast is read and cast this many bytes at a time
+_staging = threading.local()
+
+
+def _slab(nbytes: int) -> torch.Tensor:
+    """This thread's reusable staging buffer of at least `nbytes` (reused so the allocator does not churn)."""
+    buf = getattr(_staging, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _staging.buf = torch.empty(max(nbytes, SLAB_BYTES), dtype=torch.uint8)
+    return buf[:nbytes]
+
+
 def assemble_direct(reader: DcpReader, t: OutTensor) -> torch.Tensor:
-    """Read every stored chunk of `t` into a new tensor of the output dtype."""
+    """Read every stored chunk of `t` into a new tensor of the output dtype.
+
+    Chunks already in the output dtype whose block is contiguous in the output are read straight into place;
+    others are read a slab of rows at a time into a small staging buffer and cast into place, so casting never
+    holds a second full-size copy of a tensor.
+    """
     out = torch.empty(t.shape, dtype=t.dtype)
     for chunk in _unique_chunks(t):
         region = _region(out, chunk)
-        if t.dtype == t.src.dtype and region.is_contiguous():
-            reader.read_chunk_into(t.src, chunk, region)  # straight into place, no copy
+        where = reader.locate(t.src, chunk)
+        if where is None:
+            region.copy_(reader.torch_load_chunk(t.src, chunk))
+        elif t.dtype == t.src.dtype and region.is_contiguous():
+            reader.pread(chunk.file, where, byte_view(region))  # straight into place, no copy
         else:
-            region.copy_(reader.read_chunk(t.src, chunk))
+            _cast_in_slabs(reader, t, chunk, where, region)
     return out
+
+
+def _cast_in_slabs(
+    reader: DcpReader, t: OutTensor, chunk: ChunkSpec, where: int, region: torch.Tensor
+) -> None:
+    rows = chunk.sizes[0] if chunk.sizes else 1
+    row_shape = chunk.sizes[1:]
+    row_bytes = math.prod(row_shape) * t.src.dtype.itemsize
+    step = max(1, SLAB_BYTES // max(row_bytes, 1))
+    for lo in range(0, rows, step):
+        n = min(step, rows - lo)
+        staging = _slab(n * row_bytes)
+        reader.pread(chunk.file, where + lo * row_bytes, memoryview(staging.numpy()))  # type: ignore[arg-type]
+        values = (
+            staging.view(t.src.dtype).view(n, *row_shape) if chunk.sizes else staging.view(t.src.dtype)[0]
+        )
+        (region.narrow(0, lo, n) if chunk.sizes else region).copy_(values)
 
 
 def _unique_chunks(t: OutTensor) -> list[ChunkSpec]:

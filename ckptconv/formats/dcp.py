@@ -251,9 +251,9 @@ class DcpReader:
         assert out.is_contiguous() and out.dtype == spec.dtype and tuple(out.shape) == chunk.sizes
         if chunk.numel == 0:
             return
-        where = self._locate(spec, chunk)
+        where = self.locate(spec, chunk)
         if where is None:
-            out.copy_(self._torch_load_chunk(spec, chunk))
+            out.copy_(self.torch_load_chunk(spec, chunk))
         else:
             self.pread(chunk.file, where, byte_view(out))
 
@@ -262,8 +262,8 @@ class DcpReader:
         self.read_chunk_into(spec, chunk, out)
         return out
 
-    def _locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
-        """The file offset of the chunk's raw bytes, None when only torch.load can read it."""
+    def locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
+        """File offset of the chunk's raw bytes (C order, in `spec.dtype`), None if only torch.load can."""
         nbytes = chunk.numel * spec.dtype.itemsize
         if chunk.fmt == "safetensors":
             header = self._st_header(chunk.file, chunk.byte_offset)
@@ -303,7 +303,7 @@ class DcpReader:
             raise self._corrupt(chunk, "stores fewer bytes than its shape needs")
         return chunk.byte_offset + start
 
-    def _torch_load_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
+    def torch_load_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
         data = self.read_bytes(chunk.file, chunk.byte_offset, chunk.byte_length)
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

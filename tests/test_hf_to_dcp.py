@@ -22,13 +22,21 @@ def tiny(kind: str, path: Path) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    common = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=4, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        tie_word_embeddings=False,
+    )
     if kind == "llama":
         config = LlamaConfig(intermediate_size=24, **common)
     else:
-        config = Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
-                                **common)
+        config = Qwen3MoeConfig(
+            intermediate_size=24, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, **common
+        )
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path, max_shard_size="8KB")
     assert (path / "model.safetensors.index.json").exists()
@@ -72,7 +80,9 @@ def test_hf_dcp_hf_round_trip_is_bit_identical(hf_moe: Path, tmp_path: Path) -> 
         mid, back = tmp_path / f"dcp{nproc}", tmp_path / f"back{nproc}"
         proc = ckptconv("hf-to-dcp", str(hf_moe), str(mid), nproc=nproc)
         assert proc.returncode == 0, proc.stderr
-        proc = ckptconv("dcp-to-hf", str(mid), str(back), "--dtype", "keep", "--copy-from", str(hf_moe), "--quiet")
+        proc = ckptconv(
+            "dcp-to-hf", str(mid), str(back), "--dtype", "keep", "--copy-from", str(hf_moe), "--quiet"
+        )
         assert proc.returncode == 0, proc.stderr
         shas.append(tree_sha256(back))
         want, got = load_dir(hf_moe), load_dir(back)
@@ -86,11 +96,19 @@ def test_hf_dcp_hf_round_trip_is_bit_identical(hf_moe: Path, tmp_path: Path) -> 
 
 
 def test_mixed_dtypes_keep_and_fp32(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    src = {"w": torch.randn(5, 3).bfloat16(), "A_log": torch.randn(4), "pos": torch.arange(3), "s": torch.tensor(2.5)}
+    src = {
+        "w": torch.randn(5, 3).bfloat16(),
+        "A_log": torch.randn(4),
+        "pos": torch.arange(3),
+        "s": torch.tensor(2.5),
+    }
     save_file(src, tmp_path / "model.safetensors")
     for flags, dtypes in [
         ([], {"w": torch.bfloat16, "A_log": torch.float32}),
-        (["--dtype", "bf16", "--fp32", "A_log$"], {"w": torch.bfloat16, "A_log": torch.float32, "s": torch.bfloat16}),
+        (
+            ["--dtype", "bf16", "--fp32", "A_log$"],
+            {"w": torch.bfloat16, "A_log": torch.float32, "s": torch.bfloat16},
+        ),
         (["--dtype", "fp32"], {"w": torch.float32, "A_log": torch.float32}),
     ]:
         out = tmp_path / f"out{len(flags)}"
@@ -102,19 +120,30 @@ def test_mixed_dtypes_keep_and_fp32(tmp_path: Path, capsys: pytest.CaptureFixtur
             assert same_bits(state[key], want), (flags, key)  # type: ignore[arg-type]
 
 
-def test_stash_round_trip_restores_step_and_args(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_stash_round_trip_restores_step_and_args(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import argparse
 
     src = tmp_path / "src"
-    dcp.save({"model": {"w": torch.ones(3)}, "step": 7, "args": {"lr": 0.5, "cfg": argparse.Namespace(a=1)}},
-             checkpoint_id=str(src), no_dist=True)
+    dcp.save(
+        {"model": {"w": torch.ones(3)}, "step": 7, "args": {"lr": 0.5, "cfg": argparse.Namespace(a=1)}},
+        checkpoint_id=str(src),
+        no_dist=True,
+    )
     assert run(capsys, "dcp-to-hf", str(src), str(tmp_path / "hf"), "--quiet")[0] == 0
-    assert run(capsys, "hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "back"), "--prefix", "model.")[0] == 0
+    assert (
+        run(capsys, "hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "back"), "--prefix", "model.")[0] == 0
+    )
     back = open_dcp(tmp_path / "back")
     assert set(back.tensors) == {"model.w"} and back.paths["model.w"] == ("model", "w")
     state: dict[str, object] = {"step": 0, "args": {"lr": 0.0}, "model": {"w": torch.zeros(3)}}
     dcp.load(state, checkpoint_id=str(tmp_path / "back"), no_dist=True)
-    assert state["step"] == 7 and state["args"] == {"lr": 0.5} and torch.equal(state["model"]["w"], torch.ones(3))  # type: ignore[index]
+    assert (
+        state["step"] == 7
+        and state["args"] == {"lr": 0.5}
+        and torch.equal(state["model"]["w"], torch.ones(3))
+    )  # type: ignore[index]
     # the item only a full unpickler could read went through as its original bytes, never loaded
     from ckptconv.formats.dcp import DcpReader
 
@@ -139,7 +168,9 @@ def hub_cache(home: Path, repo: str, files: dict[str, bytes]) -> None:
 
 def test_hub_repo_id_offline(hf_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home = tmp_path / "hfhome"
-    hub_cache(home, "tiny-org/tiny-llama", {p.name: p.read_bytes() for p in hf_llama.iterdir() if p.is_file()})
+    hub_cache(
+        home, "tiny-org/tiny-llama", {p.name: p.read_bytes() for p in hf_llama.iterdir() if p.is_file()}
+    )
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     proc = ckptconv("hf-to-dcp", "tiny-org/tiny-llama", str(tmp_path / "out"), "--quiet")
@@ -152,7 +183,9 @@ def test_hub_repo_id_offline(hf_llama: Path, tmp_path: Path, monkeypatch: pytest
     assert not (tmp_path / "out2").exists()
 
 
-def test_bad_hf_inputs(hf_llama: Path, fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_hf_inputs(
+    hf_llama: Path, fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = str(tmp_path / "out")
 
     def case(name: str) -> Path:

@@ -200,3 +200,27 @@ def test_streamed_writer_equals_safetensors(tmp_path_factory, spec) -> None:
     stored, meta = read_header(path)
     assert meta == {"format": "pt"} and set(stored) == set(tensors)
     assert header_bytes([]) == save({}, metadata={"format": "pt"})
+
+
+def test_row_reader_equals_safetensors_get_slice(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ckptconv.formats.hf import RowReader, open_hf
+
+    src = {
+        "w": torch.randn(7, 3).bfloat16(),
+        "s": torch.tensor(1.5),
+        "e": torch.zeros(0, 2),
+        "i": torch.arange(5),
+    }
+    save_file(src, tmp_path / "m.safetensors")
+    reader = RowReader()
+    with safe_open(tmp_path / "m.safetensors", "pt") as f:
+        for key, stored in open_hf(tmp_path / "m.safetensors").tensors.items():
+            rows = stored.shape[0] if stored.shape else 1
+            for lo, hi in [(0, rows), (0, 0), (rows // 2, rows)] if stored.shape else [(0, 1)]:
+                want = f.get_slice(key)[lo:hi] if stored.shape else f.get_tensor(key)
+                got = reader.rows(stored, lo, hi)
+                assert got.dtype == want.dtype and torch.equal(got, want), (key, lo, hi)
+    reader.close()

@@ -7,6 +7,7 @@ Writing: `write_dcp` goes through torch's public `dcp.save`, with a planner that
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import json
@@ -203,8 +204,16 @@ def _sniff_formats(root: Path, tensors: Iterable[TensorSpec]) -> dict[str, Chunk
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous tensor, writable in place (works for bf16, bool, 0-d)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    """The bytes of a contiguous CPU tensor as a writable memoryview (bf16, bool and 0-d included).
+
+    Built with ctypes rather than `.numpy()`, which would pin the storage's size for good (and so keep
+    `write_dcp` from releasing a chunk once it is written). Valid while `tensor` is alive.
+    """
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 class DcpReader:
@@ -406,7 +415,13 @@ def write_dcp(
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
     class _RowsPlanner(dcp.DefaultSavePlanner):
+        last: torch.Tensor | None = None
+
         def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+            # FileSystemWriter keeps a reference to every tensor of a file until the file is done; with a
+            # serial loader (one thread, no copy-ahead) the previous chunk is already on disk when the next is
+            # asked for, so its storage is released here and a rank holds one chunk at a time.
+            self.release()
             fqn = write_item.index.fqn
             if write_item.type == WriteItemType.BYTE_IO:
                 if fqn in raw_items:
@@ -416,19 +431,27 @@ def write_dcp(
             chunk = write_item.tensor_data.chunk
             lo = int(chunk.offsets[0]) if len(chunk.offsets) else 0
             hi = lo + int(chunk.sizes[0]) if len(chunk.sizes) else 1
-            tensor = read_rows(fqn, lo, hi)
-            on_bytes(tensor.numel() * tensor.element_size())
-            return tensor
+            self.last = read_rows(fqn, lo, hi)
+            on_bytes(self.last.numel() * self.last.element_size())
+            return self.last
 
-    writer = dcp.FileSystemWriter(str(directory), thread_count=1)
+        def release(self) -> None:
+            if self.last is not None:
+                self.last.untyped_storage().resize_(0)
+                self.last = None
+
+    writer = dcp.FileSystemWriter(str(directory), thread_count=1, per_thread_copy_ahead=0)
+    planner = _RowsPlanner()
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(state_dict, storage_writer=writer, planner=_RowsPlanner(), no_dist=not _dist_ready())
+            dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=not _dist_ready())
     except OSError as e:
         raise CkptconvError(
             f"{directory}: cannot write ({e.strerror}); check free space and permissions"
         ) from None
+    finally:
+        planner.release()
 
 
 def _dist_ready() -> bool:

@@ -1,8 +1,7 @@
-"""hf-to-dcp on real transformers checkpoints: dcp.load at any world size, round trips, hub cache, bad input."""
+"""hf-to-dcp on real transformers checkpoints: dcp.load at any world size, round trips, hub, bad input."""
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path

@@ -93,6 +93,22 @@ def _on_main(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
     return _everyone(world, lambda: fn(*args, **kwargs) if world.is_main else None)
 
 
+def _atomically(
+    world: World, out: Path, write: Callable[[Path], None], finish: Callable[[Path], T]
+) -> T | None:
+    """Collective: every rank `write`s into the staging directory of `out`, then rank 0 `finish`es (and
+    publishes); on any rank's failure, rank 0 removes the staging directory and every rank raises."""
+    _on_main(world, outdir.prepare, out)
+    staging = outdir.staging_dir(out)
+    try:
+        _everyone(world, write, staging)
+        return _on_main(world, finish, staging)
+    except BaseException:
+        if world.is_main:
+            outdir.discard(out)
+        raise
+
+
 def dcp_to_hf(
     src: Path,
     out: Path,
@@ -134,15 +150,15 @@ def dcp_to_hf(
     if dry_run:
         return result
 
-    _on_main(world, outdir.prepare, out)
-    staging = outdir.staging_dir(out)
-    try:
-        _everyone(world, _write_shards, plan, ckpt, staging, world, ui, bucket, read_path)
-        result.copied = _on_main(world, _finish, plan, ckpt, staging, out, copy_from, ui) or []
-    except BaseException:
-        if world.is_main:
-            outdir.discard(out)
-        raise
+    result.copied = (
+        _atomically(
+            world,
+            out,
+            lambda staging: _write_shards(plan, ckpt, staging, world, ui, bucket, read_path),
+            lambda staging: _finish(plan, ckpt, staging, out, copy_from, ui),
+        )
+        or []
+    )
     result.seconds = time.perf_counter() - start
     result.written = True
     return result
@@ -265,15 +281,12 @@ def hf_to_dcp(
     result = DcpResult(out, path, plan)
     if dry_run:
         return result
-    _on_main(world, outdir.prepare, out)
-    staging = outdir.staging_dir(out)
-    try:
-        _everyone(world, _save_dcp, plan, staging, world, ui)
-        _on_main(world, outdir.publish, staging, out)
-    except BaseException:
-        if world.is_main:
-            outdir.discard(out)
-        raise
+    _atomically(
+        world,
+        out,
+        lambda staging: _save_dcp(plan, staging, world, ui),
+        lambda staging: outdir.publish(staging, out),
+    )
     result.seconds = time.perf_counter() - start
     result.written = True
     return result

@@ -66,6 +66,17 @@ ProgressOpt = Annotated[
 RevisionOpt = Annotated[
     str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit) of a repo id.")
 ]
+MappingOpt = Annotated[
+    str | None,
+    typer.Option("--mapping", help="Key mapping: a preset name (see README) or a TOML file of rules."),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", help="config.json the mapping reads sizes from (heads, tied embeddings)."),
+]
+AllowUnmappedOpt = Annotated[
+    bool, typer.Option("--allow-unmapped", help="Pass keys no mapping rule covers through unchanged.")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (rank 0).")]
 
 
@@ -93,6 +104,12 @@ def dcp_to_hf_cmd(
     dry_run: DryRunOpt = False,
     bucket_size: BucketOpt = "128MB",
     read: ReadOpt = "direct",
+    mapping: MappingOpt = None,
+    config: ConfigOpt = None,
+    allow_unmapped: AllowUnmappedOpt = False,
+    hf_experts: Annotated[
+        str | None, typer.Option("--hf-experts", help="per_expert or fused: how MoE experts are written.")
+    ] = None,
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
@@ -122,6 +139,10 @@ def dcp_to_hf_cmd(
             dry_run=dry_run,
             bucket_size=bucket_size,
             read_path=read,  # type: ignore[arg-type]
+            mapping=mapping,
+            config=config,
+            allow_unmapped=allow_unmapped,
+            hf_experts=hf_experts,
         )
         summary = plan_summary(result.plan)
         if json_out:
@@ -163,6 +184,9 @@ def hf_to_dcp_cmd(
         str | None, typer.Option("--prefix", help="Prepend this to every key, as nested groups ('model.').")
     ] = None,
     revision: RevisionOpt = None,
+    mapping: MappingOpt = None,
+    config: ConfigOpt = None,
+    allow_unmapped: AllowUnmappedOpt = False,
     overwrite: OverwriteOpt = False,
     dry_run: DryRunOpt = False,
     quiet: QuietOpt = False,
@@ -188,6 +212,9 @@ def hf_to_dcp_cmd(
             revision=revision,
             overwrite=overwrite,
             dry_run=dry_run,
+            mapping=mapping,
+            config=config,
+            allow_unmapped=allow_unmapped,
         )
         summary = dcp_plan_summary(result.plan)
         if json_out:

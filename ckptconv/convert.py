@@ -6,6 +6,7 @@ Every function here is collective under torchrun: call it on every rank with the
 from __future__ import annotations
 
 import ctypes
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, cast
 import torch
 
 from . import outdir
+from .compose import target_rows
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, DcpReader, is_dcp_dir, open_dcp, write_dcp
@@ -29,6 +31,7 @@ from .formats.hf import (
     open_hf,
     write_index,
 )
+from .mapping import load_mapping
 from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .stash import StashedItem, json_exact, read_stash, write_stash
 from .ui import Ui
@@ -124,6 +127,10 @@ def dcp_to_hf(
     dry_run: bool = False,
     bucket_size: str | int = DEFAULT_BUCKET,
     read_path: ReadPath = "direct",
+    mapping: str | None = None,
+    config: Path | None = None,
+    allow_unmapped: bool = False,
+    hf_experts: str | None = None,
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`. Collective."""
     start = time.perf_counter()
@@ -136,7 +143,18 @@ def dcp_to_hf(
         if copy_from is not None and not copy_from.is_dir():
             raise CkptconvError(f"--copy-from {copy_from}: not a directory")
         ckpt = open_dcp(resolve_dcp_source(src))
-        plan = plan_dcp_to_hf(ckpt, policy, max_shard_size=shard_bytes, world_size=world.size, prefix=prefix)
+        key_mapping = load_mapping(mapping, hf_experts) if mapping else None
+        model_config = load_config(config or (copy_from / "config.json" if copy_from else None))
+        plan = plan_dcp_to_hf(
+            ckpt,
+            policy,
+            max_shard_size=shard_bytes,
+            world_size=world.size,
+            prefix=prefix,
+            mapping=key_mapping,
+            config=model_config,
+            allow_unmapped=allow_unmapped,
+        )
         if not dry_run:
             outdir.check_out(out, overwrite)
         return ckpt, plan, bucket
@@ -227,6 +245,19 @@ def _load_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, ui: Ui) -> list[StashedIt
     return items
 
 
+def load_config(path: Path | None) -> dict[str, Any]:
+    """config.json as a dict ({} when there is none); mapping rules read sizes and flags from it."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CkptconvError(f"{path}: not a readable JSON config ({e})") from None
+    if not isinstance(doc, dict):
+        raise CkptconvError(f"{path}: not a JSON object")
+    return doc
+
+
 def resolve_hf_source(src: str, revision: str | None) -> Path:
     """The local safetensors file or directory `src` names, downloading a hub repo id if needed."""
     path = Path(src)
@@ -259,6 +290,9 @@ def hf_to_dcp(
     revision: str | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
+    mapping: str | None = None,
+    config: Path | None = None,
+    allow_unmapped: bool = False,
 ) -> DcpResult:
     """Convert the HF model `src` (directory, file or hub repo id) to the DCP directory `out`. Collective."""
     start = time.perf_counter()
@@ -270,7 +304,18 @@ def hf_to_dcp(
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         hf = open_hf(path)
         stash = read_stash(path) if path.is_dir() else []
-        plan = plan_hf_to_dcp(hf, policy, world_size=world.size, prefix=prefix, stash=stash)
+        key_mapping = load_mapping(mapping) if mapping else None
+        model_config = load_config(config or (path / "config.json" if path.is_dir() else None))
+        plan = plan_hf_to_dcp(
+            hf,
+            policy,
+            world_size=world.size,
+            prefix=prefix,
+            stash=stash,
+            mapping=key_mapping,
+            config=model_config,
+            allow_unmapped=allow_unmapped,
+        )
         if not dry_run:
             outdir.check_out(out, overwrite)
         return plan
@@ -307,9 +352,7 @@ def _save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> None:
     reader = RowReader()
 
     def read_rows(fqn: str, lo: int, hi: int) -> torch.Tensor:
-        t = by_key[fqn]
-        rows = reader.rows(t.src, lo, hi)
-        return rows if rows.dtype == t.dtype else rows.to(t.dtype)
+        return target_rows(by_key[fqn], lo, hi, reader)
 
     mine = plan.nbytes_of(world.rank)
     with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:

@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -22,6 +23,8 @@ from .dtypes import DtypePolicy, st_layout_rank
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
 from .formats.hf import HfCheckpoint, StoredTensor
+from .mapping.rules import KeyMapping, Part, Target, map_keys
+from .mapping.rules import whole as _whole
 from .specs import NonTensorItem, TensorSpec
 from .stash import StashedItem
 
@@ -49,18 +52,44 @@ SAFETENSORS_PATTERN = "model{suffix}.safetensors"
 
 
 @dataclass(frozen=True)
-class OutTensor:
-    hf_key: str
-    src: TensorSpec
-    dtype: torch.dtype
+class SourcePart:
+    """A block of a stored tensor that lands in a block of an output tensor (see mapping.rules.Part)."""
+
+    spec: TensorSpec
+    part: Part
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.src.shape
+    def whole(self) -> bool:
+        """The whole stored tensor, unpermuted, lands at the origin of the output (alone, if shapes match)."""
+        p = self.part
+        return p.perm is None and p.src_sizes == self.spec.shape == p.dst_sizes and not any(p.dst_offsets)
 
     @property
     def nbytes(self) -> int:
-        return self.src.numel * self.dtype.itemsize
+        return math.prod(self.part.src_sizes) * self.spec.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    hf_key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: tuple[SourcePart, ...]
+    op: str = "rename"
+
+    @property
+    def src(self) -> TensorSpec:
+        """The (first) stored tensor this one comes from."""
+        return self.parts[0].spec
+
+    @property
+    def src_nbytes(self) -> int:
+        """Bytes read from the checkpoint to make this tensor."""
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -171,6 +200,35 @@ def assign_owners(nbytes: Sequence[int], world_size: int) -> list[int]:
     return owners
 
 
+def _out_tensors(
+    ckpt: DcpCheckpoint,
+    selection: Selection,
+    policy: DtypePolicy,
+    mapping: KeyMapping | None,
+    config: dict[str, Any],
+    allow_unmapped: bool,
+) -> tuple[list[OutTensor], list[str]]:
+    """Output tensors (HF keys, parts) for the selected checkpoint tensors, mapped when a mapping is given."""
+    fqn_of = dict(selection.keys)
+    shapes = {key: ckpt.tensors[fqn].shape for key, fqn in selection.keys}
+    if mapping is None:
+        targets = [
+            Target(k, s, (Part(k, (0,) * len(s), s, (0,) * len(s), s),), "rename") for k, s in shapes.items()
+        ]
+        unmapped: list[str] = []
+    else:
+        targets, unmapped = map_keys(mapping, "to_hf", shapes, config, allow_unmapped=allow_unmapped)
+    outs = []
+    for target in targets:
+        parts = tuple(SourcePart(ckpt.tensors[fqn_of[p.src]], p) for p in target.parts)
+        dtypes = {sp.spec.dtype for sp in parts}
+        if len(dtypes) > 1:
+            raise CkptconvError(f"{target.key!r} would combine tensors of dtypes {sorted(map(str, dtypes))}")
+        dtype = policy.resolve(target.key, parts[0].spec.dtype)
+        outs.append(OutTensor(target.key, target.shape, dtype, parts, target.op))
+    return outs, unmapped
+
+
 def plan_dcp_to_hf(
     ckpt: DcpCheckpoint,
     policy: DtypePolicy,
@@ -178,14 +236,20 @@ def plan_dcp_to_hf(
     max_shard_size: int,
     world_size: int,
     prefix: str | None = None,
+    mapping: KeyMapping | None = None,
+    config: dict[str, Any] | None = None,
+    allow_unmapped: bool = False,
 ) -> HfSavePlan:
     selection = select_tensors(ckpt, prefix)
     if not selection.keys:
         raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
-    outs = {
-        hf_key: OutTensor(hf_key, ckpt.tensors[fqn], policy.resolve(hf_key, ckpt.tensors[fqn].dtype))
-        for hf_key, fqn in sorted(selection.keys, key=lambda pair: natural_key(pair[0]))
-    }
+    mapped, unmapped = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
+    outs = {t.hf_key: t for t in sorted(mapped, key=lambda t: natural_key(t.hf_key))}
+    notes = selection.notes
+    if unmapped:
+        notes += (
+            f"--allow-unmapped: {len(unmapped)} key(s) passed through unchanged: {', '.join(unmapped)}",
+        )
     split = split_state_dict_into_shards_factory(
         outs,
         get_storage_size=lambda t: t.nbytes,
@@ -197,7 +261,7 @@ def plan_dcp_to_hf(
     groups = [data_order([outs[k] for k in split.filename_to_tensors[name]]) for name in names]
     owners = assign_owners([sum(t.nbytes for t in g) for g in groups], world_size)
     files = tuple(OutFile(name, g, owner) for name, g, owner in zip(names, groups, owners, strict=True))
-    return HfSavePlan(files, selection.stash, selection.notes, tuple(policy.warnings()), world_size)
+    return HfSavePlan(files, selection.stash, notes, tuple(policy.warnings()), world_size)
 
 
 def parse_size(value: str | int, flag: str = "--max-shard-size") -> int:
@@ -222,16 +286,19 @@ def parse_size(value: str | int, flag: str = "--max-shard-size") -> int:
 @dataclass(frozen=True)
 class DcpOutTensor:
     key: str  # the DCP key, prefix included
-    src: StoredTensor
+    shape: tuple[int, ...]
     dtype: torch.dtype
+    parts: tuple[tuple[StoredTensor, Part], ...]
+    op: str = "rename"
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.src.shape
+    def src(self) -> StoredTensor:
+        """The (first) HF tensor this one comes from."""
+        return self.parts[0][0]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.src.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -273,19 +340,31 @@ def plan_hf_to_dcp(
     world_size: int,
     prefix: str | None = None,
     stash: Sequence[StashedItem] = (),
+    mapping: KeyMapping | None = None,
+    config: dict[str, Any] | None = None,
+    allow_unmapped: bool = False,
 ) -> DcpSavePlan:
     if prefix is not None and (not prefix.strip(".") or ".." in prefix):
         raise CkptconvError(f"--prefix {prefix!r}: use dotted names such as 'model.'")
     nesting = tuple(prefix.strip(".").split(".")) if prefix else ()
     lead = "".join(part + "." for part in nesting)
-    tensors = tuple(
-        DcpOutTensor(lead + key, stored, policy.resolve(lead + key, stored.dtype))
-        for key, stored in sorted(hf.tensors.items(), key=lambda kv: natural_key(kv[0]))
-    )
+    shapes = {key: stored.shape for key, stored in hf.tensors.items()}
+    if mapping is None:
+        targets = [Target(k, s, (_whole(k, s),), "rename") for k, s in shapes.items()]
+    else:
+        targets, _ = map_keys(mapping, "to_runtime", shapes, config or {}, allow_unmapped=allow_unmapped)
+    tensors = []
+    for target in sorted(targets, key=lambda t: natural_key(t.key)):
+        parts = tuple((hf.tensors[p.src], p) for p in target.parts)
+        if len({stored.dtype for stored, _ in parts}) > 1:
+            raise CkptconvError(f"{target.key!r} would combine tensors of different dtypes")
+        key = lead + target.key
+        dtype = policy.resolve(key, parts[0][0].dtype)
+        tensors.append(DcpOutTensor(key, target.shape, dtype, parts, target.op))
     for item in stash:
         for t in tensors:
             if item.key == t.key or t.key.startswith(item.key + ".") or item.key.startswith(t.key + "."):
                 raise CkptconvError(
                     f"{hf.path}: stashed item {item.key!r} collides with tensor {t.key!r}; pass --prefix"
                 )
-    return DcpSavePlan(tensors, nesting, tuple(stash), tuple(policy.warnings()), world_size)
+    return DcpSavePlan(tuple(tensors), nesting, tuple(stash), tuple(policy.warnings()), world_size)

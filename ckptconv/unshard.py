@@ -18,30 +18,28 @@ import re
 import threading
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from .formats.dcp import DcpReader, byte_view
-from .plan import HfSavePlan, OutFile, OutTensor
-from .specs import ChunkSpec
+from .layout import intersect
+from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
+from .specs import ChunkSpec, TensorSpec
 from .world import World
 
 Item = tuple[OutFile, OutTensor, torch.Tensor]
 
 
-def _region(out: torch.Tensor, chunk: ChunkSpec) -> torch.Tensor:
-    view = out
-    for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-        view = view.narrow(dim, offset, size)
-    return view
+RowsFn = Callable[[TensorSpec, ChunkSpec, int, int], torch.Tensor]  # rows [r0, r1) of a stored chunk
 
 
-def place(out: torch.Tensor, chunk: ChunkSpec, data: torch.Tensor) -> None:
-    """Copy a chunk's source values into their block of `out`, casting with torch's own conversion."""
-    _region(out, chunk).copy_(data)
+def _narrow(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    for dim, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
+        t = t.narrow(dim, offset, size)
+    return t
 
 
 SLAB_BYTES = 32 * 2**20  # a chunk that must be cast is read and cast this many bytes at a time
@@ -56,49 +54,111 @@ def _slab(nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
-def assemble_direct(reader: DcpReader, t: OutTensor) -> torch.Tensor:
-    """Read every stored chunk of `t` into a new tensor of the output dtype.
+def assemble(t: OutTensor, rows: RowsFn, reader: DcpReader | None = None) -> torch.Tensor:
+    """The output tensor `t` in its dtype, from the stored chunks `rows` returns (and `reader`, if direct).
 
-    Chunks already in the output dtype whose block is contiguous in the output are read straight into place;
-    others are read a slab of rows at a time into a small staging buffer and cast into place, so casting never
-    holds a second full-size copy of a tensor.
+    A part that is a whole stored tensor is filled chunk by chunk straight into place (`_fill_whole`); any
+    other part (a block of a stacked or fused tensor, a permuted one) reads only the rows of the chunks that
+    intersect its block, then lands in its block of the output.
     """
     out = torch.empty(t.shape, dtype=t.dtype)
-    for chunk in _unique_chunks(t):
-        region = _region(out, chunk)
-        where = reader.locate(t.src, chunk)
-        if where is None:
-            region.copy_(reader.torch_load_chunk(t.src, chunk))
-        elif t.dtype == t.src.dtype and region.is_contiguous():
-            reader.pread(chunk.file, where, byte_view(region))  # straight into place, no copy
+    for sp in t.parts:
+        if sp.whole and sp.spec.shape == t.shape and reader is not None:
+            _fill_whole(reader, sp.spec, out)
         else:
-            _cast_in_slabs(reader, t, chunk, where, region)
+            _place(out, sp, _read_block(sp, rows))
     return out
 
 
+def _read_block(sp: SourcePart, rows: RowsFn) -> torch.Tensor:
+    p, spec = sp.part, sp.spec
+    chunks = _unique_chunks(spec)
+    if not p.src_sizes:  # 0-d
+        return rows(spec, chunks[0], 0, 1)
+    block = torch.empty(p.src_sizes, dtype=spec.dtype)
+    for chunk in chunks:
+        inter = intersect((chunk.offsets, chunk.sizes), (p.src_offsets, p.src_sizes))
+        if inter is None:
+            continue
+        r0 = inter[0][0] - chunk.offsets[0]
+        piece = rows(spec, chunk, r0, r0 + inter[1][0])
+        rel = [0, *(o - c for o, c in zip(inter[0][1:], chunk.offsets[1:], strict=True))]
+        piece = _narrow(piece, rel, inter[1])
+        _narrow(block, [o - b for o, b in zip(inter[0], p.src_offsets, strict=True)], inter[1]).copy_(piece)
+    return block
+
+
+def _place(out: torch.Tensor, sp: SourcePart, block: torch.Tensor) -> None:
+    """Copy a source block into its block of `out` (reshaped across size-1 dims, rows permuted), casting."""
+    p = sp.part
+    values = block.reshape(p.dst_sizes)
+    if p.perm is not None:
+        values = values[list(p.perm)]
+    _narrow(out, p.dst_offsets, p.dst_sizes).copy_(values)
+
+
+def direct_rows(reader: DcpReader) -> RowsFn:
+    """Rows of a stored chunk read straight from its file (only those rows' bytes)."""
+
+    def rows(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
+        where = reader.locate(spec, chunk)
+        if where is None:
+            whole = reader.torch_load_chunk(spec, chunk)
+            return whole.narrow(0, r0, r1 - r0) if chunk.sizes else whole
+        out = torch.empty((r1 - r0, *chunk.sizes[1:]) if chunk.sizes else (), dtype=spec.dtype)
+        row_bytes = math.prod(chunk.sizes[1:]) * spec.dtype.itemsize
+        reader.pread(chunk.file, where + r0 * row_bytes, byte_view(out))
+        return out
+
+    return rows
+
+
+def _fill_whole(reader: DcpReader, spec: TensorSpec, out: torch.Tensor) -> None:
+    """Every chunk of `spec` into its block of `out`: read straight into place when no cast is needed,
+    otherwise a slab of rows at a time through a small staging buffer (never a second full-size copy)."""
+    for chunk in _unique_chunks(spec):
+        region = _narrow(out, chunk.offsets, chunk.sizes)
+        where = reader.locate(spec, chunk)
+        if where is None:
+            region.copy_(reader.torch_load_chunk(spec, chunk))
+        elif out.dtype == spec.dtype and region.is_contiguous():
+            reader.pread(chunk.file, where, byte_view(region))  # straight into place, no copy
+        else:
+            _cast_in_slabs(reader, spec, chunk, where, region)
+
+
 def _cast_in_slabs(
-    reader: DcpReader, t: OutTensor, chunk: ChunkSpec, where: int, region: torch.Tensor
+    reader: DcpReader, spec: TensorSpec, chunk: ChunkSpec, where: int, region: torch.Tensor
 ) -> None:
     rows = chunk.sizes[0] if chunk.sizes else 1
     row_shape = chunk.sizes[1:]
-    row_bytes = math.prod(row_shape) * t.src.dtype.itemsize
+    row_bytes = math.prod(row_shape) * spec.dtype.itemsize
     step = max(1, SLAB_BYTES // max(row_bytes, 1))
     for lo in range(0, rows, step):
         n = min(step, rows - lo)
         staging = _slab(n * row_bytes)
         reader.pread(chunk.file, where + lo * row_bytes, byte_view(staging))
-        values = (
-            staging.view(t.src.dtype).view(n, *row_shape) if chunk.sizes else staging.view(t.src.dtype)[0]
-        )
+        values = staging.view(spec.dtype).view(n, *row_shape) if chunk.sizes else staging.view(spec.dtype)[0]
         (region.narrow(0, lo, n) if chunk.sizes else region).copy_(values)
 
 
-def _unique_chunks(t: OutTensor) -> list[ChunkSpec]:
+def _unique_chunks(spec: TensorSpec) -> list[ChunkSpec]:
     seen: dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkSpec] = {}
-    for chunk in t.src.chunks:
+    for chunk in spec.chunks:
         if chunk.numel:
             seen.setdefault((chunk.offsets, chunk.sizes), chunk)
     return list(seen.values())
+
+
+def _needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec]]:
+    """The stored chunks `t` reads from: those intersecting one of its parts' blocks."""
+    out: dict[tuple[str, tuple[int, ...]], tuple[TensorSpec, ChunkSpec]] = {}
+    for sp in t.parts:
+        box = (sp.part.src_offsets, sp.part.src_sizes)
+        for chunk in _unique_chunks(sp.spec):
+            if not chunk.sizes or intersect((chunk.offsets, chunk.sizes), box) is not None:
+                out.setdefault((sp.spec.fqn, chunk.offsets), (sp.spec, chunk))
+    return list(out.values())
 
 
 def _stream(plan: HfSavePlan, rank: int) -> list[tuple[OutFile, OutTensor]]:
@@ -109,13 +169,14 @@ def direct_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_byt
     """This rank's output tensors in file order, read directly, up to `bucket_bytes` ahead in threads."""
     pending: deque[tuple[OutFile, OutTensor, Future[torch.Tensor]]] = deque()
     in_flight = 0
+    rows = direct_rows(reader)
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptconv-read") as pool:
         for f, t in _stream(plan, world.rank):
             while pending and in_flight + t.nbytes > bucket_bytes:
                 done_f, done_t, future = pending.popleft()
                 in_flight -= done_t.nbytes
                 yield done_f, done_t, future.result()
-            pending.append((f, t, pool.submit(assemble_direct, reader, t)))
+            pending.append((f, t, pool.submit(assemble, t, rows, reader)))
             in_flight += t.nbytes
         while pending:
             done_f, done_t, future = pending.popleft()
@@ -138,6 +199,7 @@ def reader_rank(file: str, world_size: int) -> int:
 @dataclass(frozen=True)
 class Transfer:
     tensor: OutTensor
+    spec: TensorSpec
     chunk: ChunkSpec
     reader: int
     writer: int
@@ -153,11 +215,11 @@ def gather_rounds(
         buckets: list[list[tuple[OutFile, OutTensor]]] = []
         size = 0
         for f, t in _stream(plan, rank):
-            if not buckets or (size + t.src.nbytes > bucket_bytes and buckets[-1]):
+            if not buckets or (size + t.src_nbytes > bucket_bytes and buckets[-1]):
                 buckets.append([])
                 size = 0
             buckets[-1].append((f, t))
-            size += t.src.nbytes
+            size += t.src_nbytes
         per_writer.append(buckets)
     depth = max((len(b) for b in per_writer), default=0)
     return [[(rank, b[k]) for rank, b in enumerate(per_writer) if k < len(b)] for k in range(depth)]
@@ -169,17 +231,17 @@ def gather_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_byt
 
     for round_ in gather_rounds(plan, bucket_bytes):
         transfers = [
-            Transfer(t, chunk, reader_rank(chunk.file, world.size), writer)
+            Transfer(t, spec, chunk, reader_rank(chunk.file, world.size), writer)
             for writer, bucket in round_
             for _, t in bucket
-            for chunk in _unique_chunks(t)
+            for spec, chunk in _needed_chunks(t)
         ]
         local: dict[int, torch.Tensor] = {}
         error: BaseException | None = None
         try:
             for i, tr in enumerate(transfers):
                 if tr.reader == world.rank:
-                    local[i] = reader.read_chunk(tr.tensor.src, tr.chunk)
+                    local[i] = reader.read_chunk(tr.spec, tr.chunk)
         except Exception as e:
             error = e
         world.agree(error)
@@ -190,18 +252,20 @@ def gather_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_byt
             if tr.reader == world.rank:  # sent as bytes: gloo moves any dtype that way (bool, fp8, bf16)
                 ops.append(dist.P2POp(dist.isend, _as_bytes(local.pop(i)), tr.writer))
             elif tr.writer == world.rank:
-                local[i] = torch.empty(tr.chunk.sizes, dtype=tr.tensor.src.dtype)
+                local[i] = torch.empty(tr.chunk.sizes, dtype=tr.spec.dtype)
                 ops.append(dist.P2POp(dist.irecv, _as_bytes(local[i]), tr.reader))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        mine = dict(round_).get(world.rank, [])
-        by_tensor: dict[str, list[int]] = {}
+        received: dict[str, dict[tuple[str, tuple[int, ...]], torch.Tensor]] = {}
         for i, tr in enumerate(transfers):
             if tr.writer == world.rank:
-                by_tensor.setdefault(tr.tensor.hf_key, []).append(i)
-        for f, t in mine:
-            out = torch.empty(t.shape, dtype=t.dtype)
-            for i in by_tensor.get(t.hf_key, []):
-                place(out, transfers[i].chunk, local.pop(i))
-            yield f, t, out
+                received.setdefault(tr.tensor.hf_key, {})[(tr.spec.fqn, tr.chunk.offsets)] = local.pop(i)
+        for f, t in dict(round_).get(world.rank, []):
+            chunks = received.pop(t.hf_key, {})
+
+            def rows(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
+                data = chunks[(spec.fqn, chunk.offsets)]  # noqa: B023 (used before the next iteration)
+                return data.narrow(0, r0, r1 - r0) if chunk.sizes else data
+
+            yield f, t, assemble(t, rows)

@@ -1,0 +1,283 @@
+"""Key mapping: the rule engine as tables, and both converters through a mapping on sharded checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import WORKERS, ckptconv, torchrun, tree_sha256
+from test_dcp_to_hf import load_dir, same_bits
+from test_hf_to_dcp import load_plain
+
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.dcp import open_dcp
+from ckptconv.mapping import load_mapping, presets
+from ckptconv.mapping.rules import inverse, map_keys, rope_perm
+
+MAPPING = """
+[mapping]
+name = "test"
+hf_experts = "per_expert"
+
+[[rule]]
+runtime = "tok_embeddings.weight"
+hf = "model.embed_tokens.weight"
+
+[[rule]]
+runtime = "layers.{layer}.attention.wq.weight"
+hf = "model.layers.{layer}.self_attn.q_proj.weight"
+permute = "q"
+
+[[rule]]
+runtime = "layers.{layer}.attention.wk.weight"
+hf = "model.layers.{layer}.self_attn.k_proj.weight"
+permute = "k"
+
+[[rule]]
+runtime = "layers.{layer}.feed_forward.w13.weight"
+hf = ["model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"]
+dim = 0
+sizes = ["intermediate_size", "intermediate_size"]
+
+[[rule]]
+runtime = "layers.{layer}.moe.experts.w1"
+hf = "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight"
+stack = "expert"
+when = "per_expert"
+
+[[rule]]
+runtime = "layers.{layer}.moe.experts.w2"
+hf = "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"
+stack = "expert"
+when = "per_expert"
+
+[[rule]]
+runtime = ["layers.{layer}.moe.experts.w1", "layers.{layer}.moe.experts.w3"]
+hf = "model.layers.{layer}.mlp.experts.gate_up_proj"
+dim = 1
+when = "fused"
+
+[[rule]]
+runtime = "layers.{layer}.moe.experts.w3"
+hf = "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"
+stack = "expert"
+when = "per_expert"
+
+[[rule]]
+runtime = "layers.{layer}.moe.experts.w2"
+hf = "model.layers.{layer}.mlp.experts.down_proj"
+when = "fused"
+
+[[rule]]
+runtime = "layers.{layer}.attention_norm.weight"
+hf = "model.layers.{layer}.input_layernorm.weight"
+
+[[rule]]
+runtime = "freqs_cis"
+drop = true
+
+[[rule]]
+runtime = "output.weight"
+hf = "lm_head.weight"
+tied = "model.embed_tokens.weight"
+"""
+CONFIG = {
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 6,
+    "tie_word_embeddings": False,
+}
+E, F, D = 4, 6, 8
+SPEC = {
+    "tok_embeddings.weight": [[10, D], "float32", "shard0"],
+    "layers.0.attention.wq.weight": [[D, D], "float32", "shard0"],
+    "layers.0.attention.wk.weight": [[4, D], "float32", "shard1"],
+    "layers.0.feed_forward.w13.weight": [[2 * F, D], "float32", "shard0"],
+    "layers.1.moe.experts.w1": [[E, F, D], "bfloat16", "shard0"],
+    "layers.1.moe.experts.w3": [[E, F, D], "bfloat16", "shard1"],
+    "layers.1.moe.experts.w2": [[E, D, F], "bfloat16", "shard1"],
+    "layers.0.attention_norm.weight": [[D], "float32", "replicate"],
+    "freqs_cis": [[3, 2], "float32", "replicate"],
+    "output.weight": [[10, D], "float32", "shard0"],
+}
+
+
+def titan_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """torchtitan's Llama adapter, to HF: view(heads, 2, rows // heads // 2, cols).transpose(1, 2)."""
+    rows, cols = w.shape
+    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def expected_hf(full: dict[str, torch.Tensor], fused: bool) -> dict[str, torch.Tensor]:
+    out = {
+        "model.embed_tokens.weight": full["tok_embeddings.weight"],
+        "model.layers.0.self_attn.q_proj.weight": titan_permute(full["layers.0.attention.wq.weight"], 4),
+        "model.layers.0.self_attn.k_proj.weight": titan_permute(full["layers.0.attention.wk.weight"], 2),
+        "model.layers.0.mlp.gate_proj.weight": full["layers.0.feed_forward.w13.weight"][:F],
+        "model.layers.0.mlp.up_proj.weight": full["layers.0.feed_forward.w13.weight"][F:],
+        "model.layers.0.input_layernorm.weight": full["layers.0.attention_norm.weight"],
+        "lm_head.weight": full["output.weight"],
+    }
+    w1, w2, w3 = (full[f"layers.1.moe.experts.w{i}"] for i in (1, 2, 3))
+    if fused:
+        out["model.layers.1.mlp.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1)
+        out["model.layers.1.mlp.experts.down_proj"] = w2
+    else:
+        for e in range(E):
+            out[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"] = w1[e]
+            out[f"model.layers.1.mlp.experts.{e}.up_proj.weight"] = w3[e]
+            out[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] = w2[e]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def runtime_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("runtime")
+    (root / "spec.json").write_text(json.dumps(SPEC))
+    (root / "map.toml").write_text(MAPPING)
+    (root / "config.json").write_text(json.dumps(CONFIG))
+    torchrun(2, str(WORKERS / "save_runtime.py"), str(root / "ckpt"), str(root / "spec.json"))
+    return root / "ckpt", root / "map.toml", root / "config.json"
+
+
+def full_runtime() -> dict[str, torch.Tensor]:
+    import sys
+
+    sys.path.insert(0, str(WORKERS))
+    from save_runtime import full_tensors
+
+    return full_tensors(SPEC)
+
+
+@pytest.mark.parametrize("form", ["per_expert", "fused"])
+def test_mapping_both_directions_bit_exact(runtime_ckpt, tmp_path: Path, form: str) -> None:
+    ckpt, mapping, config = runtime_ckpt
+    full = full_runtime()
+    flags = ["--mapping", str(mapping), "--config", str(config), "--dtype", "keep", "--hf-experts", form]
+    shas = []
+    for nproc, read in [(0, "direct"), (2, "direct"), (3, "gather")]:
+        out = tmp_path / f"hf-{nproc}"
+        proc = ckptconv(
+            "dcp-to-hf", str(ckpt), str(out), *flags, "--max-shard-size", "900", "--read", read, nproc=nproc
+        )
+        assert proc.returncode == 0, proc.stderr
+        shas.append(tree_sha256(out))
+    assert shas[0] == shas[1] == shas[2]
+    got, want = load_dir(tmp_path / "hf-0"), expected_hf(full, form == "fused")
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert same_bits(got[key], value), key
+    # back to runtime names and layouts, at 2 ranks: the original tensors exactly (freqs_cis was dropped)
+    (tmp_path / "hf-0" / "config.json").write_text(config.read_text())
+    back = tmp_path / "back"
+    proc = ckptconv(
+        "hf-to-dcp",
+        str(tmp_path / "hf-0"),
+        str(back),
+        "--mapping",
+        str(mapping),
+        "--prefix",
+        "model.",
+        nproc=2,
+    )
+    assert proc.returncode == 0, proc.stderr
+    state = load_plain(back)
+    assert set(state) == {f"model.{k}" for k in full if k != "freqs_cis"}
+    assert "step" in open_dcp(back).items
+    for key, value in full.items():
+        if key != "freqs_cis":
+            assert same_bits(state[f"model.{key}"], value), key  # type: ignore[arg-type]
+    again = tmp_path / "again"
+    proc = ckptconv("dcp-to-hf", str(back), str(again), *flags, "--max-shard-size", "900")
+    assert proc.returncode == 0, proc.stderr
+    assert tree_sha256(again) == {
+        k: v for k, v in tree_sha256(tmp_path / "hf-0").items() if k != "config.json"
+    }
+
+
+def test_rope_perm_is_torchtitans() -> None:
+    w = torch.arange(8 * 3).reshape(8, 3)
+    perm = rope_perm(8, 2)
+    assert torch.equal(w[list(perm)], titan_permute(w, 2))
+    assert torch.equal(w[list(perm)][list(inverse(perm))], w)
+
+
+@pytest.mark.parametrize(
+    ("direction", "shapes", "message"),
+    [
+        ("to_hf", {"mystery.weight": (2,)}, "no rule maps 'mystery.weight'"),
+        (
+            "to_runtime",
+            {
+                "model.layers.1.mlp.experts.0.gate_proj.weight": (6, 8),
+                "model.layers.1.mlp.experts.2.gate_proj.weight": (6, 8),
+            },
+            "experts.1.gate_proj.weight' is missing",
+        ),
+        (
+            "to_runtime",
+            {
+                "model.layers.1.mlp.experts.0.gate_proj.weight": (6, 8),
+                "model.layers.1.mlp.experts.1.gate_proj.weight": (6, 9),
+            },
+            "differ in shape",
+        ),
+        ("to_hf", {"layers.0.feed_forward.w13.weight": (11, 8)}, "add up to 12"),
+        (
+            "to_runtime",
+            {"model.layers.0.mlp.gate_proj.weight": (6, 8)},
+            "needs 'model.layers.0.mlp.up_proj.weight'",
+        ),
+    ],
+)
+def test_strict_errors(runtime_ckpt, direction, shapes, message) -> None:
+    mapping = load_mapping(str(runtime_ckpt[1]))
+    with pytest.raises(CkptconvError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        map_keys(mapping, direction, shapes, CONFIG)
+
+
+def test_allow_unmapped_and_produced_twice(runtime_ckpt, tmp_path: Path) -> None:
+    mapping = load_mapping(str(runtime_ckpt[1]))
+    targets, unmapped = map_keys(
+        mapping, "to_hf", {"mystery": (2,), "norm.x": (3,)}, CONFIG, allow_unmapped=True
+    )
+    assert unmapped == ["mystery", "norm.x"] and [t.key for t in targets] == ["mystery", "norm.x"]
+    twice = tmp_path / "twice.toml"
+    twice.write_text('[mapping]\n[[rule]]\nruntime = "a.{i}"\nhf = "x"\n')
+    with pytest.raises(CkptconvError, match="produced twice"):
+        map_keys(load_mapping(str(twice)), "to_hf", {"a.0": (1,), "a.1": (1,)}, {})
+
+
+def test_tied_embeddings(runtime_ckpt) -> None:
+    mapping = load_mapping(str(runtime_ckpt[1]))
+    tied = {**CONFIG, "tie_word_embeddings": True}
+    targets, _ = map_keys(
+        mapping, "to_hf", {"tok_embeddings.weight": (10, 8), "output.weight": (10, 8)}, tied
+    )
+    assert [t.key for t in targets] == ["model.embed_tokens.weight"]
+    targets, _ = map_keys(mapping, "to_runtime", {"model.embed_tokens.weight": (10, 8)}, tied)
+    assert sorted(t.key for t in targets) == ["output.weight", "tok_embeddings.weight"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '[mapping]\n[[rule]]\nruntime = "a"\n',  # no hf side
+        "not toml ===",
+        '[mapping]\n[[rule]]\nruntime = "a"\nhf = "b"\nfoo = 1\n',  # unknown field
+        '[mapping]\n[[rule]]\nruntime = "a"\nhf = "b"\nstack = "expert"\n',  # stack without {expert}
+        '[mapping]\nhf_experts = "both"\n[[rule]]\nruntime = "a"\nhf = "b"\n',
+    ],
+)
+def test_bad_mapping_files(tmp_path: Path, bad: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(bad)
+    with pytest.raises(CkptconvError, match="--mapping"):
+        load_mapping(str(path))
+
+
+def test_unknown_preset_names_the_presets() -> None:
+    with pytest.raises(CkptconvError, match="neither a preset"):
+        load_mapping("no-such-preset")

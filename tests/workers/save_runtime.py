@@ -1,0 +1,37 @@
+"""Under torchrun: save a seeded runtime-named state dict (torchtitan-style names) as DTensors with DCP.
+
+Every rank builds the same full tensors from the seed, shards them (experts on dim 0 or dim 1, others on
+dim 0, norms replicated) and saves {"model": ...}. usage: save_runtime.py OUT SPEC_JSON
+SPEC_JSON maps key -> [shape, dtype, placement] with placement "shard0", "shard1" or "replicate".
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+
+def full_tensors(spec: dict) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    out = {}
+    for key, (shape, dtype, _) in spec.items():
+        out[key] = torch.randn(shape, generator=g).to(getattr(torch, dtype))
+    return out
+
+
+def main() -> None:
+    out, spec = sys.argv[1], json.loads(open(sys.argv[2]).read())
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    placements = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}
+    sd = {k: distribute_tensor(v, mesh, [placements[spec[k][2]]]) for k, v in full_tensors(spec).items()}
+    dcp.save({"model": sd, "step": 11}, checkpoint_id=out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,7 @@ from test_hf_to_dcp import load_plain
 
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import open_dcp
-from ckptconv.mapping import load_mapping, presets
+from ckptconv.mapping import load_mapping
 from ckptconv.mapping.rules import inverse, map_keys, rope_perm
 
 MAPPING = """

@@ -7,6 +7,7 @@ SPEC_JSON maps key -> [shape, dtype, placement] with placement "shard0", "shard1
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ def full_tensors(spec: dict) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    out, spec = sys.argv[1], json.loads(open(sys.argv[2]).read())
+    out, spec = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     placements = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}

@@ -250,20 +250,31 @@ def inspect_cmd(
         ),
     ],
     revision: RevisionOpt = None,
+    mapping: MappingOpt = None,
+    config: ConfigOpt = None,
+    allow_unmapped: AllowUnmappedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Show what a checkpoint holds (reads metadata and headers only)."""
+    """Show what a checkpoint holds (reads metadata and headers only); with --mapping, the mapped view too."""
     from rich.console import Console
 
+    from .convert import load_config
     from .formats.hf import download, looks_like_repo_id
-    from .report import inspect, render_inspect
+    from .report import inspect, mapped_view, render_inspect, render_mapped
 
     local = download(path, revision) if looks_like_repo_id(path) else Path(path)
     info = inspect(local)
+    if mapping:
+        model_config = load_config(config or (local / "config.json" if local.is_dir() else None))
+        info["mapped"] = mapped_view(info, mapping, model_config, allow_unmapped)
     if json_out:
         _print_json(info)
-    else:
-        render_inspect(info, Console(highlight=False, soft_wrap=True))
+        return
+    console = Console(highlight=False, soft_wrap=True)
+    render_inspect(info, console)
+    if mapping:
+        console.print(f"mapped with {mapping}:", markup=False)
+        render_mapped(info["mapped"], console)
 
 
 def main(argv: list[str] | None = None) -> None:

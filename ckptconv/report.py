@@ -81,6 +81,34 @@ def _columns(rows: list[list[str]], indent: str = "") -> list[str]:
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
+def _sources(keys: list[str]) -> str:
+    unique = list(dict.fromkeys(keys))
+    return unique[0] if len(unique) == 1 else f"{unique[0]} (+{len(unique) - 1} more)"
+
+
+def mapped_view(
+    info: dict[str, Any], mapping: str, config: dict[str, Any], allow_unmapped: bool
+) -> list[dict]:
+    """What `mapping` makes of the tensors `inspect` found: to HF names for DCP, to runtime names for HF."""
+    from .mapping import load_mapping
+    from .mapping.rules import Direction, map_keys
+
+    direction: Direction = "to_hf" if info["format"] == "dcp" else "to_runtime"
+    shapes = {t["key"]: tuple(t["shape"]) for t in info["tensors"]}
+    if direction == "to_hf":  # the model group, as dcp-to-hf takes it
+        grouped = {k.removeprefix("model."): v for k, v in shapes.items() if k.startswith("model.")}
+        shapes = grouped or shapes
+    targets, _ = map_keys(load_mapping(mapping), direction, shapes, config, allow_unmapped=allow_unmapped)
+    return [{"key": t.key, "op": t.op, "sources": t.sources, "shape": list(t.shape)} for t in targets]
+
+
+def render_mapped(view: list[dict], console: Console) -> None:
+    rows = [["target", "op", "source", "shape"]]
+    rows += [[v["key"], v["op"], _sources(v["sources"]), str(v["shape"])] for v in view]
+    for line in _columns(rows, "  "):
+        console.print(line, markup=False)
+
+
 def render_inspect(info: dict[str, Any], console: Console) -> None:
     console.print(
         f"{info['path']}: {info['format']}, {info['num_tensors']} tensors, "
@@ -107,7 +135,8 @@ def plan_summary(plan: HfSavePlan) -> dict[str, Any]:
                 "tensors": [
                     {
                         "key": t.hf_key,
-                        "source": t.src.fqn,
+                        "sources": list(dict.fromkeys(sp.spec.fqn for sp in t.parts)),
+                        "op": t.op,
                         "dtype": short_name(t.dtype),
                         "source_dtype": short_name(t.src.dtype),
                         "shape": list(t.shape),
@@ -135,13 +164,14 @@ def render_plan(plan: HfSavePlan, console: Console) -> None:
     )
     for f in plan.files:
         console.print(f"{f.name}  written by rank {f.owner}  {human_bytes(f.nbytes)}", markup=False)
-        rows = [["key", "source", "dtype", "shape", "bytes"]]
+        rows = [["key", "op", "source", "dtype", "shape", "bytes"]]
         for t in f.tensors:
             src, dst = short_name(t.src.dtype), short_name(t.dtype)
             rows.append(
                 [
                     t.hf_key,
-                    t.src.fqn,
+                    t.op,
+                    _sources([sp.spec.fqn for sp in t.parts]),
                     dst if src == dst else f"{src} -> {dst}",
                     str(list(t.shape)),
                     human_bytes(t.nbytes),
@@ -158,7 +188,8 @@ def dcp_plan_summary(plan: DcpSavePlan) -> dict[str, Any]:
         "tensors": [
             {
                 "key": t.key,
-                "source": t.src.key,
+                "sources": list(dict.fromkeys(stored.key for stored, _ in t.parts)),
+                "op": t.op,
                 "dtype": short_name(t.dtype),
                 "source_dtype": short_name(t.src.dtype),
                 "shape": list(t.shape),
@@ -183,14 +214,15 @@ def render_dcp_plan(plan: DcpSavePlan, console: Console) -> None:
         f"{plan.world_size} rank(s)",
         markup=False,
     )
-    rows = [["key", "source", "dtype", "shape", "bytes", "rows per rank"]]
+    rows = [["key", "op", "source", "dtype", "shape", "bytes", "rows per rank"]]
     for t in plan.tensors:
         src, dst = short_name(t.src.dtype), short_name(t.dtype)
         split = " ".join(f"{lo}:{hi}" for lo, hi in (plan.rows_of(t, r) for r in range(plan.world_size)))
         rows.append(
             [
                 t.key,
-                t.src.key,
+                t.op,
+                _sources([stored.key for stored, _ in t.parts]),
                 dst if src == dst else f"{src} -> {dst}",
                 str(list(t.shape)),
                 human_bytes(t.nbytes),

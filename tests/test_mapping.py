@@ -281,3 +281,37 @@ def test_bad_mapping_files(tmp_path: Path, bad: str) -> None:
 def test_unknown_preset_names_the_presets() -> None:
     with pytest.raises(CkptconvError, match="neither a preset"):
         load_mapping("no-such-preset")
+
+
+def test_inspect_and_dry_run_show_the_mapped_view(runtime_ckpt, tmp_path: Path, capsys) -> None:
+    from ckptconv.cli import main
+
+    ckpt, mapping, config = runtime_ckpt
+    main(["inspect", str(ckpt), "--mapping", str(mapping), "--config", str(config), "--json"])
+    view = {v["key"]: v for v in json.loads(capsys.readouterr().out)["mapped"]}
+    assert view["model.layers.0.self_attn.q_proj.weight"]["op"] == "permute"
+    assert view["model.layers.1.mlp.experts.3.up_proj.weight"] == {
+        "key": "model.layers.1.mlp.experts.3.up_proj.weight",
+        "op": "unstack",
+        "sources": ["layers.1.moe.experts.w3"],
+        "shape": [F, D],
+    }
+    main(
+        [
+            "dcp-to-hf",
+            str(ckpt),
+            str(tmp_path / "o"),
+            "--mapping",
+            str(mapping),
+            "--config",
+            str(config),
+            "--dry-run",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert (
+        "model.layers.0.mlp.up_proj.weight" in text
+        and "split" in text
+        and "model.layers.0.feed_forward.w13" in text
+    )
+    assert not (tmp_path / "o").exists()

@@ -91,6 +91,8 @@ def world_from_env(timeout_s: int = DEFAULT_TIMEOUT_S) -> Iterator[World]:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield World(dist.get_rank(), dist.get_world_size())
+        if owned:
+            dist.barrier()  # no rank tears down its process group while a peer is still in a collective
     finally:
         if owned and dist.is_initialized():
             dist.destroy_process_group()

@@ -105,9 +105,9 @@ SPEC = {
 
 
 def titan_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """torchtitan's Llama adapter, to HF: view(heads, 2, rows // heads // 2, cols).transpose(1, 2)."""
+    """torchtitan's Llama `_permute`, to HF: view(heads, rows // heads // 2, 2, cols).transpose(1, 2)."""
     rows, cols = w.shape
-    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def expected_hf(full: dict[str, torch.Tensor], fused: bool) -> dict[str, torch.Tensor]:

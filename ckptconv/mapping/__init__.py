@@ -83,9 +83,11 @@ def _rule(r: Any, where: str) -> Rule:
     unknown = set(r) - _RULE_KEYS
     if unknown:
         raise CkptconvError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-    runtime = _names(r.get("runtime"), "runtime", where)
     drop = bool(r.get("drop", False))
-    hf = () if drop else _names(r.get("hf"), "hf", where)
+    if drop and ("runtime" in r) == ("hf" in r):
+        raise CkptconvError(f"{where}: a drop rule names either runtime or hf keys, not both")
+    runtime = () if drop and "runtime" not in r else _names(r.get("runtime"), "runtime", where)
+    hf = () if drop and "hf" not in r else _names(r.get("hf"), "hf", where)
     rule = Rule(
         runtime=runtime,
         hf=hf,

@@ -9,7 +9,7 @@ placeholders (`layers.{layer}.attention.wq.weight`), and one operation, read in 
   tensors over `{expert}` along `dim` (default 0), e.g. `[E, F, D]` <-> E keys of `[F, D]`;
 - split / concat (one side a list): the single tensor is the others concatenated along `dim`, with `sizes`
   (numbers or config.json keys; an equal split when omitted);
-- `drop = true`: a runtime key with no HF counterpart;
+- `drop = true` with `runtime` (or `hf`): a runtime (or HF) key with no counterpart on the other side;
 - `tied = "<hf key pattern>"`: when config.json says `tie_word_embeddings`, HF stores no such tensor and the
   runtime one is a copy of the tied key.
 
@@ -97,14 +97,15 @@ def _placeholders(pattern: str) -> set[str]:
 
 
 def rope_perm(rows: int, heads: int) -> tuple[int, ...]:
-    """torchtitan's to-HF permutation of q/k rows: view(heads, 2, half, -1).transpose(1, 2).
+    """The rotary row permutation to HF, as torchtitan's Llama adapter `_permute` (and HF's own conversion
+    script) apply it: `w.view(heads, half, 2, cols).transpose(1, 2)`; interleaved pairs become halves.
 
-    HF row (h, i, j) = runtime row (h, j, i), for head h, pair i < half, j in {0, 1}.
+    HF row (h, j, i) is runtime row (h, i, j): head h, pair i < half, j in {0, 1}. perm[hf_row] = runtime_row.
     """
     if heads <= 0 or rows % (2 * heads):
         raise CkptconvError(f"rope permutation: {rows} rows do not split into {heads} heads of even size")
     half = rows // heads // 2
-    return tuple(h * 2 * half + j * half + i for h in range(heads) for i in range(half) for j in range(2))
+    return tuple(h * 2 * half + 2 * i + j for h in range(heads) for j in range(2) for i in range(half))
 
 
 def inverse(perm: Sequence[int]) -> tuple[int, ...]:
@@ -219,6 +220,8 @@ def _variant(mapping: KeyMapping, direction: Direction, shapes: MappingT[str, tu
 
 
 def _to_hf(ctx: _Ctx, rule: Rule, tied: bool) -> None:
+    if not rule.runtime:  # an HF-side drop: nothing to do in this direction
+        return
     lead = rule.runtime[0]
     for key, binding in ctx.matches(lead):
         if key in ctx.consumed:
@@ -256,6 +259,8 @@ def _to_hf(ctx: _Ctx, rule: Rule, tied: bool) -> None:
 
 def _to_runtime(ctx: _Ctx, rule: Rule, tied: bool) -> None:
     if rule.drop:
+        for pattern in rule.hf:  # an HF key with no runtime counterpart (e.g. rotary_emb.inv_freq)
+            ctx.consumed.update(key for key, _ in ctx.matches(pattern))
         return
     if rule.tied and tied:
         for key, binding in ctx.matches(rule.tied):

@@ -1,0 +1,105 @@
+"""Presets: torchtitan-named sharded checkpoints -> the HF keys and values a tiny transformers model expects."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from conftest import WORKERS, ckptconv, torchrun, tree_sha256
+from test_dcp_to_hf import load_dir, same_bits
+from test_hf_to_dcp import load_plain, tiny
+from test_mapping import titan_permute
+
+from ckptconv.mapping import load_mapping
+from ckptconv.mapping.rules import map_keys
+
+
+def runtime_spec(preset: str, hf_dir: Path) -> dict[str, list]:
+    """The runtime keys and shapes the preset gives the HF model, sharded like FSDP2 (3-D experts on dim 1)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    shapes = {k: tuple(v.shape) for k, v in load_dir(hf_dir).items()}
+    targets, _ = map_keys(load_mapping(preset), "to_runtime", shapes, config)
+    spec = {}
+    for t in targets:
+        placement = "shard1" if len(t.shape) == 3 else "shard0" if t.shape and t.shape[0] > 1 else "replicate"
+        spec[t.key] = [list(t.shape), "float32", placement]
+    return spec
+
+
+def convert_and_load(preset: str, hf_dir: Path, tmp_path: Path) -> tuple[dict, dict, Path]:
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    spec = runtime_spec(preset, hf_dir)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    ckpt = tmp_path / "ckpt"
+    torchrun(2, str(WORKERS / "save_runtime.py"), str(ckpt), str(tmp_path / "spec.json"))
+    out = tmp_path / "hf"
+    proc = ckptconv(
+        "dcp-to-hf",
+        str(ckpt),
+        str(out),
+        "--mapping",
+        preset,
+        "--copy-from",
+        str(hf_dir),
+        "--dtype",
+        "keep",
+        "--max-shard-size",
+        "20KB",
+        nproc=2,
+    )
+    assert proc.returncode == 0, proc.stderr
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    sys.path.insert(0, str(WORKERS))
+    from save_runtime import full_tensors
+
+    return full_tensors(spec), load_dir(out), out
+
+
+def round_trip(preset: str, out: Path, runtime: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    back = tmp_path / "back"
+    proc = ckptconv("hf-to-dcp", str(out), str(back), "--mapping", preset, "--prefix", "model.", nproc=2)
+    assert proc.returncode == 0, proc.stderr
+    state = load_plain(back)
+    for key, value in runtime.items():
+        assert same_bits(state[f"model.{key}"], value), key  # type: ignore[arg-type]
+    again = tmp_path / "again"
+    proc = ckptconv(
+        "dcp-to-hf",
+        str(back),
+        str(again),
+        "--mapping",
+        preset,
+        "--copy-from",
+        str(out),
+        "--dtype",
+        "keep",
+        "--max-shard-size",
+        "20KB",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert tree_sha256(again) == tree_sha256(out)
+
+
+def test_torchtitan_llama3(tmp_path: Path) -> None:
+    hf_dir = tiny("llama", tmp_path / "ref")
+    runtime, got, out = convert_and_load("torchtitan-llama3", hf_dir, tmp_path)
+    config = json.loads((hf_dir / "config.json").read_text())
+    q_heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for layer in range(config["num_hidden_layers"]):
+        hf, rt = f"model.layers.{layer}.", f"layers.{layer}."
+        assert same_bits(
+            got[hf + "self_attn.q_proj.weight"], titan_permute(runtime[rt + "attention.wq.weight"], q_heads)
+        )
+        assert same_bits(
+            got[hf + "self_attn.k_proj.weight"], titan_permute(runtime[rt + "attention.wk.weight"], kv_heads)
+        )
+        assert same_bits(got[hf + "mlp.gate_proj.weight"], runtime[rt + "feed_forward.w1.weight"])
+        assert same_bits(got[hf + "post_attention_layernorm.weight"], runtime[rt + "ffn_norm.weight"])
+    assert same_bits(got["lm_head.weight"], runtime["output.weight"])
+    assert len(got) == len(runtime)
+    round_trip("torchtitan-llama3", out, runtime, tmp_path)

@@ -1,4 +1,4 @@
-"""Presets: torchtitan-named sharded checkpoints -> the HF keys and values a tiny transformers model expects."""
+"""Presets: torchtitan-named sharded checkpoints -> the HF keys and values tiny transformers models expect."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ckptconv.mapping.rules import map_keys
 
 
 def runtime_spec(preset: str, hf_dir: Path) -> dict[str, list]:
-    """The runtime keys and shapes the preset gives the HF model, sharded like FSDP2 (3-D experts on dim 1)."""
+    """Runtime keys and shapes the preset gives the HF model, sharded like FSDP2 (3-D experts on dim 1)."""
     config = json.loads((hf_dir / "config.json").read_text())
     shapes = {k: tuple(v.shape) for k, v in load_dir(hf_dir).items()}
     targets, _ = map_keys(load_mapping(preset), "to_runtime", shapes, config)
@@ -52,7 +52,7 @@ def convert_and_load(preset: str, hf_dir: Path, tmp_path: Path) -> tuple[dict, d
         nproc=2,
     )
     assert proc.returncode == 0, proc.stderr
-    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     sys.path.insert(0, str(WORKERS))
     from save_runtime import full_tensors

@@ -315,3 +315,46 @@ def test_inspect_and_dry_run_show_the_mapped_view(runtime_ckpt, tmp_path: Path, 
         and "model.layers.0.feed_forward.w13" in text
     )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("shard_dim", [0, 1])
+def test_one_expert_reads_only_its_rows(shard_dim: int) -> None:
+    """Unstacking expert e of [E, F, D] reads only expert e's rows of the chunks that hold it."""
+    from ckptconv.plan import OutTensor, SourcePart
+    from ckptconv.specs import ChunkSpec, TensorSpec
+    from ckptconv.unshard import assemble
+
+    full = torch.arange(E * F * D, dtype=torch.float32).reshape(E, F, D)
+    step = (E if shard_dim == 1 else 2, F // 2 if shard_dim == 1 else F, D)
+    chunks = []
+    for i in range(2):
+        offsets = (0, i * step[1], 0) if shard_dim == 1 else (i * step[0], 0, 0)
+        chunks.append(ChunkSpec(offsets, step, f"__{i}_0.distcp", 0, 1, "torch_save"))
+    spec = TensorSpec("w1", torch.float32, (E, F, D), tuple(chunks))
+    mapping = load_mapping_text(MAPPING)
+    targets, _ = map_keys(mapping, "to_hf", {"layers.1.moe.experts.w1": (E, F, D)}, CONFIG)
+    requests: list[tuple[tuple[int, ...], int, int]] = []
+
+    def rows(s: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
+        requests.append((chunk.offsets, r0, r1))
+        block = full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))]
+        return block[r0:r1].clone()
+
+    for e, target in enumerate(targets):
+        requests.clear()
+        out = OutTensor(
+            target.key, target.shape, torch.float32, tuple(SourcePart(spec, p) for p in target.parts)
+        )
+        assert torch.equal(assemble(out, rows), full[e])
+        read_rows = sum(r1 - r0 for _, r0, r1 in requests)
+        assert read_rows == (1 if shard_dim == 0 else 2), (
+            requests
+        )  # one expert row from each chunk holding it
+
+
+def load_mapping_text(text: str):  # type: ignore[no-untyped-def]
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(text)
+    return load_mapping(f.name)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+import pytest
 from conftest import WORKERS, ckptconv, torchrun, tree_sha256
 from test_dcp_to_hf import load_dir, same_bits
 from test_hf_to_dcp import load_plain, tiny
@@ -103,3 +104,49 @@ def test_torchtitan_llama3(tmp_path: Path) -> None:
     assert same_bits(got["lm_head.weight"], runtime["output.weight"])
     assert len(got) == len(runtime)
     round_trip("torchtitan-llama3", out, runtime, tmp_path)
+
+
+def tiny_qwen3(path: Path, moe: bool, tied: bool) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        intermediate_size=24,
+        tie_word_embeddings=tied,
+    )
+    config = (
+        Qwen3MoeConfig(moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, **common)
+        if moe
+        else Qwen3Config(**common)
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("moe", "tied"), [(False, True), (True, False)])
+def test_torchtitan_qwen3(tmp_path: Path, moe: bool, tied: bool) -> None:
+    hf_dir = tiny_qwen3(tmp_path / "ref", moe, tied)
+    runtime, got, out = convert_and_load("torchtitan-qwen3", hf_dir, tmp_path)
+    assert ("lm_head.weight" in got) != tied
+    for layer in range(2):
+        hf, rt = f"model.layers.{layer}.", f"layers.{layer}."
+        assert same_bits(got[hf + "self_attn.q_proj.weight"], runtime[rt + "attention.qkv_linear.wq.weight"])
+        assert same_bits(got[hf + "self_attn.k_norm.weight"], runtime[rt + "attention.k_norm.weight"])
+        if moe:
+            for e in range(4):
+                assert same_bits(
+                    got[hf + f"mlp.experts.{e}.up_proj.weight"], runtime[rt + "moe.experts.w3"][e]
+                )
+                assert same_bits(
+                    got[hf + f"mlp.experts.{e}.down_proj.weight"], runtime[rt + "moe.experts.w2"][e]
+                )
+            assert same_bits(got[hf + "mlp.gate.weight"], runtime[rt + "moe.router.gate.weight"])
+    if tied:  # HF keeps one copy; coming back, the runtime lm_head is the embedding (as the config says)
+        runtime["lm_head.weight"] = runtime["tok_embeddings.weight"]
+    round_trip("torchtitan-qwen3", out, runtime, tmp_path)

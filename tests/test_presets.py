@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import pytest
+import torch
 from conftest import WORKERS, ckptconv, torchrun, tree_sha256
 from test_dcp_to_hf import load_dir, same_bits
 from test_hf_to_dcp import load_plain, tiny

@@ -366,9 +366,10 @@ def _dcp_state_dict(plan: DcpSavePlan, world: World) -> tuple[dict[str, Any], di
     """Meta-device placeholders (DTensors with `Shard(0)` rows under torchrun) for `write_dcp` to fill."""
     mesh = None
     if world.distributed:
-        from torch.distributed.device_mesh import init_device_mesh
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = init_device_mesh("cpu", (world.size,))
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # the world group itself: no new groups
     state: dict[str, Any] = {}
     lead = "".join(part + "." for part in plan.nesting)
     for t in plan.tensors:

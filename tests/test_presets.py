@@ -150,3 +150,49 @@ def test_torchtitan_qwen3(tmp_path: Path, moe: bool, tied: bool) -> None:
     if tied:  # HF keeps one copy; coming back, the runtime lm_head is the embedding (as the config says)
         runtime["lm_head.weight"] = runtime["tok_embeddings.weight"]
     round_trip("torchtitan-qwen3", out, runtime, tmp_path)
+
+
+def test_torchtitan_deepseek_v3(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        n_group=2,
+        topk_group=1,
+        tie_word_embeddings=False,
+    )
+    hf_dir = tmp_path / "ref"
+    AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
+    runtime, got, out = convert_and_load("torchtitan-deepseek-v3", hf_dir, tmp_path)
+    assert same_bits(
+        got["model.layers.0.self_attn.q_a_proj.weight"], runtime["layers.0.attention.wq_a.weight"]
+    )
+    assert same_bits(got["model.layers.0.mlp.down_proj.weight"], runtime["layers.0.feed_forward.w2.weight"])
+    assert same_bits(
+        got["model.layers.1.mlp.gate.e_score_correction_bias"], runtime["layers.1.moe.expert_bias"]
+    )
+    assert same_bits(
+        got["model.layers.1.mlp.shared_experts.up_proj.weight"],
+        runtime["layers.1.moe.shared_experts.w3.weight"],
+    )
+    for e in range(4):
+        assert same_bits(
+            got[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"], runtime["layers.1.moe.experts.w1"][e]
+        )
+    round_trip("torchtitan-deepseek-v3", out, runtime, tmp_path)

@@ -369,7 +369,9 @@ def _dcp_state_dict(plan: DcpSavePlan, world: World) -> tuple[dict[str, Any], di
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # the world group itself: no new groups
+        world_group = dist.group.WORLD
+        assert world_group is not None
+        mesh = DeviceMesh.from_group(world_group, "cpu")  # the world group itself: no new gloo groups
     state: dict[str, Any] = {}
     lead = "".join(part + "." for part in plan.nesting)
     for t in plan.tensors:

@@ -358,3 +358,25 @@ def load_mapping_text(text: str):  # type: ignore[no-untyped-def]
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(text)
     return load_mapping(f.name)
+
+
+def test_fused_qkv_with_gqa_sizes_from_config(tmp_path: Path) -> None:
+    path = tmp_path / "qkv.toml"
+    path.write_text(
+        "[mapping]\n[[rule]]\n"
+        'runtime = "layers.{layer}.attention.wqkv.weight"\n'
+        'hf = ["layers.{layer}.q.weight", "layers.{layer}.k.weight", "layers.{layer}.v.weight"]\n'
+        'sizes = ["num_attention_heads * head_dim", "num_key_value_heads * head_dim", '
+        '"num_key_value_heads * head_dim"]\n'
+    )
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 3}
+    targets, _ = map_keys(
+        load_mapping(str(path)), "to_hf", {"layers.0.attention.wqkv.weight": (24, 5)}, config
+    )
+    assert [(t.key, t.shape, t.parts[0].src_offsets) for t in targets] == [
+        ("layers.0.q.weight", (12, 5), (0, 0)),
+        ("layers.0.k.weight", (6, 5), (12, 0)),
+        ("layers.0.v.weight", (6, 5), (18, 0)),
+    ]
+    with pytest.raises(CkptconvError, match="num_attention_heads.*pass --config"):
+        map_keys(load_mapping(str(path)), "to_hf", {"layers.0.attention.wqkv.weight": (24, 5)}, {})

@@ -94,14 +94,16 @@ def test_torchtitan_llama3(tmp_path: Path) -> None:
     for layer in range(config["num_hidden_layers"]):
         hf, rt = f"model.layers.{layer}.", f"layers.{layer}."
         assert same_bits(
-            got[hf + "self_attn.q_proj.weight"], titan_permute(runtime[rt + "attention.wq.weight"], q_heads)
+            got[hf + "self_attn.q_proj.weight"],
+            titan_permute(runtime[rt + "attention.qkv_linear.wq.weight"], q_heads),
         )
         assert same_bits(
-            got[hf + "self_attn.k_proj.weight"], titan_permute(runtime[rt + "attention.wk.weight"], kv_heads)
+            got[hf + "self_attn.k_proj.weight"],
+            titan_permute(runtime[rt + "attention.qkv_linear.wk.weight"], kv_heads),
         )
         assert same_bits(got[hf + "mlp.gate_proj.weight"], runtime[rt + "feed_forward.w1.weight"])
         assert same_bits(got[hf + "post_attention_layernorm.weight"], runtime[rt + "ffn_norm.weight"])
-    assert same_bits(got["lm_head.weight"], runtime["output.weight"])
+    assert same_bits(got["lm_head.weight"], runtime["lm_head.weight"])
     assert len(got) == len(runtime)
     round_trip("torchtitan-llama3", out, runtime, tmp_path)
 
@@ -141,10 +143,12 @@ def test_torchtitan_qwen3(tmp_path: Path, moe: bool, tied: bool) -> None:
         if moe:
             for e in range(4):
                 assert same_bits(
-                    got[hf + f"mlp.experts.{e}.up_proj.weight"], runtime[rt + "moe.experts.w3"][e]
+                    got[hf + f"mlp.experts.{e}.up_proj.weight"],
+                    runtime[rt + "moe.routed_experts.inner_experts.w3_EFD"][e],
                 )
                 assert same_bits(
-                    got[hf + f"mlp.experts.{e}.down_proj.weight"], runtime[rt + "moe.experts.w2"][e]
+                    got[hf + f"mlp.experts.{e}.down_proj.weight"],
+                    runtime[rt + "moe.routed_experts.inner_experts.w2_EDF"][e],
                 )
             assert same_bits(got[hf + "mlp.gate.weight"], runtime[rt + "moe.router.gate.weight"])
     if tied:  # HF keeps one copy; coming back, the runtime lm_head is the embedding (as the config says)
@@ -185,7 +189,7 @@ def test_torchtitan_deepseek_v3(tmp_path: Path) -> None:
     )
     assert same_bits(got["model.layers.0.mlp.down_proj.weight"], runtime["layers.0.feed_forward.w2.weight"])
     assert same_bits(
-        got["model.layers.1.mlp.gate.e_score_correction_bias"], runtime["layers.1.moe.expert_bias"]
+        got["model.layers.1.mlp.gate.e_score_correction_bias"], runtime["layers.1.moe.expert_bias_E"]
     )
     assert same_bits(
         got["model.layers.1.mlp.shared_experts.up_proj.weight"],
@@ -193,6 +197,7 @@ def test_torchtitan_deepseek_v3(tmp_path: Path) -> None:
     )
     for e in range(4):
         assert same_bits(
-            got[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"], runtime["layers.1.moe.experts.w1"][e]
+            got[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"],
+            runtime["layers.1.moe.routed_experts.inner_experts.w1_EFD"][e],
         )
     round_trip("torchtitan-deepseek-v3", out, runtime, tmp_path)

@@ -8,7 +8,7 @@ placeholders (`layers.{layer}.attention.wq.weight`), and one operation, read in 
 - `stack = "expert"` (one runtime key, one HF key holding `{expert}`): the runtime tensor stacks the HF
   tensors over `{expert}` along `dim` (default 0), e.g. `[E, F, D]` <-> E keys of `[F, D]`;
 - split / concat (one side a list): the single tensor is the others concatenated along `dim`, with `sizes`
-  (numbers or config.json keys; an equal split when omitted);
+  (numbers, config.json keys or products of them; an equal split when omitted);
 - `drop = true` with `runtime` (or `hf`): a runtime (or HF) key with no counterpart on the other side;
 - `tied = "<hf key pattern>"`: when config.json says `tie_word_embeddings`, HF stores no such tensor and the
   runtime one is a copy of the tied key.
@@ -124,13 +124,20 @@ class _Ctx:
         self.targets: dict[str, Target] = {}
 
     def size(self, value: int | str) -> int:
+        """An int, a config.json key, or a product of them ("num_key_value_heads * head_dim")."""
         if isinstance(value, int):
             return value
-        if value not in self.config or not isinstance(self.config[value], int):
-            raise CkptconvError(
-                f"{self.where}: size {value!r} is not an integer in config.json; pass --config"
-            )
-        return int(self.config[value])
+        total = 1
+        for factor in (f.strip() for f in value.split("*")):
+            if factor.isdigit():
+                total *= int(factor)
+            elif isinstance(self.config.get(factor), int):
+                total *= int(self.config[factor])
+            else:
+                raise CkptconvError(
+                    f"{self.where}: size {factor!r} is not an integer in config.json; pass --config"
+                )
+        return total
 
     def heads(self, which: str) -> int:
         key = {"q": "num_attention_heads", "k": "num_key_value_heads"}[which]

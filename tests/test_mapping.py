@@ -378,5 +378,5 @@ def test_fused_qkv_with_gqa_sizes_from_config(tmp_path: Path) -> None:
         ("layers.0.k.weight", (6, 5), (12, 0)),
         ("layers.0.v.weight", (6, 5), (18, 0)),
     ]
-    with pytest.raises(CkptconvError, match="num_attention_heads.*pass --config"):
+    with pytest.raises(CkptconvError, match=r"num_attention_heads.*pass --config"):
         map_keys(load_mapping(str(path)), "to_hf", {"layers.0.attention.wqkv.weight": (24, 5)}, {})

@@ -27,6 +27,9 @@ def target_rows(t: DcpOutTensor, lo: int, hi: int, reader: RowReader) -> torch.T
     if not t.shape:
         stored, _ = t.parts[0]
         return reader.rows(stored, 0, 1).to(t.dtype)
+    if len(t.parts) == 1 and _is_whole(*t.parts[0], t.shape):  # a plain rename: the rows as read
+        rows = reader.rows(t.parts[0][0], lo, hi)
+        return rows if rows.dtype == t.dtype else rows.to(t.dtype)
     out = torch.empty((hi - lo, *t.shape[1:]), dtype=t.dtype)
     for stored, part in t.parts:
         a, b = max(lo, part.dst_offsets[0]), min(hi, part.dst_offsets[0] + part.dst_sizes[0])
@@ -36,6 +39,11 @@ def target_rows(t: DcpOutTensor, lo: int, hi: int, reader: RowReader) -> torch.T
         dst = _narrow(out.narrow(0, a - lo, b - a), part.dst_offsets, part.dst_sizes, first=1)
         dst.copy_(values)
     return out
+
+
+def _is_whole(stored: StoredTensor, part: Part, shape: tuple[int, ...]) -> bool:
+    """All of the stored tensor, unpermuted, is all of the target."""
+    return part.perm is None and stored.shape == part.src_sizes == part.dst_sizes == shape
 
 
 def _source_rows(stored: StoredTensor, part: Part, ra: int, rb: int, reader: RowReader) -> torch.Tensor:

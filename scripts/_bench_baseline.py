@@ -1,11 +1,13 @@
 """Baseline DCP -> safetensors conversions for scripts/bench.py, each the obvious one-process recipe.
 
-usage: python scripts/_bench_baseline.py {format_utils,dcp_load} CKPT OUT
+usage: python scripts/_bench_baseline.py {format_utils,dcp_load,load_file_dcp_save} SRC OUT
 
 format_utils: `dcp_to_torch_save(CKPT, OUT/tmp.pt)`, `torch.load(weights_only=True)`, take the "model" group,
               cast floating tensors to bf16, `safetensors.torch.save_file(OUT/model.safetensors)`.
 dcp_load:     preallocate the full tensors from `FileSystemReader(CKPT).read_metadata()`,
               `dcp.load(no_dist=True)` into them, cast to bf16, `huggingface_hub.save_torch_state_dict(OUT)`.
+load_file_dcp_save (hf-to-dcp): `safetensors.torch.load_file` of every shard of the HF directory SRC into one
+              state dict, then `dcp.save(sd, checkpoint_id=OUT, no_dist=True)`.
 """
 
 from __future__ import annotations
@@ -52,10 +54,20 @@ def dcp_load(ckpt: Path, out: Path) -> None:
     save_torch_state_dict(model, out)
 
 
+def load_file_dcp_save(hf_dir: Path, out: Path) -> None:
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        sd.update(load_file(shard))
+    dcp.save(sd, checkpoint_id=out, no_dist=True)
+
+
 def main() -> None:
     mode, ckpt, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     out.mkdir(parents=True, exist_ok=True)
-    {"format_utils": format_utils, "dcp_load": dcp_load}[mode](ckpt, out)
+    modes = {"format_utils": format_utils, "dcp_load": dcp_load, "load_file_dcp_save": load_file_dcp_save}
+    modes[mode](ckpt, out)
 
 
 if __name__ == "__main__":

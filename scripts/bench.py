@@ -1,4 +1,4 @@
-"""Benchmark `ckptconv dcp-to-hf` against `cp -r` and plain PyTorch recipes on synthetic LLM checkpoints.
+"""Benchmark `ckptconv dcp-to-hf` and `hf-to-dcp` against `cp -r` and plain PyTorch recipes.
 
 What it measures, per checkpoint size (default ~1 GB and ~4 GB of fp32 weights):
 
@@ -11,6 +11,9 @@ What it measures, per checkpoint size (default ~1 GB and ~4 GB of fp32 weights):
   format_utils+save_file   torch's `dcp_to_torch_save` to a .pt, `torch.load`, cast to bf16, `save_file`
   dcp.load+save_torch_sd   `dcp.load(no_dist=True)` into tensors preallocated from the metadata, cast to bf16,
                            `huggingface_hub.save_torch_state_dict`
+
+and for hf-to-dcp (`--direction`), from an fp32 HF directory ckptconv makes of the same checkpoint (2 GB shards
+and an index): cp -r, ckptconv at 1 and 2 ranks, and `load_file` of every shard + `dcp.save` in one process.
 
 Every command runs `--runs` times (methods interleaved run by run) as a fresh subprocess of this interpreter
 (`sys.executable`); the table shows the median wall time, and the peak RSS over the runs, sampled every 20 ms
@@ -77,7 +80,7 @@ class Method:
     label: str
     ranks: int
     kind: Kind
-    argv: Callable[[Path, Path], list[str]]  # (checkpoint, output dir) -> command line
+    argv: Callable[[Path, Path], list[str]]  # (input checkpoint, output dir) -> command line
 
     @property
     def startup_key(self) -> str:
@@ -89,31 +92,80 @@ METHODS: tuple[Method, ...] = (
     Method("cp", "cp -r", 1, "io", lambda c, o: ["cp", "-r", str(c), str(o)]),
     Method("import_torch", "import torch", 1, "startup", lambda c, o: [PY, "-c", "import torch"]),
     Method(
-        "torchrun_import", "torchrun import torch", NPROC, "startup",
+        "torchrun_import",
+        "torchrun import torch",
+        NPROC,
+        "startup",
         lambda c, o: torchrun("--no-python", PY, "-c", "import torch"),
     ),
     Method(
-        "ckptconv_1", "ckptconv 1 rank", 1, "convert",
+        "ckptconv_1",
+        "ckptconv 1 rank",
+        1,
+        "convert",
         lambda c, o: [PY, "-m", "ckptconv", *ckptconv_args(c, o)],
     ),
     Method(
-        "ckptconv_2_direct", f"ckptconv {NPROC}r direct", NPROC, "convert",
+        "ckptconv_2_direct",
+        f"ckptconv {NPROC}r direct",
+        NPROC,
+        "convert",
         lambda c, o: torchrun("-m", "ckptconv", *ckptconv_args(c, o), "--read", "direct"),
     ),
     Method(
-        "ckptconv_2_gather", f"ckptconv {NPROC}r gather", NPROC, "convert",
+        "ckptconv_2_gather",
+        f"ckptconv {NPROC}r gather",
+        NPROC,
+        "convert",
         lambda c, o: torchrun("-m", "ckptconv", *ckptconv_args(c, o), "--read", "gather"),
     ),
     Method(
-        "format_utils", "format_utils+save_file", 1, "convert",
+        "format_utils",
+        "format_utils+save_file",
+        1,
+        "convert",
         lambda c, o: [PY, str(SCRIPTS / "_bench_baseline.py"), "format_utils", str(c), str(o)],
     ),
     Method(
-        "dcp_load", "dcp.load+save_torch_sd", 1, "convert",
+        "dcp_load",
+        "dcp.load+save_torch_sd",
+        1,
+        "convert",
         lambda c, o: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load", str(c), str(o)],
     ),
 )
-BY_KEY = {m.key: m for m in METHODS}
+STARTUP = tuple(m for m in METHODS if m.kind == "startup")
+HF_TO_DCP_METHODS: tuple[Method, ...] = (
+    Method("h_cp", "cp -r", 1, "io", lambda c, o: ["cp", "-r", str(c), str(o)]),
+    *STARTUP,
+    Method(
+        "h_ckptconv_1",
+        "ckptconv 1 rank",
+        1,
+        "convert",
+        lambda c, o: [PY, "-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite"],
+    ),
+    Method(
+        "h_ckptconv_2",
+        f"ckptconv {NPROC}r",
+        NPROC,
+        "convert",
+        lambda c, o: torchrun("-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite"),
+    ),
+    Method(
+        "h_load_save",
+        "load_file+dcp.save",
+        1,
+        "convert",
+        lambda c, o: [PY, str(SCRIPTS / "_bench_baseline.py"), "load_file_dcp_save", str(c), str(o)],
+    ),
+)
+DIRECTIONS: dict[str, tuple[Method, ...]] = {"dcp-to-hf": METHODS, "hf-to-dcp": HF_TO_DCP_METHODS}
+REFERENCE = {
+    "dcp-to-hf": ("ckptconv_1", "cp"),
+    "hf-to-dcp": ("h_ckptconv_1", "h_cp"),
+}  # (ckptconv 1 rank, cp)
+BY_KEY = {m.key: m for methods in DIRECTIONS.values() for m in methods}
 
 
 def log(msg: str) -> None:
@@ -240,6 +292,37 @@ def ensure_checkpoint(workdir: Path, size_gb: float, env: dict[str, str]) -> Pat
     return ckpt
 
 
+def ensure_hf(workdir: Path, size_gb: float, env: dict[str, str]) -> Path:
+    """An fp32 HF safetensors directory (shards and an index) made from the DCP checkpoint by ckptconv."""
+    ckpt = ensure_checkpoint(workdir, size_gb, env)
+    hf = workdir / f"hf-{size_label(size_gb)}"
+    if (hf / "model.safetensors.index.json").is_file() or (hf / "model.safetensors").is_file():
+        log(f"reusing {hf} ({dir_bytes(hf) / 1e9:.2f} GB)")
+        return hf
+    tmp = hf.with_name(hf.name + ".partial")
+    remove(tmp)
+    argv = [
+        PY,
+        "-m",
+        "ckptconv",
+        "dcp-to-hf",
+        str(ckpt),
+        str(tmp),
+        "--dtype",
+        "keep",
+        "--max-shard-size",
+        "2GB",
+        "--quiet",
+    ]
+    run_measured(argv, workdir / "logs" / f"make-hf-{size_label(size_gb)}.log", env)
+    tmp.rename(hf)
+    shape = ckpt.with_name(ckpt.name + ".shape.json")
+    if shape.is_file():
+        shutil.copy(shape, hf.with_name(hf.name + ".shape.json"))
+    log(f"generated {hf}: {dir_bytes(hf) / 1e9:.2f} GB")
+    return hf
+
+
 def checkpoint_shape(ckpt: Path) -> dict[str, Any]:
     path = ckpt.with_name(ckpt.name + ".shape.json")
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -291,6 +374,11 @@ class SizeReport:
     ckpt_bytes: int
     shape: dict[str, Any]
     results: dict[str, Result]
+    direction: str = "dcp-to-hf"
+
+    @property
+    def methods(self) -> tuple[Method, ...]:
+        return DIRECTIONS[self.direction]
 
     def seconds(self, key: str) -> float | None:
         r = self.results.get(key)
@@ -298,21 +386,33 @@ class SizeReport:
 
     def vs_ckptconv(self, key: str) -> float | None:
         """This method's median time over ckptconv 1 rank's (>1: slower than ckptconv)."""
-        t, ref = self.seconds(key), self.seconds("ckptconv_1")
+        t, ref = self.seconds(key), self.seconds(REFERENCE[self.direction][0])
         return t / ref if t is not None and ref else None
 
     def beyond_startup_over_cp(self, key: str) -> float | None:
         """(time - start-up time) / cp -r time, for the conversions."""
         m = BY_KEY[key]
-        t, start, cp = self.seconds(key), self.seconds(m.startup_key), self.seconds("cp")
+        t, start, cp = (
+            self.seconds(key),
+            self.seconds(m.startup_key),
+            self.seconds(REFERENCE[self.direction][1]),
+        )
         if m.kind != "convert" or t is None or start is None or not cp:
             return None
         return (t - start) / cp
 
 
 COLUMNS = (
-    ("size", "<"), ("method", "<"), ("ranks", ">"), ("median s", ">"), ("GB/s", ">"), ("RSS/rank GiB", ">"),
-    ("RSS sum GiB", ">"), ("vs ckptconv 1r", ">"), ("beyond start-up / cp", ">"),
+    ("direction", "<"),
+    ("size", "<"),
+    ("method", "<"),
+    ("ranks", ">"),
+    ("median s", ">"),
+    ("GB/s", ">"),
+    ("RSS/rank GiB", ">"),
+    ("RSS sum GiB", ">"),
+    ("vs ckptconv 1r", ">"),
+    ("beyond start-up / cp", ">"),
 )
 
 
@@ -323,18 +423,24 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
     rows = []
     for rep in reports:
-        for m in METHODS:
+        for m in rep.methods:
             r = rep.results[m.key]
-            head = [size_label(rep.size_gb), m.label, str(m.ranks)]
+            head = [rep.direction, size_label(rep.size_gb), m.label, str(m.ranks)]
             if not r.ok:
-                rows.append([*head, "FAILED", "-", "-", "-", "-", "-"])
+                rows.append([*head, "FAILED", *["-"] * (len(COLUMNS) - len(head) - 1)])
                 continue
             gbps = rep.ckpt_bytes / 1e9 / r.seconds if m.kind != "startup" else None
-            rows.append([
-                *head, f"{r.seconds:.2f}", _fmt(gbps, ".2f"), f"{r.rss_rank / GIB:.2f}",
-                f"{r.rss_sum / GIB:.2f}", _fmt(rep.vs_ckptconv(m.key), ".2f", "x"),
-                _fmt(rep.beyond_startup_over_cp(m.key), ".2f"),
-            ])
+            rows.append(
+                [
+                    *head,
+                    f"{r.seconds:.2f}",
+                    _fmt(gbps, ".2f"),
+                    f"{r.rss_rank / GIB:.2f}",
+                    f"{r.rss_sum / GIB:.2f}",
+                    _fmt(rep.vs_ckptconv(m.key), ".2f", "x"),
+                    _fmt(rep.beyond_startup_over_cp(m.key), ".2f"),
+                ]
+            )
     return rows
 
 
@@ -346,11 +452,11 @@ def render_text(rows: list[list[str]]) -> str:
         return "  ".join(f"{c:{a}{w}}" for c, (_, a), w in zip(cells, COLUMNS, widths, strict=True)).rstrip()
 
     out = [line(names), "  ".join("-" * w for w in widths)]
-    prev_size = rows[0][0] if rows else ""
+    prev = rows[0][:2] if rows else []
     for r in rows:
-        if r[0] != prev_size:
+        if r[:2] != prev:
             out.append("")
-            prev_size = r[0]
+            prev = r[:2]
         out.append(line(r))
     return "\n".join(out)
 
@@ -372,22 +478,51 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
     lines = []
     for rep in reports:
         size = size_label(rep.size_gb)
+        if rep.direction == "hf-to-dcp":
+            t1, t2, base = (
+                rep.seconds("h_ckptconv_1"),
+                rep.seconds("h_ckptconv_2"),
+                rep.seconds("h_load_save"),
+            )
+            lines.append(
+                f"hf-to-dcp @{size}: ckptconv 1 rank is {_faster(t1, base)} than load_file+dcp.save, "
+                f"{NPROC} ranks {_faster(t2, base)}"
+            )
+            parts = [
+                f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}"
+                for k in ("h_ckptconv_1", "h_ckptconv_2")
+            ]
+            lines.append(f"hf-to-dcp @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
+            continue
         t1, t2 = rep.seconds("ckptconv_1"), rep.seconds("ckptconv_2_direct")
         fu, dl = rep.seconds("format_utils"), rep.seconds("dcp_load")
-        lines.append(f"dcp-to-hf @{size}: ckptconv 1 rank is {_faster(t1, fu)} than format_utils+save_file, "
-                     f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict")
-        lines.append(f"dcp-to-hf @{size}: ckptconv {NPROC} ranks (direct) is {_faster(t2, fu)} than "
-                     f"format_utils+save_file, {_faster(t2, dl)} than dcp.load+save_torch_state_dict")
-        parts = [f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}"
-                 for k in ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")]
+        lines.append(
+            f"dcp-to-hf @{size}: ckptconv 1 rank is {_faster(t1, fu)} than format_utils+save_file, "
+            f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict"
+        )
+        lines.append(
+            f"dcp-to-hf @{size}: ckptconv {NPROC} ranks (direct) is {_faster(t2, fu)} than "
+            f"format_utils+save_file, {_faster(t2, dl)} than dcp.load+save_torch_state_dict"
+        )
+        parts = [
+            f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}"
+            for k in ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")
+        ]
         lines.append(f"dcp-to-hf @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
-    if len(reports) > 1:
-        first, last = reports[0], reports[-1]
-        for key in ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather"):
+    for direction, keys in (
+        ("dcp-to-hf", ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")),
+        ("hf-to-dcp", ("h_ckptconv_1", "h_ckptconv_2")),
+    ):
+        mine = [r for r in reports if r.direction == direction]
+        if len(mine) < 2:
+            continue
+        first, last = mine[0], mine[-1]
+        for key in keys:
             a, b = first.results[key], last.results[key]
             if a.ok and b.ok:
                 lines.append(
-                    f"peak RSS per rank {size_label(first.size_gb)} vs {size_label(last.size_gb)} "
+                    f"{direction} peak RSS per rank {size_label(first.size_gb)} vs "
+                    f"{size_label(last.size_gb)} "
                     f"({BY_KEY[key].label}): {a.rss_rank / GIB:.2f} GiB vs {b.rss_rank / GIB:.2f} GiB"
                 )
     return lines
@@ -406,8 +541,11 @@ def environment() -> dict[str, Any]:
     import torch
 
     return {
-        "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-        "cpus": os.cpu_count(), "mem_gib": round(psutil.virtual_memory().total / GIB, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "mem_gib": round(psutil.virtual_memory().total / GIB, 1),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
 
@@ -421,7 +559,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, help="runs per method and size; the median is reported (default 3)")
     p.add_argument("--quick", action="store_true", help="a smoke test: --sizes 0.25 --runs 1 unless given")
     p.add_argument("--workdir", type=Path, default=ROOT / "bench-out", help="checkpoints, outputs, reports")
+    p.add_argument("--direction", choices=("both", *DIRECTIONS), default="both", help="which conversion(s)")
     args = p.parse_args(argv)
+    args.directions = list(DIRECTIONS) if args.direction == "both" else [args.direction]
     args.sizes = [float(s) for s in (args.sizes or ("0.25" if args.quick else "1,4")).split(",") if s.strip()]
     args.runs = args.runs or (1 if args.quick else 3)
     if args.runs < 1 or not args.sizes or min(args.sizes) <= 0:
@@ -440,32 +580,40 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     load_start = os.getloadavg()[0]
     reports: list[SizeReport] = []
-    for size_gb in args.sizes:
-        ckpt = ensure_checkpoint(workdir, size_gb, env)
-        nbytes = dir_bytes(ckpt)
-        results = {m.key: Result(size_gb, m.key) for m in METHODS}
-        rep = SizeReport(size_gb, ckpt, nbytes, checkpoint_shape(ckpt), results)
-        for run in range(1, args.runs + 1):
-            for m in METHODS:
-                r = rep.results[m.key]
-                if r.error is not None:
-                    continue
-                dest = out / m.key
-                remove(dest)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.sync()
-                try:
-                    s = run_measured(m.argv(ckpt, dest), logs / f"{size_label(size_gb)}-{m.key}.log", env)
-                except CommandFailed as e:
-                    r.error = str(e)
-                    log(f"{size_label(size_gb)} run {run}/{args.runs} {m.label}: FAILED {e}")
-                    continue
-                finally:
+    for direction in args.directions:
+        for size_gb in args.sizes:
+            make = ensure_checkpoint if direction == "dcp-to-hf" else ensure_hf
+            ckpt = make(workdir, size_gb, env)
+            nbytes = dir_bytes(ckpt)
+            methods = DIRECTIONS[direction]
+            results = {m.key: Result(size_gb, m.key) for m in methods}
+            rep = SizeReport(size_gb, ckpt, nbytes, checkpoint_shape(ckpt), results, direction)
+            for run in range(1, args.runs + 1):
+                for m in methods:
+                    r = rep.results[m.key]
+                    if r.error is not None:
+                        continue
+                    dest = out / m.key
                     remove(dest)
-                r.samples.append(s)
-                log(f"{size_label(size_gb)} run {run}/{args.runs} {m.label:<24} {s.seconds:7.2f} s  "
-                    f"RSS/rank {s.rss_rank / GIB:5.2f} GiB  sum {s.rss_sum / GIB:5.2f} GiB")
-        reports.append(rep)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    os.sync()
+                    tag = f"{direction} {size_label(size_gb)}"
+                    try:
+                        s = run_measured(
+                            m.argv(ckpt, dest), logs / f"{direction}-{size_label(size_gb)}-{m.key}.log", env
+                        )
+                    except CommandFailed as e:
+                        r.error = str(e)
+                        log(f"{tag} run {run}/{args.runs} {m.label}: FAILED {e}")
+                        continue
+                    finally:
+                        remove(dest)
+                    r.samples.append(s)
+                    log(
+                        f"{tag} run {run}/{args.runs} {m.label:<24} {s.seconds:7.2f} s  "
+                        f"RSS/rank {s.rss_rank / GIB:5.2f} GiB  sum {s.rss_sum / GIB:5.2f} GiB"
+                    )
+            reports.append(rep)
     remove(out)
     load_end = os.getloadavg()[0]
     load = (
@@ -476,11 +624,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = table_rows(reports)
     heads = headlines(reports)
     title = (
-        f"ckptconv dcp-to-hf benchmark: {args.runs} run(s) per method, "
-        f"fp32 DCP (FSDP2, {NPROC} ranks) -> bf16 safetensors"
+        f"ckptconv benchmark: {args.runs} run(s) per method; dcp-to-hf: fp32 DCP (FSDP2, {NPROC} ranks) "
+        "-> bf16 "
+        "safetensors; hf-to-dcp: fp32 safetensors (shards + index) -> DCP"
     )
     shapes = [
-        f"{size_label(r.size_gb)}: {r.ckpt_bytes / 1e9:.2f} GB, {describe_shape(r.shape)}" for r in reports
+        f"{r.direction} {size_label(r.size_gb)}: {r.ckpt.name}, {r.ckpt_bytes / 1e9:.2f} GB, "
+        f"{describe_shape(r.shape)}"
+        for r in reports
     ]
     print(title)
     print()
@@ -493,20 +644,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("checkpoints:\n" + "".join(f"  {s}\n" for s in shapes), end="")
 
     (workdir / "bench.md").write_text(
-        f"# {title}\n\n{render_markdown(rows)}\n\n" + "".join(f"- {h}\n" for h in heads)
-        + f"\n{NOTES}\n\n{load}.\n\nCheckpoints:\n\n" + "".join(f"- {s}\n" for s in shapes)
+        f"# {title}\n\n{render_markdown(rows)}\n\n"
+        + "".join(f"- {h}\n" for h in heads)
+        + f"\n{NOTES}\n\n{load}.\n\nCheckpoints:\n\n"
+        + "".join(f"- {s}\n" for s in shapes)
     )
     doc = {
-        "runs": args.runs, "environment": environment(), "headlines": heads,
+        "runs": args.runs,
+        "environment": environment(),
+        "headlines": heads,
         "loadavg_1min": {"start": load_start, "end": load_end},
-        "commands": {m.key: m.argv(Path("CKPT"), Path("OUT")) for m in METHODS},
+        "commands": {m.key: m.argv(Path("SRC"), Path("OUT")) for m in BY_KEY.values()},
         "sizes": [
             {
-                "size_gb": r.size_gb, "checkpoint": str(r.ckpt), "checkpoint_bytes": r.ckpt_bytes,
+                "direction": r.direction,
+                "size_gb": r.size_gb,
+                "checkpoint": str(r.ckpt),
+                "checkpoint_bytes": r.ckpt_bytes,
                 "shape": r.shape,
                 "methods": {
                     k: {
-                        "label": BY_KEY[k].label, "ranks": BY_KEY[k].ranks, "error": res.error,
+                        "label": BY_KEY[k].label,
+                        "ranks": BY_KEY[k].ranks,
+                        "error": res.error,
                         "median_seconds": res.seconds if res.ok else None,
                         "vs_ckptconv_1": r.vs_ckptconv(k),
                         "beyond_startup_over_cp": r.beyond_startup_over_cp(k),

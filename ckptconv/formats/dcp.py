@@ -13,6 +13,7 @@ import io
 import json
 import os
 import struct
+import threading
 import warnings
 import zipfile
 from collections.abc import Callable, Iterable
@@ -415,12 +416,12 @@ def write_dcp(
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
     class _RowsPlanner(dcp.DefaultSavePlanner):
-        last: torch.Tensor | None = None
+        held = threading.local()  # per writer thread: the chunk it handed out last
 
         def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-            # FileSystemWriter keeps a reference to every tensor of a file until the file is done; with a
-            # serial loader (one thread, no copy-ahead) the previous chunk is already on disk when the next is
-            # asked for, so its storage is released here and a rank holds one chunk at a time.
+            # FileSystemWriter keeps a reference to every tensor of a file until the file is done; with serial
+            # loaders (no copy-ahead) a writer thread's previous chunk is already on disk when it asks for the
+            # next one, so its storage is released here and a thread holds one chunk at a time.
             self.release()
             fqn = write_item.index.fqn
             if write_item.type == WriteItemType.BYTE_IO:
@@ -431,16 +432,18 @@ def write_dcp(
             chunk = write_item.tensor_data.chunk
             lo = int(chunk.offsets[0]) if len(chunk.offsets) else 0
             hi = lo + int(chunk.sizes[0]) if len(chunk.sizes) else 1
-            self.last = read_rows(fqn, lo, hi)
-            on_bytes(self.last.numel() * self.last.element_size())
-            return self.last
+            tensor = self.held.tensor = read_rows(fqn, lo, hi)
+            on_bytes(tensor.numel() * tensor.element_size())
+            return tensor
 
         def release(self) -> None:
-            if self.last is not None:
-                self.last.untyped_storage().resize_(0)
-                self.last = None
+            tensor = getattr(self.held, "tensor", None)
+            if tensor is not None:
+                tensor.untyped_storage().resize_(0)
+                self.held.tensor = None
 
-    writer = dcp.FileSystemWriter(str(directory), thread_count=1, per_thread_copy_ahead=0)
+    threads = int(os.environ.get("CKPTCONV_WRITE_THREADS", "2"))  # files per rank written at once
+    writer = dcp.FileSystemWriter(str(directory), thread_count=threads, per_thread_copy_ahead=0)
     planner = _RowsPlanner()
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is

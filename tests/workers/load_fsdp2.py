@@ -40,6 +40,7 @@ def main() -> None:
         assert value.dtype == want[key].dtype and torch.equal(value, want[key]), key
     if dist.get_rank() == 0:
         print(f"loaded {len(state)} uneven-on-rank0 {uneven}")
+    dist.barrier()  # nobody tears down while a peer is still in a collective
     dist.destroy_process_group()
 
 

@@ -85,6 +85,7 @@ def main() -> None:
     }
     if dist.get_rank() == 0:
         torch.save(full, out + ".ref.pt")
+    dist.barrier()  # nobody tears down while a peer is still in a collective
     dist.destroy_process_group()
 
 

@@ -12,8 +12,9 @@ What it measures, per checkpoint size (default ~1 GB and ~4 GB of fp32 weights):
   dcp.load+save_torch_sd   `dcp.load(no_dist=True)` into tensors preallocated from the metadata, cast to bf16,
                            `huggingface_hub.save_torch_state_dict`
 
-and for hf-to-dcp (`--direction`), from an fp32 HF directory ckptconv makes of the same checkpoint (2 GB shards
-and an index): cp -r, ckptconv at 1 and 2 ranks, and `load_file` of every shard + `dcp.save` in one process.
+and for hf-to-dcp (`--direction`), from an fp32 HF directory ckptconv makes of the same checkpoint (2 GB
+shards and an index): cp -r, ckptconv at 1 and 2 ranks, and `load_file` of every shard + `dcp.save` in one
+process.
 
 Every command runs `--runs` times (methods interleaved run by run) as a fresh subprocess of this interpreter
 (`sys.executable`); the table shows the median wall time, and the peak RSS over the runs, sampled every 20 ms

@@ -445,9 +445,6 @@ def write_dcp(
     threads = int(os.environ.get("CKPTCONV_WRITE_THREADS", "2"))  # files per rank written at once
     writer = dcp.FileSystemWriter(str(directory), thread_count=threads, per_thread_copy_ahead=0)
     planner = _RowsPlanner()
-    # torch.load never checks the zip records' CRC32, and computing it is most of torch.save's cost here
-    crc32 = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
@@ -458,7 +455,6 @@ def write_dcp(
         ) from None
     finally:
         planner.release()
-        torch.serialization.set_crc32_options(crc32)
 
 
 def _dist_ready() -> bool:

@@ -277,6 +277,18 @@ def inspect_cmd(
         render_mapped(info["mapped"], console)
 
 
+def _exit_worker(code: int) -> None:
+    """Under torchrun, leave without interpreter teardown once the work is done and the group destroyed.
+
+    torch's gloo threads occasionally abort the process at interpreter exit ("terminate called without an
+    active exception") after everything succeeded, turning a finished conversion into a failed job.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     import click
 
@@ -284,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         app(args=argv, prog_name="ckptconv", standalone_mode=False)
+        _exit_worker(0)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.UsageError as e:
@@ -300,4 +313,5 @@ def main(argv: list[str] | None = None) -> None:
             raise
         if not (e.agreed and _rank() != 0):
             sys.stderr.write(f"ckptconv: error: {' '.join(str(e).split())}\n")
+        _exit_worker(e.exit_code)
         sys.exit(e.exit_code)

@@ -20,8 +20,8 @@ copying a block of one source tensor into a block of the target. Both converters
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingT
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -229,39 +229,13 @@ def _variant(mapping: KeyMapping, direction: Direction, shapes: MappingT[str, tu
 def _to_hf(ctx: _Ctx, rule: Rule, tied: bool) -> None:
     if not rule.runtime:  # an HF-side drop: nothing to do in this direction
         return
-    lead = rule.runtime[0]
-    for key, binding in ctx.matches(lead):
-        if key in ctx.consumed:
-            continue
-        shape = ctx.shapes[key]
-        if rule.drop or (rule.tied and tied):
-            ctx.consumed.add(key)
-            continue
-        if len(rule.runtime) > 1:  # several runtime tensors concatenated into one HF tensor
-            keys = [_fmt(p, binding) for p in rule.runtime]
-            _require(ctx, keys, key)
-            ctx.consumed.update(keys)
-            ctx.add(_concat(ctx, _fmt(rule.hf[0], binding), keys, rule.dim, "concat"))
-            continue
-        ctx.consumed.add(key)
-        if rule.stack:
-            for e in range(shape[rule.dim]):
-                src_off, src_size = _block(shape, rule.dim, e, 1)
-                dst = tuple(s for d, s in enumerate(shape) if d != rule.dim)
-                part = Part(key, src_off, src_size, (0,) * len(dst), dst)
-                ctx.add(Target(_fmt(rule.hf[0], {**binding, rule.stack: e}), dst, (part,), "unstack"))
-        elif len(rule.hf) > 1:
-            sizes = _split_sizes(ctx, rule, shape[rule.dim], len(rule.hf), key)
-            start = 0
-            for pattern, size in zip(rule.hf, sizes, strict=True):
-                src_off, src_size = _block(shape, rule.dim, start, size)
-                part = Part(key, src_off, src_size, (0,) * len(shape), src_size)
-                ctx.add(Target(_fmt(pattern, binding), src_size, (part,), "split"))
-                start += size
-        else:
-            perm = rope_perm(shape[0], ctx.heads(rule.permute)) if rule.permute else None
-            op = "permute" if perm else "rename"
-            ctx.add(Target(_fmt(rule.hf[0], binding), shape, (whole(key, shape, perm),), op))
+    if rule.drop or (rule.tied and tied):
+        ctx.consumed.update(key for key, _ in ctx.matches(rule.runtime[0]))
+        return
+    if rule.stack:
+        _unstack(ctx, rule)
+        return
+    _pairwise(ctx, rule, rule.runtime, rule.hf, lambda rows: rope_perm(rows, ctx.heads(rule.permute or "q")))
 
 
 def _to_runtime(ctx: _Ctx, rule: Rule, tied: bool) -> None:
@@ -271,45 +245,74 @@ def _to_runtime(ctx: _Ctx, rule: Rule, tied: bool) -> None:
         return
     if rule.tied and tied:
         for key, binding in ctx.matches(rule.tied):
-            ctx.add(
-                Target(
-                    _fmt(rule.runtime[0], binding), ctx.shapes[key], (whole(key, ctx.shapes[key]),), "tied"
-                )
-            )
+            shape = ctx.shapes[key]
+            ctx.add(Target(_fmt(rule.runtime[0], binding), shape, (whole(key, shape),), "tied"))
         return
     if rule.stack:
         _stack(ctx, rule)
         return
-    lead = rule.hf[0]
-    for key, binding in ctx.matches(lead):
+    _pairwise(
+        ctx,
+        rule,
+        rule.hf,
+        rule.runtime,
+        lambda rows: inverse(rope_perm(rows, ctx.heads(rule.permute or "q"))),
+    )
+
+
+def _pairwise(
+    ctx: _Ctx,
+    rule: Rule,
+    sources: tuple[str, ...],
+    targets: tuple[str, ...],
+    perm_of: Callable[[int], tuple[int, ...]],
+) -> None:
+    """Rename (with the rule's permutation), split one source into several targets, or concatenate several
+    sources into one target: the same code for both directions, with sources and targets swapped."""
+    for key, binding in ctx.matches(sources[0]):
         if key in ctx.consumed:
             continue
-        if len(rule.hf) > 1:  # several HF tensors concatenated into one runtime tensor
-            keys = [_fmt(p, binding) for p in rule.hf]
+        if len(sources) > 1:
+            keys = [_fmt(p, binding) for p in sources]
             _require(ctx, keys, key)
             ctx.consumed.update(keys)
-            ctx.add(_concat(ctx, _fmt(rule.runtime[0], binding), keys, rule.dim, "concat"))
+            ctx.add(_concat(ctx, _fmt(targets[0], binding), keys, rule.dim, "concat"))
             continue
         ctx.consumed.add(key)
         shape = ctx.shapes[key]
-        if len(rule.runtime) > 1:  # one HF tensor split into several runtime tensors
-            sizes = _split_sizes(ctx, rule, shape[rule.dim], len(rule.runtime), key)
+        if len(targets) > 1:
             start = 0
-            for pattern, size in zip(rule.runtime, sizes, strict=True):
+            for pattern, size in zip(
+                targets, _split_sizes(ctx, rule, shape[rule.dim], len(targets), key), strict=True
+            ):
                 src_off, src_size = _block(shape, rule.dim, start, size)
                 part = Part(key, src_off, src_size, (0,) * len(shape), src_size)
                 ctx.add(Target(_fmt(pattern, binding), src_size, (part,), "split"))
                 start += size
         else:
-            perm = inverse(rope_perm(shape[0], ctx.heads(rule.permute))) if rule.permute else None
+            perm = perm_of(shape[0]) if rule.permute else None
             ctx.add(
                 Target(
-                    _fmt(rule.runtime[0], binding),
+                    _fmt(targets[0], binding),
                     shape,
                     (whole(key, shape, perm),),
                     "permute" if perm else "rename",
                 )
             )
+
+
+def _unstack(ctx: _Ctx, rule: Rule) -> None:
+    for key, binding in ctx.matches(rule.runtime[0]):
+        if key in ctx.consumed:
+            continue
+        ctx.consumed.add(key)
+        shape = ctx.shapes[key]
+        for e in range(shape[rule.dim]):
+            src_off, src_size = _block(shape, rule.dim, e, 1)
+            dst = tuple(s for d, s in enumerate(shape) if d != rule.dim)
+            part = Part(key, src_off, src_size, (0,) * len(dst), dst)
+            assert rule.stack is not None
+            ctx.add(Target(_fmt(rule.hf[0], {**binding, rule.stack: e}), dst, (part,), "unstack"))
 
 
 def _stack(ctx: _Ctx, rule: Rule) -> None:

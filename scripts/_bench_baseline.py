@@ -1,4 +1,4 @@
-"""Baseline DCP -> safetensors conversions for scripts/bench.py, each the obvious one-process recipe.
+"""Baseline conversions for scripts/bench.py, DCP -> safetensors and back: the obvious one-process recipes.
 
 usage: python scripts/_bench_baseline.py {format_utils,dcp_load,load_file_dcp_save} SRC OUT
 

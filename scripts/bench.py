@@ -12,9 +12,18 @@ What it measures, per checkpoint size (default ~1 GB and ~4 GB of fp32 weights):
   dcp.load+save_torch_sd   `dcp.load(no_dist=True)` into tensors preallocated from the metadata, cast to bf16,
                            `huggingface_hub.save_torch_state_dict`
 
-and for hf-to-dcp (`--direction`), from an fp32 HF directory ckptconv makes of the same checkpoint (2 GB
-shards and an index): cp -r, ckptconv at 1 and 2 ranks, and `load_file` of every shard + `dcp.save` in one
-process.
+and for hf-to-dcp, from an fp32 HF directory made once of the same DCP checkpoint by
+`ckptconv dcp-to-hf --dtype keep --max-shard-size 2GB` (cached as WORKDIR/hf-SIZE):
+
+  cp -r                    copying the HF directory
+  import torch, torchrun import torch   as above
+  ckptconv 1 rank          `python -m ckptconv hf-to-dcp HF OUT --quiet --overwrite`
+  ckptconv 2r              the same under `torchrun --standalone --nproc-per-node 2`
+  load_file+dcp.save       `safetensors.torch.load_file` of every shard into one state dict, then
+                           `dcp.save(sd, no_dist=True)`
+
+`--direction` picks dcp-to-hf, hf-to-dcp or both (the default); each direction gets its own section (table
+and headlines) in the printed output and in bench.md.
 
 Every command runs `--runs` times (methods interleaved run by run) as a fresh subprocess of this interpreter
 (`sys.executable`); the table shows the median wall time, and the peak RSS over the runs, sampled every 20 ms
@@ -295,12 +304,13 @@ def ensure_checkpoint(workdir: Path, size_gb: float, env: dict[str, str]) -> Pat
 
 def ensure_hf(workdir: Path, size_gb: float, env: dict[str, str]) -> Path:
     """An fp32 HF safetensors directory (shards and an index) made from the DCP checkpoint by ckptconv."""
-    ckpt = ensure_checkpoint(workdir, size_gb, env)
     hf = workdir / f"hf-{size_label(size_gb)}"
     if (hf / "model.safetensors.index.json").is_file() or (hf / "model.safetensors").is_file():
-        log(f"reusing {hf} ({dir_bytes(hf) / 1e9:.2f} GB)")
-        return hf
+        log(f"reusing {hf} ({dir_bytes(hf) / 1e9:.2f} GB in {len(safetensors_files(hf))} file(s))")
+        return hf  # complete: it only gets this name by the rename below
+    ckpt = ensure_checkpoint(workdir, size_gb, env)
     tmp = hf.with_name(hf.name + ".partial")
+    log(f"generating {hf} from {ckpt} with ckptconv dcp-to-hf --dtype keep --max-shard-size 2GB ...")
     remove(tmp)
     argv = [
         PY,
@@ -315,13 +325,29 @@ def ensure_hf(workdir: Path, size_gb: float, env: dict[str, str]) -> Path:
         "2GB",
         "--quiet",
     ]
-    run_measured(argv, workdir / "logs" / f"make-hf-{size_label(size_gb)}.log", env)
-    tmp.rename(hf)
+    sample = run_measured(argv, workdir / "logs" / f"make-hf-{size_label(size_gb)}.log", env)
     shape = ckpt.with_name(ckpt.name + ".shape.json")
     if shape.is_file():
         shutil.copy(shape, hf.with_name(hf.name + ".shape.json"))
-    log(f"generated {hf}: {dir_bytes(hf) / 1e9:.2f} GB")
+    tmp.rename(hf)
+    log(
+        f"generated {hf}: {dir_bytes(hf) / 1e9:.2f} GB in {len(safetensors_files(hf))} file(s), "
+        f"{sample.seconds:.1f}s"
+    )
     return hf
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def describe_files(ckpt: Path) -> str:
+    """How the checkpoint is laid out on disk: DCP files, or safetensors shards (and an index)."""
+    if (ckpt / ".metadata").is_file():
+        return f"{len(list(ckpt.glob('*.distcp')))} .distcp file(s)"
+    n = len(safetensors_files(ckpt))
+    index = " + index" if (ckpt / "model.safetensors.index.json").is_file() else ", no index"
+    return f"{n} safetensors file(s){index}"
 
 
 def checkpoint_shape(ckpt: Path) -> dict[str, Any]:
@@ -404,7 +430,6 @@ class SizeReport:
 
 
 COLUMNS = (
-    ("direction", "<"),
     ("size", "<"),
     ("method", "<"),
     ("ranks", ">"),
@@ -426,7 +451,7 @@ def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
     for rep in reports:
         for m in rep.methods:
             r = rep.results[m.key]
-            head = [rep.direction, size_label(rep.size_gb), m.label, str(m.ranks)]
+            head = [size_label(rep.size_gb), m.label, str(m.ranks)]
             if not r.ok:
                 rows.append([*head, "FAILED", *["-"] * (len(COLUMNS) - len(head) - 1)])
                 continue
@@ -453,11 +478,11 @@ def render_text(rows: list[list[str]]) -> str:
         return "  ".join(f"{c:{a}{w}}" for c, (_, a), w in zip(cells, COLUMNS, widths, strict=True)).rstrip()
 
     out = [line(names), "  ".join("-" * w for w in widths)]
-    prev = rows[0][:2] if rows else []
+    prev = rows[0][0] if rows else ""
     for r in rows:
-        if r[:2] != prev:
+        if r[0] != prev:
             out.append("")
-            prev = r[:2]
+            prev = r[0]
         out.append(line(r))
     return "\n".join(out)
 
@@ -476,65 +501,62 @@ def _faster(ref: float | None, other: float | None) -> str:
 
 
 def headlines(reports: Sequence[SizeReport]) -> list[str]:
+    """The summary lines of one direction's reports (one report per size, in --sizes order)."""
     lines = []
     for rep in reports:
         size = size_label(rep.size_gb)
         if rep.direction == "hf-to-dcp":
-            t1, t2, base = (
-                rep.seconds("h_ckptconv_1"),
-                rep.seconds("h_ckptconv_2"),
-                rep.seconds("h_load_save"),
+            t1, t2 = rep.seconds("h_ckptconv_1"), rep.seconds("h_ckptconv_2")
+            base = rep.seconds("h_load_save")
+            lines.append(f"hf-to-dcp @{size}: ckptconv 1 rank is {_faster(t1, base)} than load_file+dcp.save")
+            lines.append(
+                f"hf-to-dcp @{size}: ckptconv {NPROC} ranks is {_faster(t2, base)} than load_file+dcp.save"
+            )
+            keys: tuple[str, ...] = ("h_ckptconv_1", "h_ckptconv_2")
+        else:
+            t1, t2 = rep.seconds("ckptconv_1"), rep.seconds("ckptconv_2_direct")
+            fu, dl = rep.seconds("format_utils"), rep.seconds("dcp_load")
+            lines.append(
+                f"dcp-to-hf @{size}: ckptconv 1 rank is {_faster(t1, fu)} than format_utils+save_file, "
+                f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict"
             )
             lines.append(
-                f"hf-to-dcp @{size}: ckptconv 1 rank is {_faster(t1, base)} than load_file+dcp.save, "
-                f"{NPROC} ranks {_faster(t2, base)}"
+                f"dcp-to-hf @{size}: ckptconv {NPROC} ranks (direct) is {_faster(t2, fu)} than "
+                f"format_utils+save_file, {_faster(t2, dl)} than dcp.load+save_torch_state_dict"
             )
-            parts = [
-                f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}"
-                for k in ("h_ckptconv_1", "h_ckptconv_2")
-            ]
-            lines.append(f"hf-to-dcp @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
-            continue
-        t1, t2 = rep.seconds("ckptconv_1"), rep.seconds("ckptconv_2_direct")
-        fu, dl = rep.seconds("format_utils"), rep.seconds("dcp_load")
-        lines.append(
-            f"dcp-to-hf @{size}: ckptconv 1 rank is {_faster(t1, fu)} than format_utils+save_file, "
-            f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict"
-        )
-        lines.append(
-            f"dcp-to-hf @{size}: ckptconv {NPROC} ranks (direct) is {_faster(t2, fu)} than "
-            f"format_utils+save_file, {_faster(t2, dl)} than dcp.load+save_torch_state_dict"
-        )
-        parts = [
-            f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}"
-            for k in ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")
-        ]
-        lines.append(f"dcp-to-hf @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
-    for direction, keys in (
-        ("dcp-to-hf", ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")),
-        ("hf-to-dcp", ("h_ckptconv_1", "h_ckptconv_2")),
-    ):
-        mine = [r for r in reports if r.direction == direction]
-        if len(mine) < 2:
-            continue
-        first, last = mine[0], mine[-1]
-        for key in keys:
+            keys = ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")
+        parts = [f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}" for k in keys]
+        lines.append(f"{rep.direction} @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
+    if len(reports) > 1:
+        first, last = reports[0], reports[-1]
+        for key in RSS_KEYS[first.direction]:
             a, b = first.results[key], last.results[key]
             if a.ok and b.ok:
                 lines.append(
-                    f"{direction} peak RSS per rank {size_label(first.size_gb)} vs "
+                    f"{first.direction} peak RSS per rank {size_label(first.size_gb)} vs "
                     f"{size_label(last.size_gb)} "
                     f"({BY_KEY[key].label}): {a.rss_rank / GIB:.2f} GiB vs {b.rss_rank / GIB:.2f} GiB"
                 )
     return lines
 
 
+RSS_KEYS = {
+    "dcp-to-hf": ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather"),
+    "hf-to-dcp": ("h_ckptconv_1", "h_ckptconv_2"),
+}
+SECTION_TITLES = {
+    "dcp-to-hf": f"dcp-to-hf: fp32 DCP (FSDP2, {NPROC} ranks) -> bf16 safetensors",
+    "hf-to-dcp": "hf-to-dcp: fp32 safetensors (ckptconv dcp-to-hf --dtype keep --max-shard-size 2GB) -> DCP",
+}
+
+
 NOTES = (
     "Warm page cache: each checkpoint was just written and is read again and again, so this measures the\n"
     "converters, not the disk. Median wall time of the runs; RSS is the peak over the runs, sampled every\n"
-    "20 ms. GB/s = checkpoint bytes (1e9) / median seconds. 'vs ckptconv 1r' = median / ckptconv 1 rank's\n"
-    "median (>1 is slower). 'beyond start-up / cp' = (median - start-up median) / cp -r median, the\n"
-    "start-up being `import torch` for one process and `torchrun import torch` for two ranks."
+    "20 ms. GB/s = input checkpoint bytes (1e9) / median seconds. 'vs ckptconv 1r' = median / ckptconv\n"
+    "1 rank's median in the same direction and size (>1 is slower). 'beyond start-up / cp' = (median -\n"
+    "start-up median) / cp -r median, the start-up being `import torch` for one process and `torchrun\n"
+    "import torch` for two ranks."
 )
 
 
@@ -622,38 +644,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({os.cpu_count()} CPUs; other jobs on the machine skew the timings)"
     )
 
-    rows = table_rows(reports)
-    heads = headlines(reports)
     title = (
-        f"ckptconv benchmark: {args.runs} run(s) per method; dcp-to-hf: fp32 DCP (FSDP2, {NPROC} ranks) "
-        "-> bf16 "
-        "safetensors; hf-to-dcp: fp32 safetensors (shards + index) -> DCP"
+        f"ckptconv benchmark: {args.runs} run(s) per method, sizes {', '.join(map(size_label, args.sizes))}"
     )
+    sections = []  # (direction, section title, table rows, headlines)
+    for direction in args.directions:
+        mine = [r for r in reports if r.direction == direction]
+        sections.append((direction, SECTION_TITLES[direction], table_rows(mine), headlines(mine)))
     shapes = [
-        f"{r.direction} {size_label(r.size_gb)}: {r.ckpt.name}, {r.ckpt_bytes / 1e9:.2f} GB, "
-        f"{describe_shape(r.shape)}"
+        f"{r.direction} {size_label(r.size_gb)}: {r.ckpt.name}, {r.ckpt_bytes / 1e9:.2f} GB in "
+        f"{describe_files(r.ckpt)}, {describe_shape(r.shape)}"
         for r in reports
     ]
     print(title)
-    print()
-    print(render_text(rows))
-    print()
-    print("\n".join(heads))
+    for _, section_title, rows, heads in sections:
+        print(f"\n== {section_title} ==\n")
+        print(render_text(rows))
+        print()
+        print("\n".join(heads))
     print()
     print(NOTES)
     print(load)
     print("checkpoints:\n" + "".join(f"  {s}\n" for s in shapes), end="")
 
     (workdir / "bench.md").write_text(
-        f"# {title}\n\n{render_markdown(rows)}\n\n"
-        + "".join(f"- {h}\n" for h in heads)
-        + f"\n{NOTES}\n\n{load}.\n\nCheckpoints:\n\n"
+        f"# {title}\n\n"
+        + "".join(
+            f"## {section_title}\n\n{render_markdown(rows)}\n\n" + "".join(f"- {h}\n" for h in heads) + "\n"
+            for _, section_title, rows, heads in sections
+        )
+        + f"{NOTES}\n\n{load}.\n\nCheckpoints:\n\n"
         + "".join(f"- {s}\n" for s in shapes)
     )
     doc = {
         "runs": args.runs,
+        "directions": args.directions,
         "environment": environment(),
-        "headlines": heads,
+        "headlines": {direction: heads for direction, _, _, heads in sections},
         "loadavg_1min": {"start": load_start, "end": load_end},
         "commands": {m.key: m.argv(Path("SRC"), Path("OUT")) for m in BY_KEY.values()},
         "sizes": [
@@ -662,6 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "size_gb": r.size_gb,
                 "checkpoint": str(r.ckpt),
                 "checkpoint_bytes": r.ckpt_bytes,
+                "checkpoint_files": describe_files(r.ckpt),
                 "shape": r.shape,
                 "methods": {
                     k: {
@@ -682,9 +710,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     (workdir / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     log(f"wrote {workdir / 'bench.md'} and {workdir / 'bench.json'}")
 
-    failed = [r for rep in reports for r in rep.results.values() if r.error is not None]
-    for r in failed:
-        sys.stderr.write(f"FAILED {size_label(r.size_gb)} {BY_KEY[r.method].label}: {r.error}\n")
+    failed = [(rep, r) for rep in reports for r in rep.results.values() if r.error is not None]
+    for rep, r in failed:
+        sys.stderr.write(
+            f"FAILED {rep.direction} {size_label(r.size_gb)} {BY_KEY[r.method].label}: {r.error}\n"
+        )
     return 1 if failed else 0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _finish import finish
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -40,8 +41,7 @@ def main() -> None:
         assert value.dtype == want[key].dtype and torch.equal(value, want[key]), key
     if dist.get_rank() == 0:
         print(f"loaded {len(state)} uneven-on-rank0 {uneven}")
-    dist.barrier()  # nobody tears down while a peer is still in a collective
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _finish import finish
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -85,8 +86,7 @@ def main() -> None:
     }
     if dist.get_rank() == 0:
         torch.save(full, out + ".ref.pt")
-    dist.barrier()  # nobody tears down while a peer is still in a collective
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

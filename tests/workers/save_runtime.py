@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _finish import finish
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -31,8 +32,7 @@ def main() -> None:
     placements = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}
     sd = {k: distribute_tensor(v, mesh, [placements[spec[k][2]]]) for k, v in full_tensors(spec).items()}
     dcp.save({"model": sd, "step": 11}, checkpoint_id=out)
-    dist.barrier()  # nobody tears down while a peer is still in a collective
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

@@ -22,15 +22,25 @@ def _narrow(
     return t
 
 
-def target_rows(t: DcpOutTensor, lo: int, hi: int, reader: RowReader) -> torch.Tensor:
-    """Rows [lo, hi) of `t` (all of a 0-d `t`) in `t.dtype`."""
+def target_rows(
+    t: DcpOutTensor, lo: int, hi: int, reader: RowReader, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows [lo, hi) of `t` (all of a 0-d `t`) in `t.dtype`; in `scratch` (bytes) when they fit there.
+
+    A caller that writes rows slab after slab passes the same `scratch` each time: no fresh allocation (and
+    its page faults) per slab; the result is then only valid until the next call.
+    """
     if not t.shape:
         stored, _ = t.parts[0]
         return reader.rows(stored, 0, 1).to(t.dtype)
+    shape = (hi - lo, *t.shape[1:])
     if len(t.parts) == 1 and _is_whole(*t.parts[0], t.shape):  # a plain rename: the rows as read
-        rows = reader.rows(t.parts[0][0], lo, hi)
-        return rows if rows.dtype == t.dtype else rows.to(t.dtype)
-    out = torch.empty((hi - lo, *t.shape[1:]), dtype=t.dtype)
+        stored = t.parts[0][0]
+        if stored.dtype == t.dtype:
+            return reader.rows(stored, lo, hi, out=_within(scratch, shape, t.dtype))
+        return reader.rows(stored, lo, hi).to(t.dtype)
+    out = _within(scratch, shape, t.dtype)
+    out = torch.empty(shape, dtype=t.dtype) if out is None else out
     for stored, part in t.parts:
         a, b = max(lo, part.dst_offsets[0]), min(hi, part.dst_offsets[0] + part.dst_sizes[0])
         if a >= b:
@@ -39,6 +49,13 @@ def target_rows(t: DcpOutTensor, lo: int, hi: int, reader: RowReader) -> torch.T
         dst = _narrow(out.narrow(0, a - lo, b - a), part.dst_offsets, part.dst_sizes, first=1)
         dst.copy_(values)
     return out
+
+
+def _within(scratch: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if scratch is None or nbytes > scratch.numel() or nbytes == 0:
+        return None
+    return scratch[:nbytes].view(dtype).view(shape)
 
 
 def _is_whole(stored: StoredTensor, part: Part, shape: tuple[int, ...]) -> bool:

@@ -2,7 +2,7 @@
 
 Call order: `open_dcp(path)` on every rank (reads `.metadata` and the file sizes, no tensor bytes), then
 `DcpReader(ckpt)` on the ranks that read chunks; each `read_chunk_into` reads exactly one stored chunk.
-Writing: `write_dcp` goes through torch's public `dcp.save`, with a planner that reads each chunk lazily.
+Writing is `dcp_writer.write_dcp`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import io
 import json
 import os
 import struct
-import threading
-import warnings
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -397,67 +395,3 @@ class _Window(io.RawIOBase):
             self.reader.pread(self.rel, self.start + self.pos, memoryview(buffer).cast("B")[:n])
             self.pos += n
         return n
-
-
-def write_dcp(
-    directory: Path,
-    state_dict: dict[str, Any],
-    read_rows: Callable[[str, int, int], torch.Tensor],
-    raw_items: dict[str, bytes],
-    on_bytes: Callable[[int], None] = lambda n: None,
-) -> None:
-    """Collective: `dcp.save` the `state_dict` of meta tensors / meta-backed DTensors into `directory`.
-
-    No tensor data is held up front: when DCP asks for a chunk, `read_rows(fqn, lo, hi)` reads rows [lo, hi)
-    of that tensor (already in its output dtype), so a rank holds one chunk at a time. Non-tensor items are
-    torch.save'd by DCP, except those in `raw_items`, whose original torch.save bytes are written verbatim.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-
-    class _RowsPlanner(dcp.DefaultSavePlanner):
-        held = threading.local()  # per writer thread: the chunk it handed out last
-
-        def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-            # FileSystemWriter keeps a reference to every tensor of a file until the file is done; with serial
-            # loaders (no copy-ahead) a writer thread's previous chunk is already on disk when it asks for the
-            # next one, so its storage is released here and a thread holds one chunk at a time.
-            self.release()
-            fqn = write_item.index.fqn
-            if write_item.type == WriteItemType.BYTE_IO:
-                if fqn in raw_items:
-                    return io.BytesIO(raw_items[fqn])
-                return super().resolve_data(write_item)
-            assert write_item.tensor_data is not None
-            chunk = write_item.tensor_data.chunk
-            lo = int(chunk.offsets[0]) if len(chunk.offsets) else 0
-            hi = lo + int(chunk.sizes[0]) if len(chunk.sizes) else 1
-            tensor = self.held.tensor = read_rows(fqn, lo, hi)
-            on_bytes(tensor.numel() * tensor.element_size())
-            return tensor
-
-        def release(self) -> None:
-            tensor = getattr(self.held, "tensor", None)
-            if tensor is not None:
-                tensor.untyped_storage().resize_(0)
-                self.held.tensor = None
-
-    threads = int(os.environ.get("CKPTCONV_WRITE_THREADS", "2"))  # files per rank written at once
-    writer = dcp.FileSystemWriter(str(directory), thread_count=threads, per_thread_copy_ahead=0)
-    planner = _RowsPlanner()
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=not _dist_ready())
-    except OSError as e:
-        raise CkptconvError(
-            f"{directory}: cannot write ({e.strerror}); check free space and permissions"
-        ) from None
-    finally:
-        planner.release()
-
-
-def _dist_ready() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()

@@ -281,8 +281,10 @@ class RowReader:
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
 
-    def rows(self, t: StoredTensor, lo: int, hi: int) -> torch.Tensor:
-        out = torch.empty((hi - lo, *t.shape[1:]) if t.shape else (), dtype=t.dtype)
+    def rows(self, t: StoredTensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [lo, hi) of `t` (a 0-d `t` whole), read into `out` if given (contiguous, right shape)."""
+        if out is None:
+            out = torch.empty((hi - lo, *t.shape[1:]) if t.shape else (), dtype=t.dtype)
         row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
         fd = self._fds.get(t.file)
         if fd is None:

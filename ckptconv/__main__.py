@@ -1,4 +1,4 @@
-from ckptconv.cli import main
+from ckptconv.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -6,20 +6,20 @@ Every function here is collective under torchrun: call it on every rank with the
 from __future__ import annotations
 
 import ctypes
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, ParamSpec, TypeVar, cast
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 
 from . import outdir
+from . import verify as verify_mod
 from .compose import target_rows
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
-from .formats.dcp import DcpCheckpoint, DcpReader, is_dcp_dir, open_dcp, write_dcp
+from .formats.dcp import DcpCheckpoint, DcpReader, is_dcp_dir, open_dcp
 from .formats.hf import (
     INDEX_FILE,
     Entry,
@@ -31,12 +31,12 @@ from .formats.hf import (
     open_hf,
     write_index,
 )
-from .mapping import load_mapping
+from .mapping import load_config, load_mapping
 from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .stash import StashedItem, json_exact, read_stash, write_stash
 from .ui import Ui
 from .unshard import direct_tensors, gather_tensors
-from .world import World
+from .world import World, everyone, on_main
 
 ReadPath = Literal["direct", "gather"]
 P = ParamSpec("P")
@@ -81,31 +81,26 @@ def _return_freed_memory() -> None:
         pass  # not glibc: nothing to tune
 
 
-def _everyone(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """Run `fn` on every rank and agree on the outcome: all ranks get the result or all raise."""
-    try:
-        result, error = fn(*args, **kwargs), None
-    except Exception as e:
-        result, error = None, e
-    world.agree(error)
-    return cast(T, result)
-
-
-def _on_main(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
-    """Run `fn` on rank 0 only; every rank learns whether it failed."""
-    return _everyone(world, lambda: fn(*args, **kwargs) if world.is_main else None)
-
-
 def _atomically(
-    world: World, out: Path, write: Callable[[Path], None], finish: Callable[[Path], T]
+    world: World,
+    out: Path,
+    write: Callable[[Path], None],
+    finish: Callable[[Path], T],
+    check: Callable[[Path], None] | None = None,
 ) -> T | None:
-    """Collective: every rank `write`s into the staging directory of `out`, then rank 0 `finish`es (and
-    publishes); on any rank's failure, rank 0 removes the staging directory and every rank raises."""
-    _on_main(world, outdir.prepare, out)
+    """Collective: every rank `write`s into the staging directory of `out`, rank 0 `finish`es it (index,
+    stash, copied files), every rank `check`s it (verify), then rank 0 renames it into place. On any rank's
+    failure or a failed check, rank 0 removes the staging directory and every rank raises: OUT is either
+    the complete, checked result or untouched."""
+    on_main(world, outdir.prepare, out)
     staging = outdir.staging_dir(out)
     try:
-        _everyone(world, write, staging)
-        return _on_main(world, finish, staging)
+        everyone(world, write, staging)
+        result = on_main(world, finish, staging)
+        if check is not None:
+            check(staging)  # collective, agrees by itself
+        on_main(world, outdir.publish, staging, out)
+        return world.all_gather_object(result)[0]
     except BaseException:
         if world.is_main:
             outdir.discard(out)
@@ -131,12 +126,13 @@ def dcp_to_hf(
     config: Path | None = None,
     allow_unmapped: bool = False,
     hf_experts: str | None = None,
+    verify: bool = False,
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`. Collective."""
     start = time.perf_counter()
     _return_freed_memory()
 
-    def prepare() -> tuple[DcpCheckpoint, HfSavePlan, int]:
+    def prepare() -> tuple[DcpCheckpoint, HfSavePlan, int, dict[str, Any]]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         shard_bytes = parse_size(max_shard_size)
         bucket = parse_size(bucket_size, "--bucket-size")
@@ -157,9 +153,9 @@ def dcp_to_hf(
         )
         if not dry_run:
             outdir.check_out(out, overwrite)
-        return ckpt, plan, bucket
+        return ckpt, plan, bucket, model_config
 
-    ckpt, plan, bucket = _everyone(world, prepare)
+    ckpt, plan, bucket, model_config = everyone(world, prepare)
     for note in plan.notes:
         ui.info(note)
     for warning in plan.warnings:
@@ -168,12 +164,20 @@ def dcp_to_hf(
     if dry_run:
         return result
 
+    def source() -> verify_mod.Side:
+        return verify_mod.dcp_side(
+            "source", ckpt.path, prefix, mapping, model_config, hf_experts, allow_unmapped
+        )
+
     result.copied = (
         _atomically(
             world,
             out,
             lambda staging: _write_shards(plan, ckpt, staging, world, ui, bucket, read_path),
-            lambda staging: _finish(plan, ckpt, staging, out, copy_from, ui),
+            lambda staging: _finish(plan, ckpt, staging, copy_from, ui),
+            (lambda staging: _check(world, ui, source, lambda _: verify_mod.hf_side("output", staging)))
+            if verify
+            else None,
         )
         or []
     )
@@ -218,17 +222,27 @@ def _write_shards(
             raise
 
 
+def _check(
+    world: World,
+    ui: Ui,
+    source: Callable[[], verify_mod.Side],
+    output: Callable[[verify_mod.Side], verify_mod.Side],
+) -> None:
+    """Collective (`--verify`): the staged output against its source, before it is published."""
+    a = everyone(world, source)
+    b = everyone(world, output, a)
+    verify_mod.check_output(a, b, world, ui)
+
+
 def _finish(
-    plan: HfSavePlan, ckpt: DcpCheckpoint, staging: Path, out: Path, copy_from: Path | None, ui: Ui
+    plan: HfSavePlan, ckpt: DcpCheckpoint, staging: Path, copy_from: Path | None, ui: Ui
 ) -> list[str]:
-    """Rank 0, after every shard is written: index, stash, copied files, then the rename into place."""
+    """Rank 0, after every shard is written: index, stash, copied files."""
     if plan.sharded:
         write_index(staging, plan.weight_map, plan.total_size)
     if plan.stash:
         write_stash(staging, _load_stash(plan, ckpt, ui))
-    copied = outdir.copy_non_weights(copy_from, staging) if copy_from is not None else []
-    outdir.publish(staging, out)
-    return copied
+    return outdir.copy_non_weights(copy_from, staging) if copy_from is not None else []
 
 
 def _load_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, ui: Ui) -> list[StashedItem]:
@@ -243,19 +257,6 @@ def _load_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, ui: Ui) -> list[StashedIt
                 )
             items.append(StashedItem(item.fqn, item.path, raw, value, why is None and json_exact(value), why))
     return items
-
-
-def load_config(path: Path | None) -> dict[str, Any]:
-    """config.json as a dict ({} when there is none); mapping rules read sizes and flags from it."""
-    if path is None or not path.exists():
-        return {}
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CkptconvError(f"{path}: not a readable JSON config ({e})") from None
-    if not isinstance(doc, dict):
-        raise CkptconvError(f"{path}: not a JSON object")
-    return doc
 
 
 def resolve_hf_source(src: str, revision: str | None) -> Path:
@@ -293,14 +294,15 @@ def hf_to_dcp(
     mapping: str | None = None,
     config: Path | None = None,
     allow_unmapped: bool = False,
+    verify: bool = False,
 ) -> DcpResult:
     """Convert the HF model `src` (directory, file or hub repo id) to the DCP directory `out`. Collective."""
     start = time.perf_counter()
     _return_freed_memory()
-    located = _on_main(world, resolve_hf_source, src, revision)
+    located = on_main(world, resolve_hf_source, src, revision)
     path: Path = world.all_gather_object(located)[0]  # rank 0 downloads; the others read what it found
 
-    def prepare() -> DcpSavePlan:
+    def prepare() -> tuple[DcpSavePlan, dict[str, Any]]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         hf = open_hf(path)
         stash = read_stash(path) if path.is_dir() else []
@@ -318,19 +320,29 @@ def hf_to_dcp(
         )
         if not dry_run:
             outdir.check_out(out, overwrite)
-        return plan
+        return plan, model_config
 
-    plan = _everyone(world, prepare)
+    plan, model_config = everyone(world, prepare)
     for warning in plan.warnings:
         ui.warn(warning)
     result = DcpResult(out, path, plan)
     if dry_run:
         return result
+
+    def source() -> verify_mod.Side:  # the HF tensors the plan reads (keys a mapping drops are not output)
+        return verify_mod.hf_side(
+            "source", path, keys={stored.key for t in plan.tensors for stored, _ in t.parts}
+        )
+
+    def output(staging: Path, hf: verify_mod.Side) -> verify_mod.Side:  # in the HF side's expert form
+        return verify_mod.dcp_side_like(hf, "output", staging, prefix, mapping, model_config, allow_unmapped)
+
     _atomically(
         world,
         out,
         lambda staging: _save_dcp(plan, staging, world, ui),
-        lambda staging: outdir.publish(staging, out),
+        lambda staging: None,
+        (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None,
     )
     result.seconds = time.perf_counter() - start
     result.written = True
@@ -347,12 +359,14 @@ class DcpResult:
 
 
 def _save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> None:
+    from .formats.dcp_writer import write_dcp  # torch.distributed.checkpoint: about 1 s to import
+
     state_dict, raw_items = _dcp_state_dict(plan, world)
     by_key = {t.key: t for t in plan.tensors}
     reader = RowReader()
 
-    def read_rows(fqn: str, lo: int, hi: int) -> torch.Tensor:
-        return target_rows(by_key[fqn], lo, hi, reader)
+    def read_rows(fqn: str, lo: int, hi: int, scratch: torch.Tensor | None) -> torch.Tensor:
+        return target_rows(by_key[fqn], lo, hi, reader, scratch)
 
     mine = plan.nbytes_of(world.rank)
     with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:

@@ -13,6 +13,7 @@ from .errors import CkptconvError
 from .formats.dcp import is_dcp_dir, open_dcp
 from .formats.hf import is_hf_dir, open_hf
 from .plan import DcpSavePlan, HfSavePlan
+from .ui import human_bytes
 
 
 def inspect(path: Path) -> dict[str, Any]:
@@ -64,15 +65,6 @@ def inspect(path: Path) -> dict[str, Any]:
         **extra,
         "tensors": tensors,
     }
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    return f"{n} B"
 
 
 def _columns(rows: list[list[str]], indent: str = "") -> list[str]:

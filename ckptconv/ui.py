@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,6 +19,16 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+
+
+def human_bytes(n: int) -> str:
+    """1234567 -> '1.23 MB' (powers of ten, as sizes are given on the command line)."""
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    return f"{n} B"
 
 
 @dataclass
@@ -40,9 +52,14 @@ class Ui:
 
     @contextmanager
     def bytes_progress(self, label: str, total: int) -> Iterator[ProgressHook]:
+        """Rank 0's progress over `total` bytes: a bar on a terminal (or --progress), otherwise a plain log
+        line every CKPTCONV_LOG_EVERY_S seconds (default 10) for logs of batch jobs; nothing with --quiet."""
         show = self.progress if self.progress is not None else sys.stderr.isatty()
-        if self.rank != 0 or self.quiet or not show:
+        if self.rank != 0 or self.quiet or self.progress is False:
             yield ProgressHook(None, None)
+            return
+        if not show:
+            yield LogProgress(None, None, self.console, label, total)
             return
         bar = Progress(
             TextColumn("{task.description}"),
@@ -66,3 +83,23 @@ class ProgressHook:
     def advance(self, nbytes: int) -> None:
         if self.bar is not None:
             self.bar.advance(self.task, nbytes)  # type: ignore[arg-type]
+
+
+class LogProgress(ProgressHook):
+    def __init__(self, bar: None, task: None, console: Console, label: str, total: int) -> None:
+        super().__init__(bar, task)
+        self.console, self.label, self.total, self.done = console, label, total, 0
+        self.every = float(os.environ.get("CKPTCONV_LOG_EVERY_S", "10"))
+        self.start = self.last = time.monotonic()
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if now - self.last >= self.every and self.total:
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            self.console.print(
+                f"{self.label}: {100 * self.done / self.total:.0f}% "
+                f"({human_bytes(self.done)} of {human_bytes(self.total)}, {human_bytes(int(rate))}/s)",
+                markup=False,
+            )

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 from .errors import CkptconvError
 
+P = ParamSpec("P")
+T = TypeVar("T")
 DEFAULT_TIMEOUT_S = int(os.environ.get("CKPTCONV_TIMEOUT_S", "600"))
 
 
@@ -63,6 +65,21 @@ class World:
             message, code = report
             prefix = f"rank {rank}: " if self.distributed and rank != self.rank else ""
             raise CkptconvError(prefix + message, exit_code=code, agreed=self.distributed) from error
+
+
+def everyone(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run `fn` on every rank and agree on the outcome: all ranks get the result or all raise."""
+    try:
+        result, error = fn(*args, **kwargs), None
+    except Exception as e:
+        result, error = None, e
+    world.agree(error)
+    return cast(T, result)
+
+
+def on_main(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
+    """Run `fn` on rank 0 only; every rank learns whether it failed."""
+    return everyone(world, lambda: fn(*args, **kwargs) if world.is_main else None)
 
 
 def _one_line(error: BaseException) -> str:

@@ -50,9 +50,11 @@ def convert_and_load(preset: str, hf_dir: Path, tmp_path: Path) -> tuple[dict, d
         "keep",
         "--max-shard-size",
         "20KB",
+        "--verify",
         nproc=2,
     )
     assert proc.returncode == 0, proc.stderr
+    assert "verified:" in proc.stderr
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     sys.path.insert(0, str(WORKERS))
@@ -63,8 +65,18 @@ def convert_and_load(preset: str, hf_dir: Path, tmp_path: Path) -> tuple[dict, d
 
 def round_trip(preset: str, out: Path, runtime: dict[str, torch.Tensor], tmp_path: Path) -> None:
     back = tmp_path / "back"
-    proc = ckptconv("hf-to-dcp", str(out), str(back), "--mapping", preset, "--prefix", "model.", nproc=2)
+    proc = ckptconv(
+        "hf-to-dcp", str(out), str(back), "--mapping", preset, "--prefix", "model.", "--verify", nproc=2
+    )
     assert proc.returncode == 0, proc.stderr
+    assert "verified:" in proc.stderr
+    # verify with the mapping: the runtime-named DCP (stacked experts, permuted q/k) against the HF parts
+    for ckpt in (back, out.parent / "ckpt"):
+        proc = ckptconv(
+            "verify", str(ckpt), str(out), "--mapping", preset, "--config", str(out / "config.json")
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.startswith("match: ")
     state = load_plain(back)
     for key, value in runtime.items():
         assert same_bits(state[f"model.{key}"], value), key  # type: ignore[arg-type]

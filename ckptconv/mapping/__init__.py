@@ -16,6 +16,7 @@ Presets are the TOML files in `presets/`, named by their file stem (`torchtitan-
 
 from __future__ import annotations
 
+import json
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -26,6 +27,19 @@ from .rules import KeyMapping, Rule
 
 _RULE_KEYS = {"runtime", "hf", "dim", "sizes", "stack", "permute", "drop", "tied", "when"}
 VARIANTS = ("per_expert", "fused")
+
+
+def load_config(path: Path | None) -> dict[str, Any]:
+    """config.json as a dict ({} when there is none); mapping rules read sizes and flags from it."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CkptconvError(f"{path}: not a readable JSON config ({e})") from None
+    if not isinstance(doc, dict):
+        raise CkptconvError(f"{path}: not a JSON object")
+    return doc
 
 
 def presets() -> list[str]:

@@ -1,0 +1,370 @@
+"""verify: do two checkpoints hold the same tensors? Any format on either side, bit-exact by default.
+
+Each side (DCP directory, HF directory, .safetensors file, hub repo id) is opened as a `Side`: its tensors
+under HF key names and a way to read one whole tensor. A DCP side goes through the same selection (the
+`model` group, `--prefix`) and key mapping as dcp-to-hf, dtypes kept, so a conversion's output is compared
+with exactly what it was made from. Keys are shared out over the ranks (largest first, like output files);
+each rank reads and compares its keys one at a time (memory: the tensor pair being compared) and the
+findings are gathered on every rank, so the verdict does not depend on the number of ranks.
+
+Exact: A's values cast to B's dtype (`Tensor.to`) equal B bit for bit (so -0.0 != 0.0, and NaN == NaN only
+with the same bits). With a tolerance: |a - b| <= atol + rtol * |b| in fp32, NaN equal to NaN in the same
+place, infinities equal when the same.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .dtypes import DtypePolicy, short_name
+from .errors import CkptconvError, VerifyMismatch
+from .formats.dcp import DcpReader, is_dcp_dir, open_dcp
+from .formats.hf import RowReader, download, is_hf_dir, looks_like_repo_id, open_hf
+from .mapping import VARIANTS, load_config, load_mapping
+from .plan import OutTensor, assign_owners, natural_key, plan_dcp_to_hf
+from .ui import Ui
+from .unshard import assemble, direct_rows
+from .world import World, everyone, on_main
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float = 0.0
+    rtol: float = 0.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One mismatch: a key on one side only, a shape that differs, or values that differ."""
+
+    key: str
+    kind: str  # only_in_a | only_in_b | shape | values
+    a: dict[str, Any] | None
+    b: dict[str, Any] | None
+    differing: int = 0
+    numel: int = 0
+    max_abs_diff: float | None = None
+
+    def line(self) -> str:
+        def desc(side: dict[str, Any] | None) -> str:
+            return f"{side['dtype']}{side['shape']}" if side else "-"
+
+        if self.kind == "only_in_a":
+            return f"{self.key}: only in A ({desc(self.a)})"
+        if self.kind == "only_in_b":
+            return f"{self.key}: only in B ({desc(self.b)})"
+        if self.kind == "shape":
+            return f"{self.key}: shape differs, A {desc(self.a)} vs B {desc(self.b)}"
+        return (
+            f"{self.key}: {self.differing} of {self.numel} elements differ (max abs diff "
+            f"{self.max_abs_diff:.6g}), A {desc(self.a)} vs B {desc(self.b)}"
+        )
+
+
+@dataclass
+class Report:
+    a: str
+    b: str
+    compared: int
+    nbytes: int
+    findings: list[Finding]
+    tolerance: Tolerance | None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def match(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "command": "verify",
+            "a": self.a,
+            "b": self.b,
+            "match": self.match,
+            "compared": self.compared,
+            "compared_bytes": self.nbytes,
+            "mismatches": [asdict(f) for f in self.findings],
+            "tolerance": asdict(self.tolerance) if self.tolerance else None,
+            "seconds": round(self.seconds, 3),
+            "notes": self.notes,
+        }
+
+
+def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
+    return {"shape": list(shape), "dtype": short_name(dtype)}
+
+
+def compare(key: str, a: torch.Tensor, b: torch.Tensor, tolerance: Tolerance | None = None) -> Finding | None:
+    """None when `a` (cast to b's dtype) matches `b`; else what differs."""
+    da, db = _describe(tuple(a.shape), a.dtype), _describe(tuple(b.shape), b.dtype)
+    if a.shape != b.shape:
+        return Finding(key, "shape", da, db)
+    cast = a.to(b.dtype)
+    if tolerance is None:
+        if b.dtype == torch.bool:
+            differ = cast != b
+        else:
+            bits = _BITS[b.dtype.itemsize]
+            differ = cast.contiguous().view(bits) != b.contiguous().view(bits)
+    else:
+        fa, fb = cast.float(), b.float()
+        close = (fa - fb).abs() <= tolerance.atol + tolerance.rtol * fb.abs()
+        differ = ~(close | (fa == fb) | (fa.isnan() & fb.isnan()))
+    n = int(differ.sum())
+    if n == 0:
+        return None
+    gap = (a[differ].double() - b[differ].double()).abs() if differ.dim() else (a.double() - b.double()).abs()
+    worst = float(gap.max()) if gap.numel() else math.nan
+    return Finding(key, "values", da, db, n, b.numel(), worst)
+
+
+@dataclass
+class Side:
+    """One checkpoint, seen as HF-named tensors."""
+
+    label: str
+    path: Path
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    read: Callable[[str], torch.Tensor]
+    close: Callable[[], None]
+
+
+def hf_side(label: str, path: Path, keys: set[str] | None = None) -> Side:
+    """An HF directory or file; only `keys` of it if given."""
+    hf = open_hf(path)
+    reader = RowReader()
+
+    def read(key: str) -> torch.Tensor:
+        t = hf.tensors[key]
+        return reader.rows(t, 0, t.shape[0] if t.shape else 1)
+
+    shapes = {k: (t.shape, t.dtype) for k, t in hf.tensors.items() if keys is None or k in keys}
+    return Side(label, path, shapes, read, reader.close)
+
+
+def dcp_side(
+    label: str,
+    path: Path,
+    prefix: str | None,
+    mapping: str | None,
+    config: dict[str, Any],
+    variant: str | None,
+    allow_unmapped: bool,
+) -> Side:
+    ckpt = open_dcp(path)
+    plan = plan_dcp_to_hf(
+        ckpt,
+        DtypePolicy(None),
+        max_shard_size=2**62,
+        world_size=1,
+        prefix=prefix,
+        mapping=load_mapping(mapping, variant) if mapping else None,
+        config=config,
+        allow_unmapped=allow_unmapped,
+    )
+    outs: dict[str, OutTensor] = {t.hf_key: t for f in plan.files for t in f.tensors}
+    reader = DcpReader(ckpt)
+    rows = direct_rows(reader)
+
+    def read(key: str) -> torch.Tensor:
+        return assemble(outs[key], rows, reader)
+
+    shapes = {k: (t.shape, t.dtype) for k, t in outs.items()}
+    return Side(label, path, shapes, read, reader.close)
+
+
+def locate(src: str, revision: str | None = None) -> Path:
+    """The local checkpoint `src` names (a hub repo id is downloaded, weights and config only)."""
+    path = Path(src)
+    if path.exists():
+        if not (is_dcp_dir(path) or is_hf_dir(path) or (path.is_file() and path.suffix == ".safetensors")):
+            raise CkptconvError(
+                f"{src}: neither a DCP checkpoint (.metadata) nor safetensors (a directory or a file)"
+            )
+        return path
+    if looks_like_repo_id(src):
+        return download(src, revision)
+    raise CkptconvError(f"{src}: no such file or directory, and not a hub repo id (org/name)")
+
+
+def open_sides(
+    a: Path,
+    b: Path,
+    *,
+    prefix: str | None = None,
+    mapping: str | None = None,
+    config: dict[str, Any] | None = None,
+    allow_unmapped: bool = False,
+) -> tuple[Side, Side]:
+    """Both sides; with a mapping, every DCP side is viewed under HF names, in the expert form (per expert or
+    fused) of the other side when that is HF."""
+    if mapping and not (is_dcp_dir(a) or is_dcp_dir(b)):
+        raise CkptconvError("--mapping applies to DCP checkpoints; neither A nor B is one")
+    sides: list[Side | None] = [None, None]
+    for i, (label, path) in enumerate((("A", a), ("B", b))):
+        if not is_dcp_dir(path):
+            sides[i] = hf_side(label, path)
+    for i, (label, path) in enumerate((("A", a), ("B", b))):
+        if is_dcp_dir(path):
+            other = sides[1 - i]
+            sides[i] = dcp_side_like(other, label, path, prefix, mapping, config or {}, allow_unmapped)
+    assert sides[0] is not None and sides[1] is not None
+    return sides[0], sides[1]
+
+
+def dcp_side_like(
+    other: Side | None,
+    label: str,
+    path: Path,
+    prefix: str | None,
+    mapping: str | None,
+    config: dict[str, Any],
+    allow_unmapped: bool,
+) -> Side:
+    """A DCP side mapped to the expert form (per expert or fused) that shares the most keys with `other`."""
+    if not mapping or other is None:
+        return dcp_side(label, path, prefix, mapping, config, None, allow_unmapped)
+    best: Side | None = None
+    for variant in VARIANTS:  # the expert form that shares the most keys with the HF side
+        side = dcp_side(label, path, prefix, mapping, config, variant, allow_unmapped)
+        if best is None or len(side.shapes.keys() & other.shapes.keys()) > len(
+            best.shapes.keys() & other.shapes.keys()
+        ):
+            if best is not None:
+                best.close()
+            best = side
+        else:
+            side.close()
+    assert best is not None
+    return best
+
+
+def verify_sides(
+    a: Side,
+    b: Side,
+    world: World,
+    tolerance: Tolerance | None = None,
+    on_bytes: Callable[[int], None] = lambda n: None,
+) -> Report:
+    """Collective: compare every key; the same `Report` on every rank."""
+    start = time.perf_counter()
+    keys = sorted(a.shapes.keys() | b.shapes.keys(), key=natural_key)
+    findings = [
+        Finding(k, "only_in_a" if k in a.shapes else "only_in_b", _side(a, k), _side(b, k))
+        for k in keys
+        if (k in a.shapes) != (k in b.shapes)
+    ]
+    common = [k for k in keys if k in a.shapes and k in b.shapes]
+    sizes = [max(_nbytes(a, k), _nbytes(b, k)) for k in common]
+    owners = assign_owners(sizes, world.size)
+    mine: list[Finding] = []
+    error: Exception | None = None
+    try:
+        for key in _own(common, owners, world.rank):
+            if a.shapes[key][0] != b.shapes[key][0]:
+                mine.append(Finding(key, "shape", _side(a, key), _side(b, key)))
+                continue
+            finding = compare(key, a.read(key), b.read(key), tolerance)
+            if finding is not None:
+                mine.append(finding)
+            on_bytes(_nbytes(b, key))
+    except Exception as e:  # every rank must reach the gather below
+        error = e
+    world.agree(error)
+    for part in world.all_gather_object(mine):
+        findings.extend(part)
+    order = {k: i for i, k in enumerate(keys)}
+    findings.sort(key=lambda f: order[f.key])
+    return Report(
+        str(a.path), str(b.path), len(common), sum(sizes), findings, tolerance, time.perf_counter() - start
+    )
+
+
+def _own(keys: list[str], owners: list[int], rank: int) -> Iterator[str]:
+    return (k for k, owner in zip(keys, owners, strict=True) if owner == rank)
+
+
+def _side(side: Side, key: str) -> dict[str, Any] | None:
+    if key not in side.shapes:
+        return None
+    shape, dtype = side.shapes[key]
+    return _describe(shape, dtype)
+
+
+def _nbytes(side: Side, key: str) -> int:
+    shape, dtype = side.shapes[key]
+    return math.prod(shape) * dtype.itemsize
+
+
+def verify(
+    a: str,
+    b: str,
+    *,
+    world: World,
+    ui: Ui,
+    revision: str | None = None,
+    prefix: str | None = None,
+    mapping: str | None = None,
+    config: Path | None = None,
+    allow_unmapped: bool = False,
+    tolerance: Tolerance | None = None,
+) -> Report:
+    """Collective: compare checkpoint `a` with `b` (paths or hub repo ids). Rank 0 downloads repo ids."""
+    located = on_main(world, lambda: (locate(a, revision), locate(b, revision)))
+    path_a, path_b = world.all_gather_object(located)[0]
+
+    def prepare() -> tuple[Side, Side]:
+        found = config or next(
+            (p / "config.json" for p in (path_a, path_b) if (p / "config.json").is_file()), None
+        )
+        return open_sides(
+            path_a,
+            path_b,
+            prefix=prefix,
+            mapping=mapping,
+            config=load_config(found),
+            allow_unmapped=allow_unmapped,
+        )
+
+    side_a, side_b = everyone(world, prepare)
+    try:
+        return run(side_a, side_b, world, ui, tolerance)
+    finally:
+        side_a.close()
+        side_b.close()
+
+
+def run(a: Side, b: Side, world: World, ui: Ui, tolerance: Tolerance | None = None) -> Report:
+    """Collective: `verify_sides` with a progress display of this rank's bytes."""
+    common = [k for k in a.shapes if k in b.shapes]
+    owners = assign_owners([max(_nbytes(a, k), _nbytes(b, k)) for k in common], world.size)
+    mine = sum(_nbytes(b, k) for k in _own(common, owners, world.rank))
+    with ui.bytes_progress(f"rank {world.rank} of {world.size}: verifying", mine) as progress:
+        return verify_sides(a, b, world, tolerance, progress.advance)
+
+
+def check_output(source: Side, output: Side, world: World, ui: Ui) -> None:
+    """Collective, for `--verify`: raise VerifyMismatch (exit 1) unless `output` holds `source`'s tensors."""
+    try:
+        report = run(source, output, world, ui)
+    finally:
+        source.close()
+        output.close()
+    if not report.match:
+        first, more = report.findings[0], len(report.findings) - 1
+        raise VerifyMismatch(
+            f"--verify: the output differs from {source.path}: {first.line()}"
+            + (f" (and {more} more)" if more else "")
+            + "; nothing was written"
+        )
+    ui.info(f"verified: {report.compared} tensors match the source bit for bit")

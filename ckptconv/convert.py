@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
@@ -35,7 +35,7 @@ from .mapping import load_config, load_mapping
 from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .stash import StashedItem, json_exact, read_stash, write_stash
 from .ui import Ui
-from .unshard import direct_tensors, gather_tensors
+from .unshard import Item, direct_tensors, gather_tensors
 from .world import World, everyone, on_main
 
 ReadPath = Literal["direct", "gather"]
@@ -195,17 +195,20 @@ def _write_shards(
     bucket: int,
     read_path: ReadPath,
 ) -> None:
-    mine = plan.files_of(world.rank)
     source = gather_tensors if read_path == "gather" else direct_tensors
-    with (
-        DcpReader(ckpt) as reader,
-        ui.bytes_progress(
-            f"writing {len(mine)} of {len(plan.files)} files", sum(f.nbytes for f in mine)
-        ) as progress,
-    ):
+    with DcpReader(ckpt) as reader:
+        write_files(plan, source(plan, world, reader, bucket), staging, world, ui)
+
+
+def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: World, ui: Ui) -> None:
+    """Write this rank's files of `plan` from `items` (its tensors in file order, as unshard yields them)."""
+    mine = plan.files_of(world.rank)
+    with ui.bytes_progress(
+        f"writing {len(mine)} of {len(plan.files)} files", sum(f.nbytes for f in mine)
+    ) as progress:
         writer: SafetensorsWriter | None = None
         try:
-            for f, t, tensor in source(plan, world, reader, bucket):
+            for f, t, tensor in items:
                 if writer is None or writer.path.name != f.name:
                     if writer is not None:
                         writer.close()

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -225,7 +226,11 @@ def gather_rounds(
     return [[(rank, b[k]) for rank, b in enumerate(per_writer) if k < len(b)] for k in range(depth)]
 
 
-def gather_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_bytes: int) -> Iterator[Item]:
+class ChunkSource(Protocol):
+    def read_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor: ...
+
+
+def gather_tensors(plan: HfSavePlan, world: World, reader: ChunkSource, bucket_bytes: int) -> Iterator[Item]:
     """Collective: this rank's output tensors in file order; each chunk is read by its reader rank."""
     import torch.distributed as dist
 

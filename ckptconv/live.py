@@ -1,0 +1,310 @@
+"""save_hf / load_hf: HF safetensors straight from / into a live, sharded state dict inside a training job.
+
+A live state dict is planned exactly like a DCP checkpoint: every rank describes its local block of every
+tensor (`LoadSpec.from_tensor`: the block DCP itself would record, from the DTensor's placements and mesh),
+the blocks are exchanged as metadata, and the same planner as dcp-to-hf lays out the files, so `save_hf`
+writes the bytes `dcp-to-hf` writes for the same weights, whatever the world size. Tensor data then moves
+only to the rank writing each file, in rounds bounded by `bucket_size` of gathered (global) bytes (the gather
+path of `unshard`, reading blocks from memory instead of storage). `load_hf` reads, on each rank, only the
+rows of its own block from the safetensors files.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import convert, outdir
+from .dtypes import DtypePolicy, parse_dtype_flag
+from .errors import CkptconvError
+from .formats.dcp import DcpCheckpoint
+from .formats.hf import RowReader, open_hf, write_index
+from .layout import tiling_problem
+from .mapping import load_mapping
+from .plan import parse_size, plan_dcp_to_hf, plan_hf_to_dcp
+from .specs import ChunkSpec, TensorSpec
+from .stash import StashedItem, json_exact, write_stash
+from .ui import Ui
+from .unshard import gather_tensors
+from .world import World, everyone
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Where one rank's local data of a tensor sits in the global tensor."""
+
+    key: str
+    shape: tuple[int, ...]  # global
+    dtype: torch.dtype
+    offsets: tuple[int, ...]  # of the local block
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def from_tensor(cls, key: str, tensor: torch.Tensor) -> LoadSpec:
+        """From a plain tensor (all of it) or a DTensor with any placements (Shard on any dim, uneven,
+        Replicate, `_StridedShard`, 1-, 2- and 3-D meshes): the block DCP records for it (its
+        `__create_chunk_list__`), in global coordinates."""
+        from torch.distributed.tensor import DTensor
+
+        shape = tuple(int(s) for s in tensor.shape)
+        if not isinstance(tensor, DTensor):
+            return cls(key, shape, tensor.dtype, (0,) * len(shape), shape)
+        chunks = tensor.__create_chunk_list__()
+        if len(chunks) != 1:
+            raise CkptconvError(f"{key!r}: a DTensor whose local data is {len(chunks)} blocks is unsupported")
+        chunk = chunks[0]
+        return cls(key, shape, tensor.dtype, tuple(map(int, chunk.offsets)), tuple(map(int, chunk.sizes)))
+
+
+def local_data(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def flatten(state_dict: Mapping[str, Any]) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(path, value) of every leaf of a nested dict, in order; tensors and everything else are leaves."""
+    for name, value in state_dict.items():
+        if isinstance(value, Mapping) and not isinstance(value, torch.Tensor):
+            for path, leaf in flatten(value):
+                yield (str(name), *path), leaf
+        else:
+            yield (str(name),), value
+
+
+def _world() -> World:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size())
+    return World()
+
+
+class _MemoryReader:
+    """Serves `gather_tensors` the blocks this rank holds, as a DcpReader serves stored chunks."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def read_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
+        return local_data(self.tensors[spec.fqn]).detach().to("cpu").contiguous()
+
+
+def _live_checkpoint(
+    tensors: dict[str, torch.Tensor], paths: dict[str, tuple[str, ...]], world: World
+) -> DcpCheckpoint:
+    """Every rank's blocks of every tensor, as a DcpCheckpoint whose chunk `file` names the holding rank."""
+    mine = [LoadSpec.from_tensor(k, t) for k, t in tensors.items()]
+    everyone_specs = world.all_gather_object([(s.key, s.shape, s.dtype, s.offsets, s.sizes) for s in mine])
+    specs: dict[str, TensorSpec] = {}
+    for rank, rows in enumerate(everyone_specs):
+        if [r[0] for r in rows] != [s.key for s in mine]:
+            raise CkptconvError(f"save_hf: rank {rank} holds different keys than rank {world.rank}")
+        for key, shape, dtype, offsets, sizes in rows:
+            prev = specs.get(key)
+            if prev is not None and (prev.shape, prev.dtype) != (shape, dtype):
+                raise CkptconvError(
+                    f"save_hf: {key!r} is {prev.dtype}{list(prev.shape)} on a rank, {dtype}{list(shape)} on {rank}"
+                )
+            chunk = ChunkSpec(offsets, sizes, f"__{rank}_0.distcp", 0, 0, "torch_save")
+            specs[key] = TensorSpec(key, dtype, shape, (*(prev.chunks if prev else ()), chunk))
+    for spec in specs.values():
+        problem = tiling_problem(spec.shape, [(c.offsets, c.sizes) for c in spec.chunks])
+        if problem:
+            raise CkptconvError(f"save_hf: the ranks' blocks of {spec.fqn!r} {problem}")
+    return DcpCheckpoint(Path("<live state dict>"), specs, {}, dict(paths))
+
+
+def save_hf(
+    state_dict: Mapping[str, Any],
+    path: str | Path,
+    *,
+    mapping: str | None = None,
+    dtype: str = "bf16",
+    fp32: Sequence[str] = ("A_log$",),
+    max_shard_size: str | int = "5GB",
+    bucket_size: str | int = "128MB",
+    copy_from: str | Path | None = None,
+    extra: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+    overwrite: bool = True,
+) -> None:
+    """Collective (call on every rank): write `state_dict` as HF safetensors into the directory `path`.
+
+    Values: DTensors with any placements, plain tensors (the same on every rank), or other objects, which go
+    with `extra` to `ckptconv_state.json` like dcp-to-hf's stash. The files are those `dcp-to-hf` writes for
+    the same weights and flags. Rank 0 publishes `path` atomically after every rank succeeded.
+    """
+    world, out = _world(), Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    paths: dict[str, tuple[str, ...]] = {}
+    others: list[tuple[tuple[str, ...], Any]] = []
+    for p, value in flatten(state_dict):
+        if isinstance(value, torch.Tensor):
+            tensors[".".join(p)] = value
+            paths[".".join(p)] = p
+        else:
+            others.append((p, value))
+    others += [((str(k),), v) for k, v in (extra or {}).items()]
+    ui = Ui(rank=world.rank, quiet=True)
+
+    def prepare() -> Any:
+        policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
+        ckpt = _live_checkpoint(tensors, paths, world)
+        plan = plan_dcp_to_hf(
+            ckpt,
+            policy,
+            max_shard_size=parse_size(max_shard_size),
+            world_size=world.size,
+            mapping=load_mapping(mapping) if mapping else None,
+            config=dict(config or {}),
+        )
+        outdir.check_out(out, overwrite)
+        return plan, parse_size(bucket_size, "bucket_size")
+
+    plan, bucket = everyone(world, prepare)
+    reader = _MemoryReader(tensors)
+
+    def finish(staging: Path) -> None:
+        if plan.sharded:
+            write_index(staging, plan.weight_map, plan.total_size)
+        if others:
+            write_stash(staging, [_stashed(p, v) for p, v in others])
+        if copy_from is not None:
+            outdir.copy_non_weights(Path(copy_from), staging)
+
+    convert._atomically(
+        world,
+        out,
+        lambda staging: convert.write_files(
+            plan, gather_tensors(plan, world, reader, bucket), staging, world, ui
+        ),
+        finish,
+    )
+
+
+def _stashed(path: tuple[str, ...], value: Any) -> StashedItem:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return StashedItem(".".join(path), path, buf.getvalue(), value, json_exact(value))
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # in the state dict, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state dict
+    promoted: list[str] = field(default_factory=list)  # replaced by a wider-dtype tensor (see load_hf)
+
+
+def load_hf(
+    state_dict: dict[str, Any],
+    path: str | Path,
+    *,
+    mapping: str | None = None,
+    dtype: str | None = None,
+    fp32: Sequence[str] = (),
+    strict: bool = True,
+    config: Mapping[str, Any] | None = None,
+) -> LoadReport:
+    """Fill the tensors of `state_dict` (DTensors with any placements, or plain tensors) from HF safetensors.
+
+    Each rank reads only the rows of its own block. Dtypes: by default a key is loaded as
+    `torch.promote_types(checkpoint dtype, target dtype)`; when that is the target's dtype (same dtypes, or a
+    wider target) the values are copied into the target in place. When the checkpoint is wider (an fp32
+    `A_log` into a bf16 model), the target is not rounded: `state_dict[key]` is replaced by a new tensor of
+    the wider dtype (a DTensor with the same mesh and placements) and the key is listed in `promoted`.
+    `dtype="bf16"` (or fp16, fp32) instead loads every floating key in that dtype, rounding if need be, and
+    keys matching an `fp32` pattern load as fp32. `strict` raises on missing or unexpected keys.
+    Not collective: ranks do not talk to each other.
+    """
+    hf = open_hf(Path(path))
+    forced = parse_dtype_flag(dtype, "dtype") if dtype is not None else None
+    plan = plan_hf_to_dcp(
+        hf,
+        DtypePolicy(None),
+        world_size=1,
+        prefix=None,
+        stash=[],
+        mapping=load_mapping(mapping) if mapping else None,
+        config=dict(config or {}),
+        allow_unmapped=not strict,
+    )
+    sources = {t.key: t for t in plan.tensors}
+    targets = {".".join(p): (p, v) for p, v in flatten(state_dict) if isinstance(v, torch.Tensor)}
+    report = LoadReport(
+        missing=[k for k in targets if k not in sources], unexpected=[k for k in sources if k not in targets]
+    )
+    if strict and (report.missing or report.unexpected):
+        raise CkptconvError(
+            f"load_hf {path}: missing keys {report.missing[:5]}, unexpected keys {report.unexpected[:5]}"
+            " (strict=False loads the rest)"
+        )
+    policy = DtypePolicy(forced, fp32)
+    reader = RowReader()
+    try:
+        for key, (p, target) in targets.items():
+            if key not in sources:
+                continue
+            src = sources[key]
+            spec = LoadSpec.from_tensor(key, target)
+            if spec.shape != src.shape:
+                raise CkptconvError(
+                    f"load_hf: {key!r} is {list(src.shape)} in {path}, {list(spec.shape)} in the state dict"
+                )
+            values = _block(src, spec, reader)
+            if forced is not None or any(re.search(pattern, key) for pattern in fp32):
+                want = policy.resolve(key, src.dtype)
+            else:
+                want = torch.promote_types(src.dtype, spec.dtype)
+            local = local_data(target)
+            if want == local.dtype:
+                with torch.no_grad():
+                    local.copy_(values)
+            else:
+                _replace(state_dict, p, _like(target, values.to(want)))
+                report.promoted.append(key)
+            report.loaded.append(key)
+    finally:
+        reader.close()
+    return report
+
+
+def _block(src: Any, spec: LoadSpec, reader: RowReader) -> torch.Tensor:
+    """This rank's block of the checkpoint tensor `src`, read row range by row range."""
+    from .compose import target_rows
+
+    if not spec.shape:
+        return target_rows(src, 0, 1, reader)
+    rows = target_rows(src, spec.offsets[0], spec.offsets[0] + spec.sizes[0], reader)
+    for dim in range(1, len(spec.shape)):
+        rows = rows.narrow(dim, spec.offsets[dim], spec.sizes[dim])
+    return rows
+
+
+def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(target, DTensor):
+        return DTensor.from_local(
+            local.to(target.to_local().device).contiguous(),
+            target.device_mesh,
+            target.placements,
+            run_check=False,
+            shape=target.shape,
+            stride=target.stride(),
+        )
+    return local.to(target.device).contiguous()
+
+
+def _replace(state_dict: dict[str, Any], path: tuple[str, ...], value: torch.Tensor) -> None:
+    node = state_dict
+    for name in path[:-1]:
+        node = node[name]
+    node[path[-1]] = value

@@ -1,3 +1,13 @@
 """ckptconv: convert LLM checkpoints between PyTorch DCP and Hugging Face safetensors, on one rank or many."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """`ckptconv.save_hf`, `ckptconv.load_hf`, `ckptconv.LoadSpec`: imported on first use (torch is slow to
+    import, and `ckptconv --help` should not pay for it)."""
+    if name in ("save_hf", "load_hf", "LoadSpec", "LoadReport"):
+        from . import live
+
+        return getattr(live, name)
+    raise AttributeError(f"module 'ckptconv' has no attribute {name!r}")

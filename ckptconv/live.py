@@ -110,7 +110,8 @@ def _live_checkpoint(
             prev = specs.get(key)
             if prev is not None and (prev.shape, prev.dtype) != (shape, dtype):
                 raise CkptconvError(
-                    f"save_hf: {key!r} is {prev.dtype}{list(prev.shape)} on a rank, {dtype}{list(shape)} on {rank}"
+                    f"save_hf: {key!r} is {prev.dtype}{list(prev.shape)} on one rank, "
+                    f"{dtype}{list(shape)} on rank {rank}"
                 )
             chunk = ChunkSpec(offsets, sizes, f"__{rank}_0.distcp", 0, 0, "torch_save")
             specs[key] = TensorSpec(key, dtype, shape, (*(prev.chunks if prev else ()), chunk))
@@ -165,7 +166,7 @@ def save_hf(
             mapping=load_mapping(mapping) if mapping else None,
             config=dict(config or {}),
         )
-        outdir.check_out(out, overwrite)
+        outdir.check_out(out, overwrite, "overwrite=True")
         return plan, parse_size(bucket_size, "bucket_size")
 
     plan, bucket = everyone(world, prepare)
@@ -200,7 +201,7 @@ class LoadReport:
     loaded: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # in the state dict, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state dict
-    promoted: list[str] = field(default_factory=list)  # replaced by a wider-dtype tensor (see load_hf)
+    replaced: list[str] = field(default_factory=list)  # entry replaced by another dtype's (see load_hf)
 
 
 def load_hf(
@@ -219,9 +220,10 @@ def load_hf(
     `torch.promote_types(checkpoint dtype, target dtype)`; when that is the target's dtype (same dtypes, or a
     wider target) the values are copied into the target in place. When the checkpoint is wider (an fp32
     `A_log` into a bf16 model), the target is not rounded: `state_dict[key]` is replaced by a new tensor of
-    the wider dtype (a DTensor with the same mesh and placements) and the key is listed in `promoted`.
+    the wider dtype (a DTensor with the same mesh and placements) and the key is listed in `replaced`.
     `dtype="bf16"` (or fp16, fp32) instead loads every floating key in that dtype, rounding if need be, and
-    keys matching an `fp32` pattern load as fp32. `strict` raises on missing or unexpected keys.
+    keys matching an `fp32` pattern load as fp32; a target of another dtype is replaced the same way.
+    `strict` raises on missing or unexpected keys.
     Not collective: ranks do not talk to each other.
     """
     hf = open_hf(Path(path))
@@ -269,7 +271,7 @@ def load_hf(
                     local.copy_(values)
             else:
                 _replace(state_dict, p, _like(target, values.to(want)))
-                report.promoted.append(key)
+                report.replaced.append(key)
             report.loaded.append(key)
     finally:
         reader.close()

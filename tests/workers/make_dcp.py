@@ -47,15 +47,8 @@ class Tiny(torch.nn.Module):
         return self.head(h)
 
 
-def main() -> None:
-    out, layout = sys.argv[1], sys.argv[2]
-    fmt = (
-        SerializationFormat.SAFETENSORS if sys.argv[3:] == ["safetensors"] else SerializationFormat.TORCH_SAVE
-    )
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    torch.manual_seed(0)
-    model = Tiny()
+def shard(model: Tiny, layout: str, world: int) -> None:
+    """FSDP2 over all ranks, or (mesh2d) a (world/2, 2) mesh: TP on the MLPs, FSDP2 over dp."""
     if layout == "mesh2d":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         for b in model.layers:
@@ -68,6 +61,18 @@ def main() -> None:
         for b in model.layers:
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
+
+
+def main() -> None:
+    out, layout = sys.argv[1], sys.argv[2]
+    fmt = (
+        SerializationFormat.SAFETENSORS if sys.argv[3:] == ["safetensors"] else SerializationFormat.TORCH_SAVE
+    )
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = Tiny()
+    shard(model, layout, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.arange(7).reshape(1, 7) % 11).float().pow(2).mean().backward()
     opt.step()

@@ -1,0 +1,123 @@
+"""save_hf / load_hf on live sharded models: FSDP2 at 2 and 3 ranks, FSDP2 x TP 2x2 (strided rows)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import WORKERS, ckptconv, torchrun, tree_sha256
+from safetensors.torch import save_file
+
+import ckptconv as lib
+from ckptconv.errors import CkptconvError
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same seeded model saved with save_hf by three jobs: FSDP2 on 2 and 3 ranks, FSDP2 x TP on 4."""
+    root = tmp_path_factory.mktemp("live")
+    runs = {"fsdp2-2": (2, "fsdp2"), "fsdp2-3": (3, "fsdp2"), "mesh2d-4": (4, "mesh2d")}
+    out = {}
+    for name, (nproc, layout) in runs.items():
+        out[name] = root / name
+        out[name].mkdir()
+        torchrun(nproc, str(WORKERS / "live.py"), "save", str(out[name]), layout)
+    return out
+
+
+def test_save_hf_bytes_are_independent_of_world_size_and_layout(saved: dict[str, Path]) -> None:
+    first = tree_sha256(saved["fsdp2-2"] / "live")
+    assert len([n for n in first if n.endswith(".safetensors")]) == 4  # max_shard_size=300: numbered 1..4
+    assert "model.safetensors.index.json" in first and "ckptconv_state.json" in first
+    for name in ("fsdp2-3", "mesh2d-4"):
+        assert tree_sha256(saved[name] / "live") == first, name
+
+
+def test_save_hf_writes_what_dcp_to_hf_writes(saved: dict[str, Path], tmp_path: Path) -> None:
+    for name in ("fsdp2-2", "mesh2d-4"):
+        out = tmp_path / name
+        proc = ckptconv(
+            "dcp-to-hf", str(saved[name] / "dcp"), str(out), "--fp32", "A_log$", "--max-shard-size", "300"
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert tree_sha256(out) == tree_sha256(saved[name] / "live"), name
+    stash = json.loads((saved["fsdp2-2"] / "live" / "ckptconv_state.json").read_text())
+    assert stash["items"] == [{"key": "step", "path": ["step"], "value": 7}]
+
+
+@pytest.mark.parametrize(("nproc", "layout"), [(3, "fsdp2"), (4, "mesh2d")])
+def test_load_hf_into_a_differently_sharded_bf16_model(
+    saved: dict[str, Path], nproc: int, layout: str
+) -> None:
+    proc = torchrun(nproc, str(WORKERS / "live.py"), "load", str(saved["fsdp2-2"]), layout)
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["loaded"] == 16 and not doc["missing"] and not doc["unexpected"]
+    assert all(same for _, same in doc["same"].values()), doc["same"]  # bit for bit against the saved values
+    # the fp32 A_log of the checkpoint is not rounded into the bf16 model: the state dict gets an fp32 tensor
+    assert doc["replaced"] == ["layers.0.A_log", "layers.1.A_log"]
+    assert doc["same"]["layers.0.A_log"][0] == "float32" and doc["same"]["embed.weight"][0] == "bfloat16"
+    assert doc["model"]["layers.0.A_log"] == "torch.bfloat16"  # the module's own parameter is not replaced
+
+
+def _hf(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "w": torch.randn(5, 4, generator=g),
+        "A_log": torch.randn(3, generator=g),
+        "ids": torch.arange(6),
+        "b": torch.randn(4, generator=g).to(torch.bfloat16),
+    }
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def test_load_hf_dtype_rules_in_one_process(tmp_path: Path) -> None:
+    hf = _hf(tmp_path)
+    sd = {
+        "w": torch.zeros(5, 4, dtype=torch.bfloat16),
+        "A_log": torch.zeros(3, dtype=torch.bfloat16),
+        "ids": torch.zeros(6, dtype=torch.int64),
+        "b": torch.zeros(4, dtype=torch.float32),  # wider target: filled in place
+    }
+    target_b = sd["b"]
+    report = lib.load_hf(sd, hf)
+    assert sorted(report.replaced) == ["A_log", "w"] and sd["w"].dtype == torch.float32
+    assert sd["b"] is target_b and sd["b"].dtype == torch.float32
+    assert torch.equal(sd["ids"], torch.arange(6))
+    forced = {k: torch.zeros_like(v) for k, v in sd.items()} | {"w": torch.zeros(5, 4, dtype=torch.bfloat16)}
+    forced["A_log"] = torch.zeros(3, dtype=torch.bfloat16)
+    w_target = forced["w"]
+    report = lib.load_hf(forced, hf, dtype="bf16", fp32=["A_log$"])
+    assert sorted(report.replaced) == ["A_log", "b"]  # forced: A_log to fp32, the fp32 target b to bf16
+    assert forced["A_log"].dtype == torch.float32 and forced["b"].dtype == torch.bfloat16
+    assert forced["w"] is w_target and torch.equal(w_target, sd["w"].to(torch.bfloat16))  # rounded in place
+
+
+def test_load_hf_strict_and_shapes(tmp_path: Path) -> None:
+    hf = _hf(tmp_path)
+    sd = {"w": torch.zeros(5, 4), "extra": torch.zeros(2)}
+    with pytest.raises(CkptconvError, match="missing keys \\['extra'\\], unexpected keys"):
+        lib.load_hf(sd, hf)
+    report = lib.load_hf(sd, hf, strict=False)
+    assert report.loaded == ["w"] and report.missing == ["extra"]
+    assert sorted(report.unexpected) == ["A_log", "b", "ids"]
+    with pytest.raises(CkptconvError, match="'w' is \\[5, 4\\]"):
+        lib.load_hf({"w": torch.zeros(4, 5)}, hf, strict=False)
+
+
+def test_save_hf_one_process_round_trip(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    sd = dict(load_file(_hf(tmp_path) / "model.safetensors"))
+    # {"model": ..., "step": ...}: the model group is taken and its prefix stripped, as dcp-to-hf does
+    lib.save_hf({"model": sd, "step": 3}, tmp_path / "out", dtype="keep", fp32=())
+    back = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(back) == set(sd)
+    for key, value in sd.items():
+        assert torch.equal(back[key], value)
+    with pytest.raises(CkptconvError, match="not empty"):
+        lib.save_hf(sd, tmp_path / "out", overwrite=False)

@@ -1,0 +1,60 @@
+"""Under torchrun: ckptconv.save_hf / load_hf inside a "training job" holding a sharded Tiny model.
+
+usage: live.py save OUT LAYOUT   seeded model (no training step: the same values at any world size), sharded
+                                 per LAYOUT (fsdp2 | mesh2d); save_hf -> OUT/live, dcp.save -> OUT/dcp (for
+                                 dcp-to-hf to compare against), rank 0 writes the full values to OUT/ref.pt
+       live.py load OUT LAYOUT   a differently seeded bf16 model sharded per LAYOUT; load_hf(OUT/live); rank 0
+                                 prints one JSON line: the report, and which keys equal the reference bits
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _finish import finish
+from make_dcp import Tiny, shard
+from torch.distributed.tensor import DTensor
+
+import ckptconv
+
+
+def full(value: torch.Tensor) -> torch.Tensor:
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+
+
+def main() -> None:
+    mode, out, layout = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo")
+    torch.manual_seed(0 if mode == "save" else 1)
+    model = Tiny()
+    if mode == "load":
+        model = model.to(torch.bfloat16)
+    shard(model, layout, dist.get_world_size())
+    sd = model.state_dict()
+    if mode == "save":
+        ckptconv.save_hf(sd, out / "live", extra={"step": 7}, max_shard_size=300)
+        dcp.save({"model": sd, "step": 7}, checkpoint_id=str(out / "dcp"))
+        ref = {k: full(v) for k, v in sd.items()}
+        if dist.get_rank() == 0:
+            torch.save(ref, out / "ref.pt")
+    else:
+        report = ckptconv.load_hf(sd, out / "live")
+        ref = torch.load(out / "ref.pt", weights_only=True)
+        same = {}
+        for key, value in sd.items():
+            got = full(value)
+            want = ref[key].to(got.dtype)
+            same[key] = [str(got.dtype).removeprefix("torch."), bool(torch.equal(got, want))]
+        model_params = {k: str(v.dtype) for k, v in model.state_dict().items()}
+        if dist.get_rank() == 0:
+            doc = {"replaced": report.replaced, "missing": report.missing, "unexpected": report.unexpected}
+            doc.update(loaded=len(report.loaded), same=same, model=model_params)
+            print(json.dumps(doc), flush=True)
+    finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -35,7 +35,7 @@ from .mapping import load_config, load_mapping
 from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .stash import StashedItem, json_exact, read_stash, write_stash
 from .ui import Ui
-from .unshard import Item, direct_tensors, gather_tensors
+from .unshard import Item, direct_rows, direct_tensors, gather_tensors
 from .world import World, everyone, on_main
 
 ReadPath = Literal["direct", "gather"]
@@ -195,9 +195,12 @@ def _write_shards(
     bucket: int,
     read_path: ReadPath,
 ) -> None:
-    source = gather_tensors if read_path == "gather" else direct_tensors
     with DcpReader(ckpt) as reader:
-        write_files(plan, source(plan, world, reader, bucket), staging, world, ui)
+        if read_path == "gather":
+            items = gather_tensors(plan, world, direct_rows(reader), bucket)
+        else:
+            items = direct_tensors(plan, world, reader, bucket)
+        write_files(plan, items, staging, world, ui)
 
 
 def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: World, ui: Ui) -> None:

@@ -31,7 +31,7 @@ from .plan import parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .specs import ChunkSpec, TensorSpec
 from .stash import StashedItem, json_exact, write_stash
 from .ui import Ui
-from .unshard import gather_tensors
+from .unshard import RowsFn, gather_tensors
 from .world import World, everyone
 
 
@@ -86,14 +86,14 @@ def _world() -> World:
     return World()
 
 
-class _MemoryReader:
-    """Serves `gather_tensors` the blocks this rank holds, as a DcpReader serves stored chunks."""
+def _memory_rows(tensors: dict[str, torch.Tensor]) -> RowsFn:
+    """Rows of this rank's own block of a tensor (the gather path's chunk source, from memory)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
+    def rows(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
+        data = local_data(tensors[spec.fqn]).detach().to("cpu")
+        return data.narrow(0, r0, r1 - r0) if chunk.sizes else data
 
-    def read_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
-        return local_data(self.tensors[spec.fqn]).detach().to("cpu").contiguous()
+    return rows
 
 
 def _live_checkpoint(
@@ -170,7 +170,7 @@ def save_hf(
         return plan, parse_size(bucket_size, "bucket_size")
 
     plan, bucket = everyone(world, prepare)
-    reader = _MemoryReader(tensors)
+    source = _memory_rows(tensors)
 
     def finish(staging: Path) -> None:
         if plan.sharded:
@@ -184,7 +184,7 @@ def save_hf(
         world,
         out,
         lambda staging: convert.write_files(
-            plan, gather_tensors(plan, world, reader, bucket), staging, world, ui
+            plan, gather_tensors(plan, world, source, bucket), staging, world, ui
         ),
         finish,
     )

@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -151,14 +150,27 @@ def _unique_chunks(spec: TensorSpec) -> list[ChunkSpec]:
     return list(seen.values())
 
 
-def _needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec]]:
-    """The stored chunks `t` reads from: those intersecting one of its parts' blocks."""
-    out: dict[tuple[str, tuple[int, ...]], tuple[TensorSpec, ChunkSpec]] = {}
+def _needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec, int, int]]:
+    """The stored chunks `t` reads from (those intersecting one of its parts' blocks), each with the row
+    range [r0, r1) of the chunk those blocks need: a part that is one expert of a stacked tensor needs one
+    expert's rows of the chunk, not the chunk."""
+    out: dict[tuple[str, tuple[int, ...]], tuple[TensorSpec, ChunkSpec, int, int]] = {}
     for sp in t.parts:
         box = (sp.part.src_offsets, sp.part.src_sizes)
         for chunk in _unique_chunks(sp.spec):
-            if not chunk.sizes or intersect((chunk.offsets, chunk.sizes), box) is not None:
-                out.setdefault((sp.spec.fqn, chunk.offsets), (sp.spec, chunk))
+            if not chunk.sizes:
+                out.setdefault((sp.spec.fqn, chunk.offsets), (sp.spec, chunk, 0, 1))
+                continue
+            inter = intersect((chunk.offsets, chunk.sizes), box)
+            if inter is None:
+                continue
+            r0 = inter[0][0] - chunk.offsets[0]
+            r1 = r0 + inter[1][0]
+            key = (sp.spec.fqn, chunk.offsets)
+            if key in out:
+                _, _, a, b = out[key]
+                r0, r1 = min(a, r0), max(b, r1)
+            out[key] = (sp.spec, chunk, r0, r1)
     return list(out.values())
 
 
@@ -199,11 +211,35 @@ def reader_rank(file: str, world_size: int) -> int:
 
 @dataclass(frozen=True)
 class Transfer:
+    """Rows [r0, r1) of a stored chunk, read by `reader` and needed by `writer` for `tensor`."""
+
     tensor: OutTensor
     spec: TensorSpec
     chunk: ChunkSpec
+    r0: int
+    r1: int
     reader: int
     writer: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.r1 - self.r0, *self.chunk.sizes[1:]) if self.chunk.sizes else ()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.spec.dtype.itemsize
+
+
+def round_transfers(
+    round_: list[tuple[int, list[tuple[OutFile, OutTensor]]]], world_size: int
+) -> list[Transfer]:
+    """Pure: every block that moves (or is read locally) in one round, in the same order on every rank."""
+    return [
+        Transfer(t, spec, chunk, r0, r1, reader_rank(chunk.file, world_size), writer)
+        for writer, bucket in round_
+        for _, t in bucket
+        for spec, chunk, r0, r1 in _needed_chunks(t)
+    ]
 
 
 def gather_rounds(
@@ -226,27 +262,20 @@ def gather_rounds(
     return [[(rank, b[k]) for rank, b in enumerate(per_writer) if k < len(b)] for k in range(depth)]
 
 
-class ChunkSource(Protocol):
-    def read_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor: ...
-
-
-def gather_tensors(plan: HfSavePlan, world: World, reader: ChunkSource, bucket_bytes: int) -> Iterator[Item]:
-    """Collective: this rank's output tensors in file order; each chunk is read by its reader rank."""
+def gather_tensors(plan: HfSavePlan, world: World, source: RowsFn, bucket_bytes: int) -> Iterator[Item]:
+    """Collective: this rank's output tensors in file order. The rows each tensor needs of each chunk are read
+    by the chunk's reader rank (`source`: rows of a stored chunk, from storage or from memory) and sent to the
+    writer in rounds of at most `bucket_bytes` of gathered bytes per writer, one batch of p2p ops a round."""
     import torch.distributed as dist
 
     for round_ in gather_rounds(plan, bucket_bytes):
-        transfers = [
-            Transfer(t, spec, chunk, reader_rank(chunk.file, world.size), writer)
-            for writer, bucket in round_
-            for _, t in bucket
-            for spec, chunk in _needed_chunks(t)
-        ]
+        transfers = round_transfers(round_, world.size)
         local: dict[int, torch.Tensor] = {}
         error: BaseException | None = None
         try:
             for i, tr in enumerate(transfers):
                 if tr.reader == world.rank:
-                    local[i] = reader.read_chunk(tr.spec, tr.chunk)
+                    local[i] = source(tr.spec, tr.chunk, tr.r0, tr.r1).contiguous()
         except Exception as e:
             error = e
         world.agree(error)
@@ -257,20 +286,23 @@ def gather_tensors(plan: HfSavePlan, world: World, reader: ChunkSource, bucket_b
             if tr.reader == world.rank:  # sent as bytes: gloo moves any dtype that way (bool, fp8, bf16)
                 ops.append(dist.P2POp(dist.isend, _as_bytes(local.pop(i)), tr.writer))
             elif tr.writer == world.rank:
-                local[i] = torch.empty(tr.chunk.sizes, dtype=tr.spec.dtype)
+                local[i] = torch.empty(tr.shape, dtype=tr.spec.dtype)
                 ops.append(dist.P2POp(dist.irecv, _as_bytes(local[i]), tr.reader))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        received: dict[str, dict[tuple[str, tuple[int, ...]], torch.Tensor]] = {}
+        received: dict[str, dict[tuple[str, tuple[int, ...]], tuple[int, torch.Tensor]]] = {}
         for i, tr in enumerate(transfers):
             if tr.writer == world.rank:
-                received.setdefault(tr.tensor.hf_key, {})[(tr.spec.fqn, tr.chunk.offsets)] = local.pop(i)
+                received.setdefault(tr.tensor.hf_key, {})[(tr.spec.fqn, tr.chunk.offsets)] = (
+                    tr.r0,
+                    local.pop(i),
+                )
         for f, t in dict(round_).get(world.rank, []):
             chunks = received.pop(t.hf_key, {})
 
             def rows(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
-                data = chunks[(spec.fqn, chunk.offsets)]  # noqa: B023 (used before the next iteration)
-                return data.narrow(0, r0, r1 - r0) if chunk.sizes else data
+                first, data = chunks[(spec.fqn, chunk.offsets)]  # noqa: B023 (used before the next iteration)
+                return data.narrow(0, r0 - first, r1 - r0) if chunk.sizes else data
 
             yield f, t, assemble(t, rows)

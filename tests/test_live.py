@@ -121,3 +121,66 @@ def test_save_hf_one_process_round_trip(tmp_path: Path) -> None:
         assert torch.equal(back[key], value)
     with pytest.raises(CkptconvError, match="not empty"):
         lib.save_hf(sd, tmp_path / "out", overwrite=False)
+
+
+def test_save_hf_with_a_mapping_experts_sharded_like_ep(tmp_path: Path) -> None:
+    """torchtitan-named MoE DTensors (stacked experts sharded on dim 0 like EP, or on dim 1 as FSDP2 does
+    once the expert dim is prepended; bf16 shards beside fp32 replicated norms) written by save_hf with the
+    torchtitan-qwen3 mapping on 2 and 3 ranks (an empty expert shard on the third): the files dcp-to-hf
+    writes from the same tensors saved with dcp.save."""
+    from test_presets import runtime_spec, tiny_qwen3
+
+    hf_dir = tiny_qwen3(tmp_path / "ref", moe=True, tied=False)
+    spec = runtime_spec("torchtitan-qwen3", hf_dir)
+    for i, (key, (shape, _, placement)) in enumerate(sorted(spec.items())):
+        if len(shape) == 3:
+            placement = "shard0" if i % 2 else "shard1"
+        elif "norm" in key:
+            placement = "replicate"
+        spec[key] = [shape, "float32" if placement == "replicate" else "bfloat16", placement]
+    assert {p for _, _, p in spec.values()} == {"shard0", "shard1", "replicate"}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    config = str(hf_dir / "config.json")
+    outs = {}
+    for nproc in (2, 3):
+        ckpt, live = tmp_path / f"ckpt{nproc}", tmp_path / f"live{nproc}"
+        torchrun(
+            nproc,
+            str(WORKERS / "save_runtime.py"),
+            str(ckpt),
+            str(tmp_path / "spec.json"),
+            str(live),
+            "torchtitan-qwen3",
+            config,
+        )
+        outs[nproc] = tree_sha256(live)
+    assert outs[2] == outs[3]
+    proc = ckptconv(
+        "dcp-to-hf",
+        str(tmp_path / "ckpt3"),
+        str(tmp_path / "cli"),
+        "--mapping",
+        "torchtitan-qwen3",
+        "--dtype",
+        "keep",
+        "--max-shard-size",
+        "8KB",
+        "--config",
+        config,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert tree_sha256(tmp_path / "cli") == outs[2]
+    names = sorted(n for n in outs[2] if n.endswith(".safetensors"))
+    assert len(names) > 1 and names == [
+        f"model-{i:05d}-of-{len(names):05d}.safetensors" for i in range(1, len(names) + 1)
+    ]
+    proc = ckptconv(
+        "verify",
+        str(tmp_path / "ckpt2"),
+        str(tmp_path / "live2"),
+        "--mapping",
+        "torchtitan-qwen3",
+        "--config",
+        config,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

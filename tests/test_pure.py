@@ -224,3 +224,33 @@ def test_row_reader_equals_safetensors_get_slice(tmp_path: Path) -> None:
                 got = reader.rows(stored, lo, hi)
                 assert got.dtype == want.dtype and torch.equal(got, want), (key, lo, hi)
     reader.close()
+
+
+def test_gather_moves_one_experts_rows_per_output_within_the_budget(tmp_path: Path) -> None:
+    """A stacked [E, F, D] expert tensor sharded over 2 ranks, written per expert: every output tensor moves
+    only its expert's rows of one chunk (not the chunk), rounds stay within the budget of gathered bytes, and
+    the transfers are the same list on every rank."""
+    from ckptconv.mapping import load_mapping
+    from ckptconv.unshard import round_transfers
+
+    (tmp_path / "m.toml").write_text(
+        '[mapping]\nname = "t"\n[[rule]]\nruntime = "w1"\nhf = "experts.{expert}.gate_proj.weight"\n'
+        'stack = "expert"\n[[rule]]\nruntime = "embed"\nhf = "embed"\n'
+    )
+    ckpt = fake_ckpt({"model.w1": ((8, 6, 4), torch.float32), "model.embed": ((10, 4), torch.float32)})
+    mapping = load_mapping(str(tmp_path / "m.toml"))
+    plan = plan_dcp_to_hf(ckpt, DtypePolicy(None), max_shard_size=400, world_size=2, mapping=mapping)
+    budget = 2 * 6 * 4 * 4  # two experts' worth of gathered bytes
+    rounds = gather_rounds(plan, bucket_bytes=budget)
+    assert len(rounds) > 2
+    for round_ in rounds:
+        transfers = round_transfers(round_, 2)
+        for writer in (0, 1):
+            moved = [tr for tr in transfers if tr.writer == writer]
+            assert sum(tr.nbytes for tr in moved) <= budget or len({tr.tensor.hf_key for tr in moved}) == 1
+        for tr in transfers:
+            if tr.spec.fqn == "model.w1":
+                expert = int(tr.tensor.hf_key.split(".")[1])
+                assert tr.shape == (1, 6, 4) and tr.chunk.offsets[0] + tr.r0 == expert
+                assert tr.reader == (0 if expert < 4 else 1)  # the rank that stored that expert
+        assert round_transfers(round_, 2) == transfers  # pure: every rank computes the same

@@ -184,3 +184,13 @@ def test_save_hf_with_a_mapping_experts_sharded_like_ep(tmp_path: Path) -> None:
         config,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_load_spec_for_every_placement_kind() -> None:
+    """Shard on dims 0/1/2 (uneven, zero-size blocks), Replicate, 2-D and 3-D meshes, plain tensors, and the
+    _StridedShard rows of FSDP2 x TP: the block LoadSpec names is the rank's local data, and blocks tile."""
+    proc = torchrun(4, str(WORKERS / "loadspec.py"))
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(result.values()), {k: v for k, v in result.items() if not v}
+    assert any("_StridedShard" in key for key in result), sorted(result)
+    assert len(result) > 20

@@ -7,6 +7,8 @@ What it measures, per checkpoint size (default ~1 GB and ~4 GB of fp32 weights):
   torchrun import torch    the same under `torchrun --nproc-per-node 2`: the start-up floor of 2-rank runs
   ckptconv 1 rank          `python -m ckptconv dcp-to-hf CKPT OUT --dtype bf16 --quiet --overwrite`
   ckptconv 2r direct       the same under `torchrun --standalone --nproc-per-node 2`, `--read direct`
+  ckptconv 2 nodes x 1     the 1-rank command under two `torchrun --nnodes 2 --nproc-per-node 1` at once,
+                           meeting through the c10d rendezvous on 127.0.0.1 (two "nodes" of this machine)
   ckptconv 2r gather       ... with `--read gather`
   format_utils+save_file   torch's `dcp_to_torch_save` to a .pt, `torch.load`, cast to bf16, `save_file`
   dcp.load+save_torch_sd   `dcp.load(no_dist=True)` into tensors preallocated from the metadata, cast to bf16,
@@ -80,6 +82,32 @@ def torchrun(*args: str) -> list[str]:
     return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}", *args]
 
 
+def two_nodes(*args: str) -> list[str]:
+    """Two torchrun "nodes" of one process each on this machine, meeting through c10d on 127.0.0.1."""
+    port = 29000 + os.getpid() % 1000
+    one = " ".join(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "bench",
+            "--rdzv-conf",
+            "is_host={host}",
+            *args,
+        ]
+    )
+    return ["bash", "-c", f"{one.format(host=1)} & {one.format(host=0)} & wait -n && wait -n"]
+
+
 def ckptconv_args(ckpt: Path, out: Path) -> list[str]:
     return ["dcp-to-hf", str(ckpt), str(out), "--dtype", "bf16", "--quiet", "--overwrite"]
 
@@ -121,6 +149,13 @@ METHODS: tuple[Method, ...] = (
         NPROC,
         "convert",
         lambda c, o: torchrun("-m", "ckptconv", *ckptconv_args(c, o), "--read", "direct"),
+    ),
+    Method(
+        "ckptconv_2_nodes",
+        "ckptconv 2 nodes x 1",
+        NPROC,
+        "convert",
+        lambda c, o: two_nodes("-m", "ckptconv", *ckptconv_args(c, o)),
     ),
     Method(
         "ckptconv_2_gather",

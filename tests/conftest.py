@@ -45,6 +45,51 @@ def ckptconv(*args: str, nproc: int = 0, timeout: int = 300) -> subprocess.Compl
     )
 
 
+def two_nodes(*args: str, timeout: int = 300) -> list[subprocess.CompletedProcess[str]]:
+    """`torchrun --nnodes 2 --nproc-per-node 1 -m ckptconv ARGS` started twice, as two "nodes" of one machine
+    meeting through torchrun's c10d rendezvous on 127.0.0.1 (the first hosts the store)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "ckptconv-test",
+                "--rdzv-conf",
+                f"is_host={int(node == 0)}",
+                "-m",
+                "ckptconv",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+        )
+        for node in (0, 1)
+    ]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
 def make_dcp(path: Path, nproc: int, layout: str, fmt: str = "torch_save") -> Path:
     """Build a fixture checkpoint. This generates test data (ckptconv is not running), so a gloo teardown
     abort of torch's own (see workers/_finish.py) gets one retry instead of failing an unrelated test."""

@@ -167,3 +167,22 @@ def test_inspect_every_format(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.C
     main(["inspect", str(fsdp2_ckpt)])
     text = capsys.readouterr().out
     assert "model.layers.0.up.weight" in text and "[10, 6]" in text
+
+
+def test_two_nodes_through_c10d_rendezvous(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    """Two torchrun "nodes" on one machine (c10d rendezvous on 127.0.0.1): both directions and both read paths
+    give the bytes one process gives."""
+    from conftest import ckptconv, tree_sha256, two_nodes
+
+    single = tmp_path / "single"
+    assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(single), "--max-shard-size", "300").returncode == 0
+    for read in ("direct", "gather"):
+        out = tmp_path / read
+        procs = two_nodes("dcp-to-hf", str(fsdp2_ckpt), str(out), "--max-shard-size", "300", "--read", read)
+        assert all(p.returncode == 0 for p in procs), [p.stderr for p in procs]
+        assert "on 2 rank(s)" in procs[0].stderr + procs[1].stderr
+        assert tree_sha256(out) == tree_sha256(single)
+    procs = two_nodes("hf-to-dcp", str(single), str(tmp_path / "dcp"), "--verify")
+    assert all(p.returncode == 0 for p in procs), [p.stderr for p in procs]
+    again = ckptconv("verify", str(tmp_path / "dcp"), str(single))
+    assert again.returncode == 0, again.stdout + again.stderr

@@ -356,7 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     from .errors import CkptconvError
 
     try:
-        app(args=argv, prog_name="ckptconv", standalone_mode=False)
+        code = app(args=argv, prog_name="ckptconv", standalone_mode=False)
+        if isinstance(code, int) and code:  # typer turns Ctrl-C into an exit code of 130 and returns it
+            if code == 130:
+                sys.stderr.write("ckptconv: interrupted\n")
+            sys.exit(code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.UsageError as e:

@@ -57,6 +57,7 @@ def resolve_dcp_source(src: Path) -> Path:
     """The DCP directory the user means, or a CkptconvError saying what `src` is instead."""
     if not src.exists():
         raise CkptconvError(f"{src}: no such file or directory")
+    outdir.refuse_partial(src)
     if is_dcp_dir(src):
         return src
     if src.is_file() or any(src.glob("*.safetensors")) or (src / INDEX_FILE).exists():
@@ -269,6 +270,7 @@ def resolve_hf_source(src: str, revision: str | None) -> Path:
     """The local safetensors file or directory `src` names, downloading a hub repo id if needed."""
     path = Path(src)
     if path.exists():
+        outdir.refuse_partial(path)
         if revision is not None:
             raise CkptconvError(f"--revision applies to hub repo ids; {src} is a local path")
         if is_dcp_dir(path):

@@ -20,6 +20,16 @@ def staging_dir(out: Path) -> Path:
     return out.parent / f".{out.name}{PARTIAL_SUFFIX}"
 
 
+def refuse_partial(path: Path) -> None:
+    """A directory an interrupted ckptconv run left behind is not a checkpoint, whatever it holds."""
+    for part in (path, *path.parents):
+        if part.name.endswith((PARTIAL_SUFFIX, OLD_SUFFIX)):
+            raise CkptconvError(
+                f"{path}: is the unfinished output of an interrupted ckptconv run ({part.name}), not a "
+                "checkpoint; rerun the conversion that made it"
+            )
+
+
 def check_out(out: Path, overwrite: bool, flag_hint: str = "--overwrite") -> None:
     """Refuse an OUT that is a file, or a non-empty directory without `overwrite`. Pure checks, no writes."""
     if out.is_file() or (out.exists() and not out.is_dir()):

@@ -28,6 +28,7 @@ from .errors import CkptconvError, VerifyMismatch
 from .formats.dcp import DcpReader, is_dcp_dir, open_dcp
 from .formats.hf import RowReader, download, is_hf_dir, looks_like_repo_id, open_hf
 from .mapping import VARIANTS, load_config, load_mapping
+from .outdir import refuse_partial
 from .plan import OutTensor, assign_owners, natural_key, plan_dcp_to_hf
 from .ui import Ui
 from .unshard import assemble, direct_rows
@@ -187,6 +188,7 @@ def locate(src: str, revision: str | None = None) -> Path:
     """The local checkpoint `src` names (a hub repo id is downloaded, weights and config only)."""
     path = Path(src)
     if path.exists():
+        refuse_partial(path)
         if not (is_dcp_dir(path) or is_hf_dir(path) or (path.is_file() and path.suffix == ".safetensors")):
             raise CkptconvError(
                 f"{src}: neither a DCP checkpoint (.metadata) nor safetensors (a directory or a file)"

@@ -59,9 +59,14 @@ def write_dcp(
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.save(state_dict, storage_writer=writer, no_dist=single)
-    except OSError as e:
+    except BaseException as e:
+        # dcp.save wraps what write_data raised into a CheckpointException (a BaseException, with tracebacks)
+        failed = writer.failed or (e if isinstance(e, OSError) else None)
+        if failed is None:
+            raise
+        where = failed.filename or directory
         raise CkptconvError(
-            f"{directory}: cannot write ({e.strerror}); check free space and permissions"
+            f"{where}: cannot write ({failed.strerror}); check free space and permissions"
         ) from None
 
 
@@ -109,6 +114,7 @@ class _RecordWriter(FileSystemWriter):
         self.directory, self.read_rows, self.raw_items = directory, read_rows, raw_items
         self.on_bytes = on_bytes
         self.scratch = threading.local()  # each writer thread's slab buffer
+        self.failed: OSError | None = None  # the first write error, reported as such by write_dcp
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
         bins = _bins(plan.items, self.thread_count)
@@ -120,8 +126,17 @@ class _RecordWriter(FileSystemWriter):
         return future
 
     def _write_file(self, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
+        try:
+            return self._write_items(self.directory / name, name, items, planner)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = str(self.directory / name)
+            self.failed = self.failed or e
+            raise
+
+    def _write_items(self, path: Path, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
         results = []
-        with open(self.directory / name, "wb") as f:
+        with open(path, "wb") as f:
             for item in items:
                 offset = f.tell()
                 if item.tensor_data is None:

@@ -1,0 +1,133 @@
+"""Faults: write errors, Ctrl-C, a rank killed mid-conversion, unfinished outputs given as input."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import _env, ckptconv, tree_sha256
+from test_bad_input import assert_one_line
+
+from ckptconv.outdir import staging_dir
+
+
+@pytest.fixture(scope="module")
+def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~400 MB of fp32 in 8 tensors, saved by dcp.save in one process: slow enough to interrupt."""
+    path = tmp_path_factory.mktemp("big") / "ckpt"
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"layers.{i}.w": torch.randn(3000, 4096, generator=g) for i in range(8)}}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def _file_size_limit(limit: int):  # type: ignore[no-untyped-def]
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def _leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name.lstrip(".").startswith(out.name))
+
+
+@pytest.mark.parametrize("direction", ["dcp-to-hf", "hf-to-dcp"])
+def test_write_error_is_exit_2_naming_the_file_and_leaves_nothing(
+    fsdp2_ckpt: Path, tmp_path: Path, direction: str
+) -> None:
+    src = fsdp2_ckpt
+    if direction == "hf-to-dcp":
+        src = tmp_path / "hf"
+        assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(src)).returncode == 0
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptconv", direction, str(src), str(out)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        preexec_fn=_file_size_limit(300),
+    )
+    assert_one_line(proc.returncode, proc.stderr, "cannot write (File too large)", str(staging_dir(out)))
+    assert _leftovers(out) == []
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.005)
+
+
+def test_ctrl_c_removes_the_staging_directory(big_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptconv", "dcp-to-hf", str(big_ckpt), str(out), "--bucket-size", "8MB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        # a job started in the background inherits SIGINT ignored, and Python then keeps ignoring it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    _wait_for(staging_dir(out), proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "ckptconv: interrupted" and "Traceback" not in err
+    assert _leftovers(out) == []
+
+
+def test_killed_rank_fails_the_job_in_bounded_time_then_a_rerun_works(big_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "ckptconv"]
+    args = ["dcp-to-hf", str(big_ckpt), str(out), "--max-shard-size", "100MB", "--bucket-size", "8MB"]
+    env = {**_env(), "CKPTCONV_TIMEOUT_S": "30"}
+    pipe = subprocess.PIPE
+    agent = subprocess.Popen([*cmd, *args], stdout=pipe, stderr=pipe, text=True, env=env)
+    _wait_for(staging_dir(out), agent)
+    workers = psutil.Process(agent.pid).children()
+    assert len(workers) == 2
+    start = time.monotonic()
+    workers[1].kill()  # SIGKILL to one rank, mid-write
+    agent.communicate(timeout=120)
+    assert agent.returncode != 0 and time.monotonic() - start < 90
+    assert not out.exists()  # nothing that looks complete; at most the hidden staging directory
+    rerun = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    single = tmp_path / "single"
+    proc = ckptconv("dcp-to-hf", str(big_ckpt), str(single), "--max-shard-size", "100MB")
+    assert proc.returncode == 0, proc.stderr
+    assert tree_sha256(out) == tree_sha256(single) and _leftovers(out) == ["out"]
+
+
+def test_unfinished_output_is_refused_as_input(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(hf)).returncode == 0
+    partial = staging_dir(tmp_path / "release")
+    shutil.copytree(hf, partial)  # what a run killed after its last shard but before the rename leaves
+    for args in (
+        ("hf-to-dcp", str(partial), str(tmp_path / "dcp")),
+        ("verify", str(fsdp2_ckpt), str(partial)),
+        ("verify", str(partial / "model.safetensors"), str(hf)),
+    ):
+        proc = ckptconv(*args)
+        assert_one_line(proc.returncode, proc.stderr, "unfinished output of an interrupted ckptconv run")
+    dcp_partial = staging_dir(tmp_path / "ckpt")
+    shutil.copytree(fsdp2_ckpt, dcp_partial)
+    proc = ckptconv("dcp-to-hf", str(dcp_partial), str(tmp_path / "x"))
+    assert_one_line(proc.returncode, proc.stderr, "unfinished output of an interrupted ckptconv run")
+    assert not os.path.exists(tmp_path / "x")

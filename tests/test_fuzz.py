@@ -1,0 +1,139 @@
+"""Fuzzing: mutated real `.metadata`, `.distcp` and safetensors bytes: success or exit 2, never a traceback.
+
+A bounded number of examples runs in CI (in-process through `main`, so each costs milliseconds); set
+CKPTCONV_FUZZ_EXAMPLES for a longer run. Oracle: every command either succeeds or exits 2 with exactly one
+`ckptconv: error:` line; a success of dcp-to-hf on a mutated `.metadata` must still produce tensors of the
+declared shapes (the mutation hit bytes that do not matter, such as a pickle memo index).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from test_bad_input import assert_one_line, run
+
+EXAMPLES = int(os.environ.get("CKPTCONV_FUZZ_EXAMPLES", "40"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,  # the same examples on every CI run; CKPTCONV_FUZZ_EXAMPLES widens the search
+)
+
+
+@st.composite
+def mutations(draw: st.DrawFn, size: int) -> tuple[str, int, bytes]:
+    kind = draw(st.sampled_from(["flip", "truncate", "overwrite", "insert"]))
+    at = draw(st.integers(0, max(0, size - 1)))
+    data = draw(st.binary(min_size=1, max_size=16))
+    return kind, at, data
+
+
+def mutate(raw: bytes, mutation: tuple[str, int, bytes]) -> bytes:
+    kind, at, data = mutation
+    if kind == "flip":
+        return raw[:at] + bytes([raw[at] ^ (data[0] or 1)]) + raw[at + 1 :]
+    if kind == "truncate":
+        return raw[:at]
+    if kind == "overwrite":
+        return raw[:at] + data + raw[at + len(data) :]
+    return raw[:at] + data + raw[at:]
+
+
+def check(code: int, err: str) -> None:
+    assert "Traceback" not in err, err
+    if code != 0:
+        assert_one_line(code, err)
+
+
+def _values(hf: Path) -> list[tuple[str, tuple[int, ...], bytes]]:
+    """Every tensor's dtype, shape and bytes, sorted: what a conversion produced, whatever the key names."""
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        tensors = [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118 (safe_open is no dict)
+    return sorted(
+        (str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        for t in tensors
+    )
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def hf_small(fsdp2_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from conftest import ckptconv
+
+    out = tmp_path_factory.mktemp("fuzzhf") / "hf"
+    assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(out)).returncode == 0
+    return out
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_dcp_metadata(
+    fsdp2_ckpt: Path, hf_small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], data: st.DataObject
+) -> None:
+    reference = hf_small
+    ckpt = _copy(fsdp2_ckpt, tmp_path / "ckpt")
+    raw = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(mutate(raw, data.draw(mutations(len(raw)))))
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    code, err = run(capsys, "dcp-to-hf", str(ckpt), str(out), "--quiet")
+    check(code, err)
+    if code == 0:  # the stored bytes did not change, so neither may the values (key names may)
+        assert _values(out) == _values(reference)
+    code, err = run(capsys, "inspect", str(ckpt), "--json")
+    check(code, err)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_distcp_bytes(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], data: st.DataObject
+) -> None:
+    ckpt = _copy(fsdp2_ckpt, tmp_path / "ckpt")
+    target = sorted(ckpt.glob("*.distcp"))[data.draw(st.integers(0, 1))]
+    raw = target.read_bytes()
+    target.write_bytes(mutate(raw, data.draw(mutations(len(raw)))))
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    for read in ("direct",):
+        code, err = run(capsys, "dcp-to-hf", str(ckpt), str(out), "--quiet", "--read", read, "--overwrite")
+        check(code, err)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_safetensors(
+    hf_small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], data: st.DataObject
+) -> None:
+    hf = _copy(hf_small, tmp_path / "hf")
+    target = hf / "model.safetensors"
+    raw = target.read_bytes()
+    header = int.from_bytes(raw[:8], "little") + 8
+    # mostly the header (where the structure is), sometimes anywhere
+    at_most = data.draw(st.sampled_from([header, len(raw)]))
+    target.write_bytes(mutate(raw, data.draw(mutations(at_most))))
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    code, err = run(capsys, "hf-to-dcp", str(hf), str(out), "--quiet")
+    check(code, err)
+    code, err = run(capsys, "inspect", str(target), "--json")
+    check(code, err)
+    code, err = run(capsys, "verify", str(hf_small), str(hf))
+    assert "Traceback" not in err
+    assert code in (0, 1, 2)
+    if code == 2:
+        assert_one_line(code, err)

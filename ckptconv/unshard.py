@@ -107,7 +107,10 @@ def direct_rows(reader: DcpReader) -> RowsFn:
             return whole.narrow(0, r0, r1 - r0) if chunk.sizes else whole
         out = torch.empty((r1 - r0, *chunk.sizes[1:]) if chunk.sizes else (), dtype=spec.dtype)
         row_bytes = math.prod(chunk.sizes[1:]) * spec.dtype.itemsize
-        reader.pread(chunk.file, where + r0 * row_bytes, byte_view(out))
+        view = byte_view(out)
+        reader.pread(chunk.file, where + r0 * row_bytes, view)
+        if r0 == 0 and (not chunk.sizes or r1 == chunk.sizes[0]):  # the whole chunk: check its CRC-32
+            reader.check(spec, chunk, where, zlib.crc32(view))
         return out
 
     return rows
@@ -122,14 +125,18 @@ def _fill_whole(reader: DcpReader, spec: TensorSpec, out: torch.Tensor) -> None:
         if where is None:
             region.copy_(reader.torch_load_chunk(spec, chunk))
         elif out.dtype == spec.dtype and region.is_contiguous():
-            reader.pread(chunk.file, where, byte_view(region))  # straight into place, no copy
+            view = byte_view(region)
+            reader.pread(chunk.file, where, view)  # straight into place, no copy
+            reader.check(spec, chunk, where, zlib.crc32(view))
         else:
-            _cast_in_slabs(reader, spec, chunk, where, region)
+            reader.check(spec, chunk, where, _cast_in_slabs(reader, spec, chunk, where, region))
 
 
 def _cast_in_slabs(
     reader: DcpReader, spec: TensorSpec, chunk: ChunkSpec, where: int, region: torch.Tensor
-) -> None:
+) -> int:
+    """Read the chunk a slab at a time, cast into `region`; the CRC-32 of the bytes read."""
+    crc = 0
     rows = chunk.sizes[0] if chunk.sizes else 1
     row_shape = chunk.sizes[1:]
     row_bytes = math.prod(row_shape) * spec.dtype.itemsize
@@ -137,9 +144,12 @@ def _cast_in_slabs(
     for lo in range(0, rows, step):
         n = min(step, rows - lo)
         staging = _slab(n * row_bytes)
-        reader.pread(chunk.file, where + lo * row_bytes, byte_view(staging))
+        view = byte_view(staging)
+        reader.pread(chunk.file, where + lo * row_bytes, view)
+        crc = zlib.crc32(view, crc)
         values = staging.view(spec.dtype).view(n, *row_shape) if chunk.sizes else staging.view(spec.dtype)[0]
         (region.narrow(0, lo, n) if chunk.sizes else region).copy_(values)
+    return crc
 
 
 def _unique_chunks(spec: TensorSpec) -> list[ChunkSpec]:

@@ -100,6 +100,26 @@ def test_corrupt_chunk_bytes(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.Ca
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+@pytest.mark.parametrize("read", ["direct", "gather"])
+def test_flipped_data_byte_fails_the_crc_check(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], read: str
+) -> None:
+    from ckptconv.formats.dcp import DcpReader, open_dcp
+
+    ckpt = copy_ckpt(fsdp2_ckpt, tmp_path / "ckpt")
+    spec = open_dcp(ckpt).tensors["model.embed.weight"]
+    chunk = spec.chunks[0]
+    with DcpReader(open_dcp(ckpt)) as reader:
+        where = reader.locate(spec, chunk)
+    assert where is not None
+    raw = bytearray((ckpt / chunk.file).read_bytes())
+    raw[where + 5] ^= 0x10  # one bit of one stored value
+    (ckpt / chunk.file).write_bytes(bytes(raw))
+    code, err = run(capsys, "dcp-to-hf", str(ckpt), str(tmp_path / "out"), "--read", read)
+    assert_one_line(code, err, chunk.file, "'model.embed.weight'", "fails its CRC-32 check")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("damage", ["junk", "truncated", "empty"])
 def test_bad_metadata(
     fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str

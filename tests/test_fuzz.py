@@ -3,7 +3,8 @@
 A bounded number of examples runs in CI (in-process through `main`, so each costs milliseconds); set
 CKPTCONV_FUZZ_EXAMPLES for a longer run. Oracle: every command either succeeds or exits 2 with exactly one
 `ckptconv: error:` line; a success of dcp-to-hf on a mutated `.metadata` must still produce tensors of the
-declared shapes (the mutation hit bytes that do not matter, such as a pickle memo index).
+same values (the mutation hit bytes that do not matter, such as padding or a key name); a success on a mutated
+`.distcp` must give the same values too (a flipped data byte fails the record's CRC-32 check).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def test_fuzz_dcp_metadata(
 @FUZZ
 @given(data=st.data())
 def test_fuzz_distcp_bytes(
-    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], data: st.DataObject
+    fsdp2_ckpt: Path, hf_small: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], data: st.DataObject
 ) -> None:
     ckpt = _copy(fsdp2_ckpt, tmp_path / "ckpt")
     target = sorted(ckpt.glob("*.distcp"))[data.draw(st.integers(0, 1))]
@@ -109,9 +110,11 @@ def test_fuzz_distcp_bytes(
     target.write_bytes(mutate(raw, data.draw(mutations(len(raw)))))
     out = tmp_path / "out"
     shutil.rmtree(out, ignore_errors=True)
-    for read in ("direct",):
+    for read in ("direct", "gather"):
         code, err = run(capsys, "dcp-to-hf", str(ckpt), str(out), "--quiet", "--read", read, "--overwrite")
         check(code, err)
+        if code == 0:  # a mutation that changes stored values is caught by the records' CRC-32
+            assert _values(out) == _values(hf_small)
 
 
 @FUZZ

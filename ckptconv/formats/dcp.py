@@ -14,6 +14,7 @@ import json
 import os
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -222,6 +223,7 @@ class DcpReader:
         self.ckpt = ckpt
         self._fds: dict[str, int] = {}
         self._st_headers: dict[tuple[str, int], dict[str, Any]] = {}
+        self._crcs: dict[tuple[str, int], int] = {}  # (file, data offset) -> CRC-32 of a whole zip entry
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -263,7 +265,19 @@ class DcpReader:
         if where is None:
             out.copy_(self.torch_load_chunk(spec, chunk))
         else:
-            self.pread(chunk.file, where, byte_view(out))
+            view = byte_view(out)
+            self.pread(chunk.file, where, view)
+            self.check(spec, chunk, where, zlib.crc32(view))
+
+    def check(self, spec: TensorSpec, chunk: ChunkSpec, where: int, crc: int) -> None:
+        """Compare the CRC-32 of the whole chunk read at `where` with the one its torch.save record stores
+        (chunks that are a part of their record, and the safetensors serialization, have none to check)."""
+        expected = self._crcs.get((chunk.file, where))
+        if expected is not None and expected != crc:
+            raise CkptconvError(
+                f"{self.ckpt.path / chunk.file}: the chunk of {spec.fqn!r} at byte {chunk.byte_offset} fails "
+                "its CRC-32 check; the checkpoint is corrupt, re-copy or re-save it"
+            )
 
     def read_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
         out = torch.empty(chunk.sizes, dtype=spec.dtype)
@@ -309,6 +323,8 @@ class DcpReader:
         start = data_start + record.storage_offset * spec.dtype.itemsize
         if start + nbytes > data_start + info.file_size or data_start + info.file_size > chunk.byte_length:
             raise self._corrupt(chunk, "stores fewer bytes than its shape needs")
+        if start == data_start and nbytes == info.file_size:  # the chunk is the whole entry: checkable
+            self._crcs[(chunk.file, chunk.byte_offset + start)] = info.CRC
         return chunk.byte_offset + start
 
     def torch_load_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:

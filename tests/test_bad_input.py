@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ckptconv
 
 from ckptconv.cli import main
+from ckptconv.formats.dcp import DcpReader, open_dcp
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -140,11 +143,45 @@ def test_pickle_payload_in_metadata_never_runs(fsdp2_ckpt: Path, tmp_path: Path)
     ckpt = copy_ckpt(fsdp2_ckpt, tmp_path / "ckpt")
     marker = tmp_path / "pwned"
     (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    for command in (["dcp-to-hf", str(ckpt), str(tmp_path / "out")], ["inspect", str(ckpt)]):
+    for command in (
+        ["dcp-to-hf", str(ckpt), str(tmp_path / "out")],
+        ["inspect", str(ckpt)],
+        ["verify", str(ckpt), str(fsdp2_ckpt)],
+        ["verify", str(fsdp2_ckpt), str(ckpt)],
+    ):
         proc = ckptconv(*command)  # a real process: nothing may run, no traceback
         assert_one_line(proc.returncode, proc.stderr, "posix.system", "refusing")
     assert not marker.exists()
     assert not (tmp_path / "out").exists()
+
+
+def test_pickle_payload_in_a_non_tensor_item_never_runs(tmp_path: Path) -> None:
+    """A saved item whose unpickling would run os.system: dcp-to-hf keeps its bytes without loading them,
+    hf-to-dcp writes them back verbatim, inspect and verify never load them."""
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "pwned"
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"model": {"w": torch.ones(3)}, "evil": Payload(marker)}, checkpoint_id=str(ckpt), no_dist=True)
+    assert not marker.exists()
+    for command in (
+        ["dcp-to-hf", str(ckpt), str(tmp_path / "hf")],
+        ["inspect", str(ckpt)],
+        ["hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "back")],
+        ["verify", str(ckpt), str(tmp_path / "back")],
+        ["inspect", str(tmp_path / "back")],
+    ):
+        proc = ckptconv(*command)
+        assert proc.returncode == 0, (command, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    assert not marker.exists()
+    stash = json.loads((tmp_path / "hf" / "ckptconv_state.json").read_text())["items"]
+    assert [i["key"] for i in stash] == ["evil"] and "posix.system" in stash[0]["not_loaded"]
+    original = open_dcp(ckpt)
+    back = open_dcp(tmp_path / "back")
+    with DcpReader(original) as a, DcpReader(back) as b:
+        assert a.load_item(original.items["evil"])[0] == b.load_item(back.items["evil"])[0]
+    assert not marker.exists()
 
 
 def test_out_is_a_file_or_not_empty(

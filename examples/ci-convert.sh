@@ -19,7 +19,7 @@ fi
 status=0
 ckptconv verify "$ckpt" "$out" --json > "$out.report.json" || status=$?
 if [[ $status -ne 0 ]]; then
-  python - "$out.report.json" <<'PY'
+  python3 - "$out.report.json" <<'PY'
 import json, sys
 doc = json.load(open(sys.argv[1])) if open(sys.argv[1]).read().strip() else {"mismatches": []}
 for m in doc["mismatches"]:
@@ -27,4 +27,4 @@ for m in doc["mismatches"]:
 PY
   exit $status
 fi
-echo "OK: $(python -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['compared'], 'tensors verified')" "$out.report.json")"
+echo "OK: $(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['compared'], 'tensors verified')" "$out.report.json")"

@@ -213,7 +213,7 @@ def test_converters_verify_and_report_json(converted: dict[str, Path], tmp_path:
 
 def test_progress_lines_when_not_a_terminal(converted: dict[str, Path], tmp_path: Path) -> None:
     env = {**_env(), "CKPTCONV_LOG_EVERY_S": "0"}
-    cmd = ["python", "-m", "ckptconv", "verify", str(converted["dcp"]), str(converted["hf"])]
+    cmd = [sys.executable, "-m", "ckptconv", "verify", str(converted["dcp"]), str(converted["hf"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0
     assert "rank 0 of 1: verifying: 100% (" in proc.stderr

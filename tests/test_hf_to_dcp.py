@@ -177,6 +177,10 @@ def test_hub_repo_id_offline(hf_llama: Path, tmp_path: Path, monkeypatch: pytest
     assert set(open_dcp(tmp_path / "out").tensors) == set(load_dir(hf_llama))
     proc = ckptconv("inspect", "tiny-org/tiny-llama", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["num_tensors"] == len(load_dir(hf_llama))
+    proc = ckptconv("verify", "tiny-org/tiny-llama", str(tmp_path / "out"))  # a repo id against a DCP dir
+    assert proc.returncode == 0 and proc.stdout.startswith("match: "), proc.stdout + proc.stderr
+    proc = ckptconv("verify", str(tmp_path / "out"), "tiny-org/not-cached")
+    assert_one_line(proc.returncode, proc.stderr, "tiny-org/not-cached", "cache")
     proc = ckptconv("hf-to-dcp", "tiny-org/not-cached", str(tmp_path / "out2"))
     assert_one_line(proc.returncode, proc.stderr, "tiny-org/not-cached", "cache")
     assert not (tmp_path / "out2").exists()

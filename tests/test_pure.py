@@ -254,3 +254,31 @@ def test_gather_moves_one_experts_rows_per_output_within_the_budget(tmp_path: Pa
                 assert tr.shape == (1, 6, 4) and tr.chunk.offsets[0] + tr.r0 == expert
                 assert tr.reader == (0 if expert < 4 else 1)  # the rank that stored that expert
         assert round_transfers(round_, 2) == transfers  # pure: every rank computes the same
+
+
+def test_enum_pickled_through_getattr_is_accepted_and_nothing_else() -> None:
+    """Python 3.11.2 pickles DCP's _MEM_FORMAT_ENCODING as getattr(cls, "NAME"): allowed for that enum's
+    member names only; getattr on anything else is refused like any other global."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from ckptconv.formats import safe_pickle
+
+    class ByName:
+        def __init__(self, owner: object, name: str) -> None:
+            self.owner, self.name = owner, name
+
+        def __reduce__(self) -> tuple[object, tuple[object, str]]:
+            return getattr, (self.owner, self.name)
+
+    def load(obj: object) -> object:
+        return safe_pickle._AllowlistUnpickler(
+            pickle.dumps(obj, protocol=4), safe_pickle._METADATA_GLOBALS
+        ).load()
+
+    assert load(ByName(_MEM_FORMAT_ENCODING, "TORCH_CHANNELS_LAST")) == 1
+    assert load(_MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT) == 2  # however this Python pickles enums
+    for owner, name in ((_MEM_FORMAT_ENCODING, "__class__"), (torch.Size, "__init__")):
+        with pytest.raises(pickle.UnpicklingError, match="getattr"):
+            load(ByName(owner, name))

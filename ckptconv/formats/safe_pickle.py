@@ -102,8 +102,26 @@ class TensorProperties(Record):
         super().__setstate__(state)
 
 
-def _mem_format(value: int) -> int:
-    return int(value)
+class _MemFormat:
+    """DCP's `_MEM_FORMAT_ENCODING` enum, as the plain int of its value. Pickled as `_MEM_FORMAT_ENCODING(0)`,
+    or by some Python 3.11 releases (3.11.2 among them) as `getattr(_MEM_FORMAT_ENCODING, "TORCH_...")`."""
+
+    TORCH_CONTIGUOUS_FORMAT = 0
+    TORCH_CHANNELS_LAST = 1
+    TORCH_PRESERVE_FORMAT = 2
+
+    def __new__(cls, value: int) -> int:  # type: ignore[misc]
+        return int(value)
+
+
+_ENUM_MEMBERS = {_MemFormat: {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT"}}
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """`builtins.getattr` as enum pickles use it: only a member name of an allowed enum stand-in."""
+    if cls not in _ENUM_MEMBERS or name not in _ENUM_MEMBERS[cls]:
+        raise _Refused(f"builtins.getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
+    return getattr(cls, name)
 
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
@@ -115,7 +133,8 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     (_DCP_MD, "TensorProperties"): TensorProperties,
     (_DCP_MD, "MetadataIndex"): MetadataIndex,
     (_DCP_MD, "StorageMeta"): StorageMeta,
-    (_DCP_MD, "_MEM_FORMAT_ENCODING"): _mem_format,
+    (_DCP_MD, "_MEM_FORMAT_ENCODING"): _MemFormat,
+    ("builtins", "getattr"): _enum_member,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _get_layout,

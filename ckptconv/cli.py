@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -78,6 +80,14 @@ AllowUnmappedOpt = Annotated[
     bool, typer.Option("--allow-unmapped", help="Pass keys no mapping rule covers through unchanged.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (rank 0).")]
+TrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Load pickled objects outside DCP's own classes (in .metadata or non-tensor items) with a full "
+        "unpickler. This runs code from the checkpoint: only for checkpoints you trust.",
+    ),
+]
 VerifyOpt = Annotated[
     bool,
     typer.Option("--verify", help="Re-read the output and compare it with the source before publishing OUT."),
@@ -86,6 +96,22 @@ VerifyOpt = Annotated[
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
+
+
+@contextmanager
+def _trust(enabled: bool) -> Iterator[None]:
+    """--trust-pickle for the command run inside; says afterwards what was loaded that way."""
+    if not enabled:
+        yield
+        return
+    from .formats.safe_pickle import trusting
+
+    with trusting() as loaded:
+        yield
+    if loaded and _rank() == 0:
+        sys.stderr.write(
+            f"warning: --trust-pickle loaded with a full unpickler: {', '.join(dict.fromkeys(loaded))}\n"
+        )
 
 
 def _print_json(doc: dict[str, Any]) -> None:
@@ -115,6 +141,7 @@ def dcp_to_hf_cmd(
         str | None, typer.Option("--hf-experts", help="per_expert or fused: how MoE experts are written.")
     ] = None,
     verify: VerifyOpt = False,
+    trust_pickle: TrustOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
@@ -128,7 +155,7 @@ def dcp_to_hf_cmd(
 
     if read not in ("direct", "gather"):
         raise CkptconvError(f"--read {read!r} is not one of direct, gather")
-    with world_from_env() as world:
+    with _trust(trust_pickle), world_from_env() as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         result = dcp_to_hf(
             src,
@@ -270,6 +297,7 @@ def verify_cmd(
     ] = None,
     rtol: Annotated[float | None, typer.Option("--rtol", help="Relative tolerance (see --atol).")] = None,
     revision: RevisionOpt = None,
+    trust_pickle: TrustOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
@@ -284,7 +312,7 @@ def verify_cmd(
         if value is not None and not value >= 0:
             raise CkptconvError(f"{flag} {value}: must be a number >= 0")
     tolerance = Tolerance(atol or 0.0, rtol or 0.0) if atol is not None or rtol is not None else None
-    with world_from_env() as world:
+    with _trust(trust_pickle), world_from_env() as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         report = verify(
             a,
@@ -326,6 +354,7 @@ def inspect_cmd(
     mapping: MappingOpt = None,
     config: ConfigOpt = None,
     allow_unmapped: AllowUnmappedOpt = False,
+    trust_pickle: TrustOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a checkpoint holds (reads metadata and headers only); with --mapping, the mapped view too."""
@@ -336,7 +365,8 @@ def inspect_cmd(
     from .report import inspect, mapped_view, render_inspect, render_mapped
 
     local = download(path, revision) if looks_like_repo_id(path) else Path(path)
-    info = inspect(local)
+    with _trust(trust_pickle):
+        info = inspect(local)
     if mapping:
         model_config = load_config(config or (local / "config.json" if local.is_dir() else None))
         info["mapped"] = mapped_view(info, mapping, model_config, allow_unmapped)

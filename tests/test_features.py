@@ -61,6 +61,32 @@ def test_optimizer_groups_never_land(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert {i.key: i.value for i in read_stash(tmp_path / "out")} == {"step": 9}
 
 
+def test_trust_pickle_loads_what_the_allowlists_refuse_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pickle
+
+    ckpt = save_single(tmp_path / "c", {"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=0.1)})
+    # a non-standard planner's data in .metadata: a custom object (here an argparse.Namespace)
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    metadata.planner_data = {**metadata.planner_data, "__custom__": argparse.Namespace(note="mine")}
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    code, err = run(capsys, "dcp-to-hf", str(ckpt), str(tmp_path / "out"))
+    assert code == 2 and "argparse.Namespace" in err and "--trust-pickle" in err
+    code, err = run(capsys, "dcp-to-hf", str(ckpt), str(tmp_path / "out"), "--trust-pickle")
+    assert code == 0, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("warning: --trust-pickle loaded with a full unpickler: argparse.Namespace, args (")
+    items = {i.key: i for i in read_stash(tmp_path / "out")}
+    assert not items["args"].has_value and items["args"].note is None  # loaded, kept as its bytes
+    doc = json.loads((tmp_path / "out" / "ckptconv_state.json").read_text())
+    assert doc["items"][0]["type"] == "Namespace"
+    for command in (["inspect", str(ckpt)], ["verify", str(ckpt), str(tmp_path / "out")]):
+        assert run(capsys, *command)[0] == 2
+        code, err = run(capsys, *command, "--trust-pickle")
+        assert code == 0 and "--trust-pickle loaded with a full unpickler: argparse.Namespace" in err, err
+
+
 def test_non_allowlisted_item_is_kept_as_bytes_not_loaded(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -26,7 +26,7 @@ from ..errors import CkptconvError
 from ..layout import tiling_problem
 from ..specs import ChunkFormat, ChunkSpec, NonTensorItem, TensorSpec
 from . import safe_pickle as md
-from .safe_pickle import load_dcp_metadata, pickle_globals, read_tensor_record
+from .safe_pickle import load_dcp_metadata, pickle_globals, read_tensor_record, trusted
 
 METADATA_FILE = ".metadata"
 MAX_HEADER_BYTES = 100 * 2**20  # a larger safetensors header inside a .distcp is refused
@@ -373,7 +373,15 @@ class DcpReader:
                 n for n in pickle_globals(_data_pkl(raw)) if not n.startswith(("torch.", "collections."))
             ]
             what = ", ".join(dict.fromkeys(names)) or "objects weights_only loading does not allow"
-            return raw, None, f"holds {what}"
+            loaded = trusted()
+            if loaded is None:
+                return raw, None, f"holds {what}"
+        try:  # --trust-pickle: the user vouches for this checkpoint
+            value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise CkptconvError(f"{item.fqn!r}: cannot be loaded even with --trust-pickle ({e})") from None
+        loaded.append(f"{item.fqn} ({what})")
+        return raw, value, None
 
 
 def _data_pkl(raw: bytes) -> bytes:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -147,7 +150,31 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
+_TRUSTED: ContextVar[list[str] | None] = ContextVar("ckptconv_trust_pickle", default=None)
+
+
+@contextmanager
+def trusting() -> Iterator[list[str]]:
+    """`--trust-pickle`: inside this block `.metadata` globals outside the allowlist, and non-tensor items
+    `weights_only` refuses, are loaded with pickle's own (code-running) machinery; the list it yields
+    collects what was loaded that way, for the command to report."""
+    token = _TRUSTED.set([])
+    try:
+        loaded = _TRUSTED.get()
+        assert loaded is not None
+        yield loaded
+    finally:
+        _TRUSTED.reset(token)
+
+
+def trusted() -> list[str] | None:
+    """The list of what was loaded under `trusting()`, or None when pickles are not trusted."""
+    return _TRUSTED.get()
+
+
 class _AllowlistUnpickler(pickle.Unpickler):
+    trustable = False  # under `trusting()`, load globals outside the allowlist instead of refusing them
+
     def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
         super().__init__(io.BytesIO(data))
         self._allowed = allowed
@@ -156,7 +183,15 @@ class _AllowlistUnpickler(pickle.Unpickler):
         try:
             return self._allowed[(module, name)]
         except KeyError:
-            raise _Refused(f"{module}.{name}") from None
+            loaded = trusted() if self.trustable else None
+            if loaded is None:
+                raise _Refused(f"{module}.{name}") from None
+            loaded.append(f"{module}.{name}")
+            return super().find_class(module, name)
+
+
+class _MetadataUnpickler(_AllowlistUnpickler):
+    trustable = True
 
 
 class _Refused(pickle.UnpicklingError):
@@ -166,11 +201,12 @@ class _Refused(pickle.UnpicklingError):
 def load_dcp_metadata(data: bytes, where: str) -> Metadata:
     """Unpickle DCP `.metadata` bytes, allowing only the DCP metadata classes."""
     try:
-        metadata = _AllowlistUnpickler(data, _METADATA_GLOBALS).load()
+        metadata = _MetadataUnpickler(data, _METADATA_GLOBALS).load()
     except _Refused as e:
         raise CkptconvError(
             f"{where}: refusing to load: the metadata references {e}, which is not part of DCP metadata "
-            "(a pickle payload or a non-standard planner); ckptconv never runs code from a checkpoint"
+            "(a pickle payload or a non-standard planner); ckptconv never runs code from a checkpoint "
+            "(--trust-pickle loads it anyway, for checkpoints you trust)"
         ) from None
     except Exception as e:
         raise CkptconvError(

@@ -140,3 +140,41 @@ def test_fuzz_safetensors(
     assert code in (0, 1, 2)
     if code == 2:
         assert_one_line(code, err)
+
+
+def _lying_file(path: Path, header: dict, data: bytes = b"\0" * 64, length: int | None = None) -> Path:
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "length", "needle"),
+    [
+        (
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            },
+            None,
+            "overlap",
+        ),
+        ({"a": {"dtype": "F32", "shape": [40], "data_offsets": [0, 160]}}, None, "past the end"),
+        ({"a": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 16]}}, None, "unknown dtype"),
+        ({"a": {"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}}, None, "does not match its 16 bytes"),
+        ({"a": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, None, "does not match"),
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 2**62, "header length"),
+        ({"a": {"dtype": "F32", "shape": [4]}}, None, "malformed header entry"),
+    ],
+)
+def test_safetensors_headers_that_lie(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], header: dict, length: int | None, needle: str
+) -> None:
+    lying = _lying_file(tmp_path / "lie.safetensors", header, length=length)
+    for command in (["hf-to-dcp", str(lying), str(tmp_path / "out")], ["inspect", str(lying)]):
+        code, err = run(capsys, *command)
+        assert_one_line(code, err, "lie.safetensors", needle)
+    assert not (tmp_path / "out").exists()

@@ -178,3 +178,28 @@ def test_safetensors_headers_that_lie(
         code, err = run(capsys, *command)
         assert_one_line(code, err, "lie.safetensors", needle)
     assert not (tmp_path / "out").exists()
+
+
+def test_metadata_shape_larger_than_the_stored_bytes_is_refused_before_allocating(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A .metadata claiming a 2**40-element tensor in a few stored bytes: exit 2 from the metadata alone."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp  # noqa: F401 (the real classes, to edit the metadata)
+
+    ckpt = _copy(fsdp2_ckpt, tmp_path / "ckpt")
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    entry = metadata.state_dict_metadata["model.embed.weight"]
+    entry.size = torch.Size([2**40, 6])
+    first = entry.chunks[0]
+    entry.chunks[0] = type(first)(offsets=first.offsets, sizes=torch.Size([2**40, 6]))
+    entry.chunks[1:] = []
+    index = next(i for i in metadata.storage_data if i.fqn == "model.embed.weight" and i.offset is not None)
+    info = metadata.storage_data[index]
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != "model.embed.weight"}
+    metadata.storage_data[type(index)(fqn="model.embed.weight", offset=torch.Size([0, 0]), index=0)] = info
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    for command in (["dcp-to-hf", str(ckpt), str(tmp_path / "out")], ["inspect", str(ckpt)]):
+        code, err = run(capsys, *command)
+        assert_one_line(code, err, "'model.embed.weight'", "needs 26388279066624 bytes")

@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import io
 import json
+import math
 import os
 import struct
 import zipfile
@@ -114,6 +115,12 @@ def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, 
         offsets = _int_tuple(chunk.offsets, fqn, where)
         sizes = _int_tuple(chunk.sizes, fqn, where)
         file, start, length = _location(locations, fqn, offsets, file_sizes, where)
+        needed = math.prod(sizes) * dtype.itemsize
+        if needed > length:  # so no shape in the metadata makes ckptconv allocate more than the files hold
+            raise CkptconvError(
+                f"{where}: tensor {fqn!r}: a chunk of shape {list(sizes)} needs {needed} bytes, its record "
+                f"in {file} holds {length}; the metadata is corrupt"
+            )
         chunks.append(ChunkSpec(offsets, sizes, file, start, length, "torch_save"))
     problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in chunks])
     if problem:

@@ -14,20 +14,16 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 
-from . import outdir
+from . import outdir, sources
 from . import verify as verify_mod
 from .compose import target_rows
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
-from .formats.dcp import DcpCheckpoint, DcpReader, is_dcp_dir, open_dcp
+from .formats.dcp import DcpCheckpoint, DcpReader, open_dcp
 from .formats.hf import (
-    INDEX_FILE,
     Entry,
     RowReader,
     SafetensorsWriter,
-    download,
-    is_hf_dir,
-    looks_like_repo_id,
     open_hf,
     write_index,
 )
@@ -51,22 +47,6 @@ class Result:
     seconds: float = 0.0
     copied: list[str] = field(default_factory=list)
     written: bool = False
-
-
-def resolve_dcp_source(src: Path) -> Path:
-    """The DCP directory the user means, or a CkptconvError saying what `src` is instead."""
-    if not src.exists():
-        raise CkptconvError(f"{src}: no such file or directory")
-    outdir.refuse_partial(src)
-    if is_dcp_dir(src):
-        return src
-    if src.is_file() or any(src.glob("*.safetensors")) or (src / INDEX_FILE).exists():
-        if src.suffix == ".safetensors" or src.is_dir():
-            raise CkptconvError(f"{src}: is a Hugging Face safetensors checkpoint, not DCP; use hf-to-dcp")
-        raise CkptconvError(f"{src}: is a file; dcp-to-hf reads a DCP checkpoint directory (with .metadata)")
-    raise CkptconvError(
-        f"{src}: not a DCP checkpoint (no .metadata inside); point at the checkpoint directory"
-    )
 
 
 def _return_freed_memory() -> None:
@@ -139,7 +119,7 @@ def dcp_to_hf(
         bucket = parse_size(bucket_size, "--bucket-size")
         if copy_from is not None and not copy_from.is_dir():
             raise CkptconvError(f"--copy-from {copy_from}: not a directory")
-        ckpt = open_dcp(resolve_dcp_source(src))
+        ckpt = open_dcp(sources.dcp_source(src))
         key_mapping = load_mapping(mapping, hf_experts) if mapping else None
         model_config = load_config(config or (copy_from / "config.json" if copy_from else None))
         plan = plan_dcp_to_hf(
@@ -266,27 +246,6 @@ def _load_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, ui: Ui) -> list[StashedIt
     return items
 
 
-def resolve_hf_source(src: str, revision: str | None) -> Path:
-    """The local safetensors file or directory `src` names, downloading a hub repo id if needed."""
-    path = Path(src)
-    if path.exists():
-        outdir.refuse_partial(path)
-        if revision is not None:
-            raise CkptconvError(f"--revision applies to hub repo ids; {src} is a local path")
-        if is_dcp_dir(path):
-            raise CkptconvError(f"{path}: is a DCP checkpoint, not Hugging Face safetensors; use dcp-to-hf")
-        if path.is_file() and path.suffix != ".safetensors":
-            raise CkptconvError(f"{path}: not a .safetensors file")
-        if path.is_dir() and not is_hf_dir(path):
-            raise CkptconvError(
-                f"{path}: no .safetensors files (only safetensors weights are read, not .bin)"
-            )
-        return path
-    if looks_like_repo_id(src):
-        return download(src, revision)
-    raise CkptconvError(f"{src}: no such file or directory, and not a hub repo id (org/name)")
-
-
 def hf_to_dcp(
     src: str,
     out: Path,
@@ -307,7 +266,7 @@ def hf_to_dcp(
     """Convert the HF model `src` (directory, file or hub repo id) to the DCP directory `out`. Collective."""
     start = time.perf_counter()
     _return_freed_memory()
-    located = on_main(world, resolve_hf_source, src, revision)
+    located = on_main(world, sources.hf_source, src, revision)
     path: Path = world.all_gather_object(located)[0]  # rank 0 downloads; the others read what it found
 
     def prepare() -> tuple[DcpSavePlan, dict[str, Any]]:

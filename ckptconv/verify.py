@@ -26,10 +26,10 @@ import torch
 from .dtypes import DtypePolicy, short_name
 from .errors import CkptconvError, VerifyMismatch
 from .formats.dcp import DcpReader, is_dcp_dir, open_dcp
-from .formats.hf import RowReader, download, is_hf_dir, looks_like_repo_id, open_hf
+from .formats.hf import RowReader, open_hf
 from .mapping import VARIANTS, load_config, load_mapping
-from .outdir import refuse_partial
 from .plan import OutTensor, assign_owners, natural_key, plan_dcp_to_hf
+from .sources import any_source
 from .ui import Ui
 from .unshard import assemble, direct_rows
 from .world import World, everyone, on_main
@@ -184,21 +184,6 @@ def dcp_side(
     return Side(label, path, shapes, read, reader.close)
 
 
-def locate(src: str, revision: str | None = None) -> Path:
-    """The local checkpoint `src` names (a hub repo id is downloaded, weights and config only)."""
-    path = Path(src)
-    if path.exists():
-        refuse_partial(path)
-        if not (is_dcp_dir(path) or is_hf_dir(path) or (path.is_file() and path.suffix == ".safetensors")):
-            raise CkptconvError(
-                f"{src}: neither a DCP checkpoint (.metadata) nor safetensors (a directory or a file)"
-            )
-        return path
-    if looks_like_repo_id(src):
-        return download(src, revision)
-    raise CkptconvError(f"{src}: no such file or directory, and not a hub repo id (org/name)")
-
-
 def open_sides(
     a: Path,
     b: Path,
@@ -322,7 +307,11 @@ def verify(
     tolerance: Tolerance | None = None,
 ) -> Report:
     """Collective: compare checkpoint `a` with `b` (paths or hub repo ids). Rank 0 downloads repo ids."""
-    located = on_main(world, lambda: (locate(a, revision), locate(b, revision)))
+
+    def where(src: str) -> Path:  # --revision is for the hub repo id(s) among A and B
+        return any_source(src, None if Path(src).exists() else revision)
+
+    located = on_main(world, lambda: (where(a), where(b)))
     path_a, path_b = world.all_gather_object(located)[0]
 
     def prepare() -> tuple[Side, Side]:

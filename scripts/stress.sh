@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Longer reliability runs than CI: fuzzing of every file kind and random round trips through real DCP jobs.
-# usage: bash scripts/stress.sh [FUZZ_EXAMPLES] [ROUNDTRIP_SEEDS]     (defaults 2000 and 20: about 20 minutes)
+# usage: bash scripts/stress.sh [FUZZ_EXAMPLES] [ROUNDTRIP_SEEDS] [MAPPING_EXAMPLES]  (2000, 20, 500: ~20 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null
 export CKPTCONV_FUZZ_EXAMPLES=${1:-2000}
 export CKPTCONV_ROUNDTRIP_SEEDS=${2:-20}
-.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py tests/test_roundtrip.py tests/test_faults.py
+export CKPTCONV_MAPPING_EXAMPLES=${3:-500}
+.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py tests/test_roundtrip.py tests/test_mapping_property.py tests/test_faults.py

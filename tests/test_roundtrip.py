@@ -47,6 +47,17 @@ def test_random_round_trip(tmp_path: Path, seed: int, saved_on: int) -> None:
     assert set(got) == set(ref)
     for key, value in ref.items():
         assert got[key].dtype == value.dtype and same_bits(got[key], value), key
+    # the default --dtype bf16 casts floating tensors with Tensor.to and leaves int, bool and fp8 bit for bit
+    bf16 = tmp_path / "bf16"
+    proc = ckptconv("dcp-to-hf", str(ckpt), str(bf16), "--fp32", "A_log$", nproc=2)
+    assert proc.returncode == 0, proc.stderr
+    for key, got in load_dir(bf16).items():
+        value = ref[key]
+        if value.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            want = value.to(torch.float32 if key.endswith("A_log") else torch.bfloat16)
+        else:
+            want = value  # int8, int64, bool, fp8: never through a float path
+        assert same_bits(got, want), key
     back = tmp_path / "back"
     proc = ckptconv("hf-to-dcp", str(hf), str(back), "--prefix", "model.", nproc=2)
     assert proc.returncode == 0, proc.stderr

@@ -63,7 +63,11 @@ ReadOpt = Annotated[
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Only warnings and errors on stderr.")]
 ProgressOpt = Annotated[
-    bool | None, typer.Option("--progress/--no-progress", help="Progress bar (default: only on a terminal).")
+    bool | None,
+    typer.Option(
+        "--progress/--no-progress",
+        help="Progress bar (default: on a terminal; log lines every 10 s otherwise).",
+    ),
 ]
 RevisionOpt = Annotated[
     str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit) of a repo id.")
@@ -282,9 +286,14 @@ def hf_to_dcp_cmd(
 @app.command("verify")
 def verify_cmd(
     a: Annotated[
-        str, typer.Argument(help="DCP dir, HF dir, .safetensors file or hub repo id.", show_default=False)
+        str,
+        typer.Argument(
+            help="DCP dir, HF dir, .safetensors file or hub repo id.", show_default=False, metavar="A"
+        ),
     ],
-    b: Annotated[str, typer.Argument(help="The same kinds, in any combination.", show_default=False)],
+    b: Annotated[
+        str, typer.Argument(help="The same kinds, in any combination.", show_default=False, metavar="B")
+    ],
     mapping: MappingOpt = None,
     config: ConfigOpt = None,
     prefix: Annotated[

@@ -1,11 +1,15 @@
 """Baseline conversions for scripts/bench.py, DCP -> safetensors and back: the obvious one-process recipes.
 
-usage: python scripts/_bench_baseline.py {format_utils,dcp_load,load_file_dcp_save} SRC OUT
+usage: python scripts/_bench_baseline.py {format_utils,dcp_load,hf_storage_writer,load_file_dcp_save} SRC OUT
 
 format_utils: `dcp_to_torch_save(CKPT, OUT/tmp.pt)`, `torch.load(weights_only=True)`, take the "model" group,
               cast floating tensors to bf16, `safetensors.torch.save_file(OUT/model.safetensors)`.
 dcp_load:     preallocate the full tensors from `FileSystemReader(CKPT).read_metadata()`,
               `dcp.load(no_dist=True)` into them, cast to bf16, `huggingface_hub.save_torch_state_dict(OUT)`.
+hf_storage_writer (under torchrun): every rank `dcp.load`s its `Shard(0)` rows of the "model" group into
+              DTensors, casts them to bf16, and `dcp.save`s them with torch's own HuggingFaceStorageWriter
+              (save_distributed=True, enable_consolidation=True): per-rank shards, then torch's consolidation
+              into OUT/*.safetensors.
 load_file_dcp_save (hf-to-dcp): `safetensors.torch.load_file` of every shard of the HF directory SRC into one
               state dict, then `dcp.save(sd, checkpoint_id=OUT, no_dist=True)`.
 """
@@ -54,6 +58,46 @@ def dcp_load(ckpt: Path, out: Path) -> None:
     save_torch_state_dict(model, out)
 
 
+def hf_storage_writer(ckpt: Path, out: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    metadata = FileSystemReader(ckpt).read_metadata()
+    sd: dict[str, DTensor] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(GROUP) and isinstance(md, TensorStorageMetadata) and len(md.size):
+            shape = tuple(md.size)
+            rows = list(torch.empty(shape[0], device="meta").chunk(world))
+            local_rows = rows[rank].shape[0] if rank < len(rows) else 0
+            local = torch.empty((local_rows, *shape[1:]), dtype=md.properties.dtype)
+            stride = torch.empty(shape, device="meta").stride()
+            sd[key] = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=md.size, stride=stride
+            )
+    dcp.load(sd, checkpoint_id=ckpt)
+    bf16 = {
+        k.removeprefix(GROUP): DTensor.from_local(
+            v.to_local().to(torch.bfloat16) if v.is_floating_point() else v.to_local(),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=v.shape,
+            stride=v.stride(),
+        )
+        for k, v in sd.items()
+    }
+    del sd
+    writer = HuggingFaceStorageWriter(str(out), save_distributed=True, enable_consolidation=True)
+    dcp.save(bf16, storage_writer=writer)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def load_file_dcp_save(hf_dir: Path, out: Path) -> None:
     from safetensors.torch import load_file
 
@@ -66,7 +110,12 @@ def load_file_dcp_save(hf_dir: Path, out: Path) -> None:
 def main() -> None:
     mode, ckpt, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     out.mkdir(parents=True, exist_ok=True)
-    modes = {"format_utils": format_utils, "dcp_load": dcp_load, "load_file_dcp_save": load_file_dcp_save}
+    modes = {
+        "format_utils": format_utils,
+        "dcp_load": dcp_load,
+        "hf_storage_writer": hf_storage_writer,
+        "load_file_dcp_save": load_file_dcp_save,
+    }
     modes[mode](ckpt, out)
 
 

@@ -11,6 +11,8 @@ What it measures, per checkpoint size (default ~1 GB and ~4 GB of fp32 weights):
                            meeting through the c10d rendezvous on 127.0.0.1 (two "nodes" of this machine)
   ckptconv 2r gather       ... with `--read gather`
   format_utils+save_file   torch's `dcp_to_torch_save` to a .pt, `torch.load`, cast to bf16, `save_file`
+  torch HF writer 2r       torchrun: `dcp.load` into Shard(0) DTensors, cast to bf16, `dcp.save` with torch's
+                           HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)
   dcp.load+save_torch_sd   `dcp.load(no_dist=True)` into tensors preallocated from the metadata, cast to bf16,
                            `huggingface_hub.save_torch_state_dict`
 
@@ -170,6 +172,13 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o: [PY, str(SCRIPTS / "_bench_baseline.py"), "format_utils", str(c), str(o)],
+    ),
+    Method(
+        "hf_writer",
+        f"torch HF writer {NPROC}r",
+        NPROC,
+        "convert",
+        lambda c, o: torchrun(str(SCRIPTS / "_bench_baseline.py"), "hf_storage_writer", str(c), str(o)),
     ),
     Method(
         "dcp_load",

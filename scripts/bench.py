@@ -107,7 +107,8 @@ def two_nodes(*args: str) -> list[str]:
             *args,
         ]
     )
-    return ["bash", "-c", f"{one.format(host=1)} & {one.format(host=0)} & wait -n && wait -n"]
+    both = f"{one.format(host=1)} & a=$!; {one.format(host=0)} & b=$!; wait $a; x=$?; wait $b; exit $((x|$?))"
+    return ["bash", "-c", both]
 
 
 def ckptconv_args(ckpt: Path, out: Path) -> list[str]:

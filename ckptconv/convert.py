@@ -62,7 +62,7 @@ def _return_freed_memory() -> None:
         pass  # not glibc: nothing to tune
 
 
-def _atomically(
+def atomically(
     world: World,
     out: Path,
     write: Callable[[Path], None],
@@ -147,11 +147,11 @@ def dcp_to_hf(
 
     def source() -> verify_mod.Side:
         return verify_mod.dcp_side(
-            "source", ckpt.path, prefix, mapping, model_config, hf_experts, allow_unmapped
+            "source", ckpt.path, prefix, mapping, model_config, allow_unmapped, variant=hf_experts
         )
 
     result.copied = (
-        _atomically(
+        atomically(
             world,
             out,
             lambda staging: _write_shards(plan, ckpt, staging, world, ui, bucket, read_path),
@@ -302,9 +302,9 @@ def hf_to_dcp(
         )
 
     def output(staging: Path, hf: verify_mod.Side) -> verify_mod.Side:  # in the HF side's expert form
-        return verify_mod.dcp_side_like(hf, "output", staging, prefix, mapping, model_config, allow_unmapped)
+        return verify_mod.dcp_side("output", staging, prefix, mapping, model_config, allow_unmapped, like=hf)
 
-    _atomically(
+    atomically(
         world,
         out,
         lambda staging: _save_dcp(plan, staging, world, ui),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import convert, outdir
+from .compose import target_rows
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
@@ -180,7 +181,7 @@ def save_hf(
         if copy_from is not None:
             outdir.copy_non_weights(Path(copy_from), staging)
 
-    convert._atomically(
+    convert.atomically(
         world,
         out,
         lambda staging: convert.write_files(
@@ -280,8 +281,6 @@ def load_hf(
 
 def _block(src: Any, spec: LoadSpec, reader: RowReader) -> torch.Tensor:
     """This rank's block of the checkpoint tensor `src`, read row range by row range."""
-    from .compose import target_rows
-
     if not spec.shape:
         return target_rows(src, 0, 1, reader)
     rows = target_rows(src, spec.offsets[0], spec.offsets[0] + spec.sizes[0], reader)

@@ -229,6 +229,23 @@ def _out_tensors(
     return outs, unmapped
 
 
+def mapped_tensors(
+    ckpt: DcpCheckpoint,
+    policy: DtypePolicy,
+    prefix: str | None = None,
+    mapping: KeyMapping | None = None,
+    config: dict[str, Any] | None = None,
+    allow_unmapped: bool = False,
+) -> tuple[Selection, list[OutTensor], list[str]]:
+    """The checkpoint's tensors as HF-named output tensors (selected, mapped, dtypes resolved), before any
+    file planning: what dcp-to-hf writes and what verify compares."""
+    selection = select_tensors(ckpt, prefix)
+    if not selection.keys:
+        raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
+    mapped, unmapped = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
+    return selection, mapped, unmapped
+
+
 def plan_dcp_to_hf(
     ckpt: DcpCheckpoint,
     policy: DtypePolicy,
@@ -240,10 +257,7 @@ def plan_dcp_to_hf(
     config: dict[str, Any] | None = None,
     allow_unmapped: bool = False,
 ) -> HfSavePlan:
-    selection = select_tensors(ckpt, prefix)
-    if not selection.keys:
-        raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
-    mapped, unmapped = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
+    selection, mapped, unmapped = mapped_tensors(ckpt, policy, prefix, mapping, config, allow_unmapped)
     outs = {t.hf_key: t for t in sorted(mapped, key=lambda t: natural_key(t.hf_key))}
     notes = selection.notes
     if unmapped:

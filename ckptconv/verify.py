@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from .errors import CkptconvError, VerifyMismatch
 from .formats.dcp import DcpReader, is_dcp_dir, open_dcp
 from .formats.hf import RowReader, open_hf
 from .mapping import VARIANTS, load_config, load_mapping
-from .plan import OutTensor, assign_owners, natural_key, plan_dcp_to_hf
+from .plan import assign_owners, mapped_tensors, natural_key
 from .sources import any_source
 from .ui import Ui
 from .unshard import assemble, direct_rows
@@ -159,21 +159,20 @@ def dcp_side(
     prefix: str | None,
     mapping: str | None,
     config: dict[str, Any],
-    variant: str | None,
     allow_unmapped: bool,
+    variant: str | None = None,
+    like: Side | None = None,
 ) -> Side:
+    """A DCP directory seen as dcp-to-hf would write it, dtypes kept. With a mapping and no `variant`, in the
+    expert form (per expert or fused) that shares the most keys with the HF side `like`."""
     ckpt = open_dcp(path)
-    plan = plan_dcp_to_hf(
-        ckpt,
-        DtypePolicy(None),
-        max_shard_size=2**62,
-        world_size=1,
-        prefix=prefix,
-        mapping=load_mapping(mapping, variant) if mapping else None,
-        config=config,
-        allow_unmapped=allow_unmapped,
-    )
-    outs: dict[str, OutTensor] = {t.hf_key: t for f in plan.files for t in f.tensors}
+    forms = VARIANTS if mapping and variant is None and like is not None else (variant,)
+    candidates = []
+    for form in forms:
+        key_mapping = load_mapping(mapping, form) if mapping else None
+        _, mapped, _ = mapped_tensors(ckpt, DtypePolicy(None), prefix, key_mapping, config, allow_unmapped)
+        candidates.append({t.hf_key: t for t in mapped})
+    outs = max(candidates, key=lambda o: len(o.keys() & like.shapes.keys())) if like else candidates[0]
     reader = DcpReader(ckpt)
     rows = direct_rows(reader)
 
@@ -204,46 +203,14 @@ def open_sides(
     for i, (label, path) in enumerate((("A", a), ("B", b))):
         if is_dcp_dir(path):
             other = sides[1 - i]
-            sides[i] = dcp_side_like(other, label, path, prefix, mapping, config or {}, allow_unmapped)
+            sides[i] = dcp_side(label, path, prefix, mapping, config or {}, allow_unmapped, like=other)
     assert sides[0] is not None and sides[1] is not None
     return sides[0], sides[1]
 
 
-def dcp_side_like(
-    other: Side | None,
-    label: str,
-    path: Path,
-    prefix: str | None,
-    mapping: str | None,
-    config: dict[str, Any],
-    allow_unmapped: bool,
-) -> Side:
-    """A DCP side mapped to the expert form (per expert or fused) that shares the most keys with `other`."""
-    if not mapping or other is None:
-        return dcp_side(label, path, prefix, mapping, config, None, allow_unmapped)
-    best: Side | None = None
-    for variant in VARIANTS:  # the expert form that shares the most keys with the HF side
-        side = dcp_side(label, path, prefix, mapping, config, variant, allow_unmapped)
-        if best is None or len(side.shapes.keys() & other.shapes.keys()) > len(
-            best.shapes.keys() & other.shapes.keys()
-        ):
-            if best is not None:
-                best.close()
-            best = side
-        else:
-            side.close()
-    assert best is not None
-    return best
-
-
-def verify_sides(
-    a: Side,
-    b: Side,
-    world: World,
-    tolerance: Tolerance | None = None,
-    on_bytes: Callable[[int], None] = lambda n: None,
-) -> Report:
-    """Collective: compare every key; the same `Report` on every rank."""
+def verify_sides(a: Side, b: Side, world: World, ui: Ui, tolerance: Tolerance | None = None) -> Report:
+    """Collective: compare every key (this rank's share, with a progress display); the same `Report` on every
+    rank."""
     start = time.perf_counter()
     keys = sorted(a.shapes.keys() | b.shapes.keys(), key=natural_key)
     findings = [
@@ -254,19 +221,22 @@ def verify_sides(
     common = [k for k in keys if k in a.shapes and k in b.shapes]
     sizes = [max(_nbytes(a, k), _nbytes(b, k)) for k in common]
     owners = assign_owners(sizes, world.size)
+    own = [k for k, owner in zip(common, owners, strict=True) if owner == world.rank]
     mine: list[Finding] = []
     error: Exception | None = None
-    try:
-        for key in _own(common, owners, world.rank):
-            if a.shapes[key][0] != b.shapes[key][0]:
-                mine.append(Finding(key, "shape", _side(a, key), _side(b, key)))
-                continue
-            finding = compare(key, a.read(key), b.read(key), tolerance)
-            if finding is not None:
-                mine.append(finding)
-            on_bytes(_nbytes(b, key))
-    except Exception as e:  # every rank must reach the gather below
-        error = e
+    progress_label = f"rank {world.rank} of {world.size}: verifying"
+    with ui.bytes_progress(progress_label, sum(_nbytes(b, k) for k in own)) as progress:
+        try:
+            for key in own:
+                if a.shapes[key][0] != b.shapes[key][0]:
+                    mine.append(Finding(key, "shape", _side(a, key), _side(b, key)))
+                    continue
+                finding = compare(key, a.read(key), b.read(key), tolerance)
+                if finding is not None:
+                    mine.append(finding)
+                progress.advance(_nbytes(b, key))
+        except Exception as e:  # every rank must reach the gather below
+            error = e
     world.agree(error)
     for part in world.all_gather_object(mine):
         findings.extend(part)
@@ -275,10 +245,6 @@ def verify_sides(
     return Report(
         str(a.path), str(b.path), len(common), sum(sizes), findings, tolerance, time.perf_counter() - start
     )
-
-
-def _own(keys: list[str], owners: list[int], rank: int) -> Iterator[str]:
-    return (k for k, owner in zip(keys, owners, strict=True) if owner == rank)
 
 
 def _side(side: Side, key: str) -> dict[str, Any] | None:
@@ -329,25 +295,16 @@ def verify(
 
     side_a, side_b = everyone(world, prepare)
     try:
-        return run(side_a, side_b, world, ui, tolerance)
+        return verify_sides(side_a, side_b, world, ui, tolerance)
     finally:
         side_a.close()
         side_b.close()
 
 
-def run(a: Side, b: Side, world: World, ui: Ui, tolerance: Tolerance | None = None) -> Report:
-    """Collective: `verify_sides` with a progress display of this rank's bytes."""
-    common = [k for k in a.shapes if k in b.shapes]
-    owners = assign_owners([max(_nbytes(a, k), _nbytes(b, k)) for k in common], world.size)
-    mine = sum(_nbytes(b, k) for k in _own(common, owners, world.rank))
-    with ui.bytes_progress(f"rank {world.rank} of {world.size}: verifying", mine) as progress:
-        return verify_sides(a, b, world, tolerance, progress.advance)
-
-
 def check_output(source: Side, output: Side, world: World, ui: Ui) -> None:
     """Collective, for `--verify`: raise VerifyMismatch (exit 1) unless `output` holds `source`'s tensors."""
     try:
-        report = run(source, output, world, ui)
+        report = verify_sides(source, output, world, ui)
     finally:
         source.close()
         output.close()

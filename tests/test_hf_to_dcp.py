@@ -16,20 +16,22 @@ from test_dcp_to_hf import load_dir, same_bits
 
 from ckptconv.formats.dcp import open_dcp
 
+# the size of every tiny transformers model the tests build (GQA: 4 heads, 2 kv heads)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+)
+
 
 def tiny(kind: str, path: Path) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        tie_word_embeddings=False,
-    )
+    common = dict(TINY, tie_word_embeddings=False)
     if kind == "llama":
         config = LlamaConfig(intermediate_size=24, **common)
     else:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import WORKERS, ckptconv, torchrun, tree_sha256
 from test_dcp_to_hf import load_dir, same_bits
-from test_hf_to_dcp import load_plain, tiny
+from test_hf_to_dcp import TINY, load_plain, tiny
 from test_mapping import titan_permute
 
 from ckptconv.mapping import load_mapping
@@ -124,16 +124,7 @@ def tiny_qwen3(path: Path, moe: bool, tied: bool) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        intermediate_size=24,
-        tie_word_embeddings=tied,
-    )
+    common = dict(TINY, intermediate_size=24, tie_word_embeddings=tied)
     config = (
         Qwen3MoeConfig(moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, **common)
         if moe

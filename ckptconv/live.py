@@ -1,12 +1,12 @@
 """save_hf / load_hf: HF safetensors straight from / into a live, sharded state dict inside a training job.
 
 A live state dict is planned exactly like a DCP checkpoint: every rank describes its local block of every
-tensor (`LoadSpec.from_tensor`: the block DCP itself would record, from the DTensor's placements and mesh),
-the blocks are exchanged as metadata, and the same planner as dcp-to-hf lays out the files, so `save_hf`
-writes the bytes `dcp-to-hf` writes for the same weights, whatever the world size. Tensor data then moves
-only to the rank writing each file, in rounds bounded by `bucket_size` of gathered (global) bytes (the gather
-path of `unshard`, reading blocks from memory instead of storage). `load_hf` reads, on each rank, only the
-rows of its own block from the safetensors files.
+tensor and the shard steps that undo its placements (`LoadSpec.from_tensor`), the descriptions are exchanged,
+and the same planner as dcp-to-hf lays out the files, so `save_hf` writes the bytes `dcp-to-hf` writes for the
+same weights, whatever the world size. The data then moves by the unshard scheduler (`schedule`,
+`allgather`): rounds of foreach all-gathers, one per (process group, dtype), each round bounded by
+`bucket_size` of gathered (global) bytes, stacked MoE tensors gathered bucket by bucket; the rank writing a
+file keeps what it needs. `load_hf` reads, on each rank, only the rows of its own block from the files.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import convert, outdir
+from .allgather import TorchCollective, describe, emit, group_handles, holdings, live_jobs, run_rounds
 from .compose import target_rows
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
@@ -29,38 +30,31 @@ from .formats.hf import RowReader, open_hf, write_index
 from .layout import tiling_problem
 from .mapping import load_mapping
 from .plan import parse_size, plan_dcp_to_hf, plan_hf_to_dcp
+from .schedule import Holding, ShardStep, plan_rounds
 from .specs import ChunkSpec, TensorSpec
 from .stash import StashedItem, json_exact, write_stash
 from .ui import Ui
-from .unshard import RowsFn, gather_tensors
 from .world import World, everyone
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Where one rank's local data of a tensor sits in the global tensor."""
+    """Where one rank's local data of a tensor sits in the global tensor, and how to undo its sharding."""
 
     key: str
     shape: tuple[int, ...]  # global
     dtype: torch.dtype
     offsets: tuple[int, ...]  # of the local block
     sizes: tuple[int, ...]
+    steps: tuple[ShardStep, ...] = ()  # the all-gathers that undo the placements, in order
 
     @classmethod
     def from_tensor(cls, key: str, tensor: torch.Tensor) -> LoadSpec:
         """From a plain tensor (all of it) or a DTensor with any placements (Shard on any dim, uneven,
         Replicate, `_StridedShard`, 1-, 2- and 3-D meshes): the block DCP records for it (its
-        `__create_chunk_list__`), in global coordinates."""
-        from torch.distributed.tensor import DTensor
-
-        shape = tuple(int(s) for s in tensor.shape)
-        if not isinstance(tensor, DTensor):
-            return cls(key, shape, tensor.dtype, (0,) * len(shape), shape)
-        chunks = tensor.__create_chunk_list__()
-        if len(chunks) != 1:
-            raise CkptconvError(f"{key!r}: a DTensor whose local data is {len(chunks)} blocks is unsupported")
-        chunk = chunks[0]
-        return cls(key, shape, tensor.dtype, tuple(map(int, chunk.offsets)), tuple(map(int, chunk.sizes)))
+        `__create_chunk_list__`), in global coordinates, and its shard steps (`schedule.shard_steps`)."""
+        d, _ = describe(key, tensor)
+        return cls(key, d.shape, d.dtype, d.block[0], d.block[1], d.steps)
 
 
 def local_data(tensor: torch.Tensor) -> torch.Tensor:
@@ -87,40 +81,29 @@ def _world() -> World:
     return World()
 
 
-def _memory_rows(tensors: dict[str, torch.Tensor]) -> RowsFn:
-    """Rows of this rank's own block of a tensor (the gather path's chunk source, from memory)."""
-
-    def rows(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
-        data = local_data(tensors[spec.fqn]).detach().to("cpu")
-        return data.narrow(0, r0, r1 - r0) if chunk.sizes else data
-
-    return rows
-
-
-def _live_checkpoint(
-    tensors: dict[str, torch.Tensor], paths: dict[str, tuple[str, ...]], world: World
-) -> DcpCheckpoint:
+def _live_checkpoint(holding: dict[str, Holding], paths: dict[str, tuple[str, ...]]) -> DcpCheckpoint:
     """Every rank's blocks of every tensor, as a DcpCheckpoint whose chunk `file` names the holding rank."""
-    mine = [LoadSpec.from_tensor(k, t) for k, t in tensors.items()]
-    everyone_specs = world.all_gather_object([(s.key, s.shape, s.dtype, s.offsets, s.sizes) for s in mine])
-    specs: dict[str, TensorSpec] = {}
-    for rank, rows in enumerate(everyone_specs):
-        if [r[0] for r in rows] != [s.key for s in mine]:
-            raise CkptconvError(f"save_hf: rank {rank} holds different keys than rank {world.rank}")
-        for key, shape, dtype, offsets, sizes in rows:
-            prev = specs.get(key)
-            if prev is not None and (prev.shape, prev.dtype) != (shape, dtype):
-                raise CkptconvError(
-                    f"save_hf: {key!r} is {prev.dtype}{list(prev.shape)} on one rank, "
-                    f"{dtype}{list(shape)} on rank {rank}"
-                )
-            chunk = ChunkSpec(offsets, sizes, f"__{rank}_0.distcp", 0, 0, "torch_save")
-            specs[key] = TensorSpec(key, dtype, shape, (*(prev.chunks if prev else ()), chunk))
-    for spec in specs.values():
-        problem = tiling_problem(spec.shape, [(c.offsets, c.sizes) for c in spec.chunks])
+    specs = {}
+    for fqn, h in holding.items():
+        problem = tiling_problem(h.shape, h.blocks)
         if problem:
-            raise CkptconvError(f"save_hf: the ranks' blocks of {spec.fqn!r} {problem}")
+            raise CkptconvError(f"save_hf: the ranks' blocks of {fqn!r} {problem}")
+        chunks = tuple(
+            ChunkSpec(o, s, f"__{r}_0.distcp", 0, 0, "torch_save") for r, (o, s) in enumerate(h.blocks)
+        )
+        specs[fqn] = TensorSpec(fqn, h.dtype, h.shape, chunks)
     return DcpCheckpoint(Path("<live state dict>"), specs, {}, dict(paths))
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What `save_hf` did: its files, and how the unshard scheduler moved the data (the same on any rank)."""
+
+    files: list[str]
+    nbytes: int  # of tensor data written
+    rounds: int
+    collectives: int  # foreach all-gathers, each one (process group, dtype) batch
+    max_round_bytes: int  # the largest round's gathered bytes (<= bucket_size unless one tensor is larger)
 
 
 def save_hf(
@@ -136,7 +119,7 @@ def save_hf(
     extra: Mapping[str, Any] | None = None,
     config: Mapping[str, Any] | None = None,
     overwrite: bool = True,
-) -> None:
+) -> SaveReport:
     """Collective (call on every rank): write `state_dict` as HF safetensors into the directory `path`.
 
     Values: DTensors with any placements, plain tensors (the same on every rank), or other objects, which go
@@ -156,11 +139,14 @@ def save_hf(
     others += [((str(k),), v) for k, v in (extra or {}).items()]
     ui = Ui(rank=world.rank, quiet=True)
 
+    described = everyone(world, lambda: [describe(k, t) for k, t in tensors.items()])
+    everyone_described = world.all_gather_object([d for d, _ in described])
+
     def prepare() -> Any:
+        holding = holdings(everyone_described)
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
-        ckpt = _live_checkpoint(tensors, paths, world)
         plan = plan_dcp_to_hf(
-            ckpt,
+            _live_checkpoint(holding, paths),
             policy,
             max_shard_size=parse_size(max_shard_size),
             world_size=world.size,
@@ -168,10 +154,15 @@ def save_hf(
             config=dict(config or {}),
         )
         outdir.check_out(out, overwrite, "overwrite=True")
-        return plan, parse_size(bucket_size, "bucket_size")
+        budget = parse_size(bucket_size, "bucket_size")
+        jobs, order, needs = live_jobs(plan, holding, budget)
+        return plan, jobs, order, needs, plan_rounds(jobs, budget)
 
-    plan, bucket = everyone(world, prepare)
-    source = _memory_rows(tensors)
+    plan, jobs, order, needs, rounds = everyone(world, prepare)
+    handles = group_handles(described)
+
+    def local(fqn: str) -> torch.Tensor:
+        return local_data(tensors[fqn])
 
     def finish(staging: Path) -> None:
         if plan.sharded:
@@ -181,13 +172,17 @@ def save_hf(
         if copy_from is not None:
             outdir.copy_non_weights(Path(copy_from), staging)
 
+    results = run_rounds(jobs, rounds, world.rank, local, TorchCollective(handles))
+    items = emit(order, needs, world.rank, results, jobs)
     convert.atomically(
-        world,
-        out,
-        lambda staging: convert.write_files(
-            plan, gather_tensors(plan, world, source, bucket), staging, world, ui
-        ),
-        finish,
+        world, out, lambda staging: convert.write_files(plan, items, staging, world, ui), finish
+    )
+    return SaveReport(
+        [f.name for f in plan.files],
+        plan.total_size,
+        len(rounds),
+        sum(len(r.batches) for r in rounds),
+        max((sum(r.nbytes.values()) for r in rounds), default=0),
     )
 
 

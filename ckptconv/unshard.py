@@ -5,7 +5,8 @@ Two paths, the same output bytes:
   in threads (bounded by `bucket_bytes`), and casts it into place. Needs every rank to see every file.
 - gather: each chunk is read by one rank (the rank that wrote it modulo the world size, so node-local storage
   works), and rounds of point-to-point transfers bring the chunks to the writers. Every rank walks the same
-  rounds in the same order; each round is bounded by `bucket_bytes` of gathered (global) source bytes per
+  rounds in the same order (the unshard scheduler `schedule.plan_rounds`, shared with save_hf's all-gathers,
+  with one budget per writer): each round is bounded by `bucket_bytes` of gathered (global) source bytes per
   writer; read errors are agreed on before any transfer, so a failed read never leaves a peer waiting.
 Call order: build one `DcpReader` per rank; call `direct_tensors(...)` or `gather_tensors(...)` on every rank
 (the latter is collective) and consume the iterator to the end.
@@ -18,7 +19,7 @@ import re
 import threading
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import torch
 from .formats.dcp import DcpReader, byte_view
 from .layout import intersect
 from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
+from .schedule import plan_rounds
 from .specs import ChunkSpec, TensorSpec
 from .world import World
 
@@ -252,24 +254,30 @@ def round_transfers(
     ]
 
 
+@dataclass(frozen=True)
+class _Fetch:
+    """A gather-path job for the scheduler: one output tensor brought to its writer by one p2p batch."""
+
+    account: int  # the writer: the gathered bytes land in its memory
+    nbytes: int
+    keys: tuple[Hashable, ...] = (("p2p", torch.uint8),)
+
+
 def gather_rounds(
     plan: HfSavePlan, bucket_bytes: int
 ) -> list[list[tuple[int, list[tuple[OutFile, OutTensor]]]]]:
-    """Pure: round k holds the k-th bucket of every writer's stream (each bucket <= bucket_bytes of source
-    bytes, or one tensor larger than that)."""
-    per_writer = []
-    for rank in range(plan.world_size):
-        buckets: list[list[tuple[OutFile, OutTensor]]] = []
-        size = 0
-        for f, t in _stream(plan, rank):
-            if not buckets or (size + t.src_nbytes > bucket_bytes and buckets[-1]):
-                buckets.append([])
-                size = 0
-            buckets[-1].append((f, t))
-            size += t.src_nbytes
-        per_writer.append(buckets)
-    depth = max((len(b) for b in per_writer), default=0)
-    return [[(rank, b[k]) for rank, b in enumerate(per_writer) if k < len(b)] for k in range(depth)]
+    """Pure: the shared scheduler's rounds (`schedule.plan_rounds`) with one budget per writer: round k holds
+    the k-th bucket of every writer's stream (each <= bucket_bytes of source bytes, or one larger tensor)."""
+    stream = [(rank, f, t) for rank in range(plan.world_size) for f, t in _stream(plan, rank)]
+    rounds = plan_rounds([_Fetch(rank, t.src_nbytes) for rank, _, t in stream], bucket_bytes)
+    out = []
+    for r in rounds:
+        buckets: dict[int, list[tuple[OutFile, OutTensor]]] = {}
+        for j in r.started:
+            rank, f, t = stream[j]
+            buckets.setdefault(rank, []).append((f, t))
+        out.append(sorted(buckets.items()))
+    return out
 
 
 def gather_tensors(plan: HfSavePlan, world: World, source: RowsFn, bucket_bytes: int) -> Iterator[Item]:

@@ -1,0 +1,285 @@
+"""Unshard live DTensors by batched foreach all-gathers (the path `save_hf` uses), on any backend.
+
+Call order (every rank, same arguments but its own tensors): `describe` each tensor, exchange the
+descriptions (`World.all_gather_object`), `holdings` -> `live_jobs` (pure) -> `plan_rounds` (pure, shared with
+the stored-chunk gather path) -> `run_rounds`, consumed to the end. In each round every rank runs one
+all-gather per (process group, dtype) batch it belongs to, in the same order: the pieces of every job in the
+batch are flattened into one buffer (each padded to the largest piece of the group, since uneven shards are
+legal), gathered, and cut back into pieces that are concatenated on the step's dim. Tensors stay on their
+device (gloo on CPU, nccl on CUDA: the same code); finished blocks are moved to the CPU for writing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from .errors import CkptconvError
+from .layout import Box, intersect
+from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
+from .schedule import Holding, Job, Placement, Round, ShardStep, plan_job, shard_steps, slabs
+from .specs import ChunkSpec, TensorSpec
+
+Item = tuple[OutFile, OutTensor, torch.Tensor]
+
+
+class Collective(Protocol):
+    """`out` (group size x `inp`'s elements, same dtype) receives every member's `inp` in group-rank order."""
+
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, key: Hashable, group: tuple[int, ...]
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class Described:
+    """What one rank says about one of its tensors (plain data, exchanged between ranks)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    block: Box
+    steps: tuple[ShardStep, ...]
+    groups: tuple[tuple[int, ...], ...]  # this rank's group for each step
+
+
+def describe(fqn: str, tensor: torch.Tensor) -> tuple[Described, list[Any]]:
+    """This rank's local block of `tensor` and the process groups of its shard steps (and their handles)."""
+    from torch.distributed.tensor import DTensor
+
+    shape = tuple(int(s) for s in tensor.shape)
+    if not isinstance(tensor, DTensor):
+        return Described(fqn, shape, tensor.dtype, ((0,) * len(shape), shape), (), ()), []
+    import torch.distributed as dist
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    chunks = tensor.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise CkptconvError(f"{fqn!r}: a DTensor whose local data is {len(chunks)} blocks is unsupported")
+    block = (tuple(map(int, chunks[0].offsets)), tuple(map(int, chunks[0].sizes)))
+    placements = []
+    for p in tensor.placements:
+        if isinstance(p, Shard | _StridedShard):  # _StridedShard is not a Shard subclass in torch 2.13
+            factor = p.split_factor if isinstance(p, _StridedShard) else 1
+            placements.append(Placement("shard", int(p.dim) % max(len(shape), 1), int(factor)))
+        elif isinstance(p, Replicate):
+            placements.append(Placement("replicate"))
+        elif p.is_partial():
+            placements.append(Placement("partial"))
+        else:
+            raise CkptconvError(f"{fqn!r}: placement {p} is not one ckptconv knows how to undo")
+    steps = shard_steps(placements)
+    handles = [tensor.device_mesh.get_group(s.mesh_dim) for s in steps]
+    groups = tuple(tuple(dist.get_process_group_ranks(h)) for h in handles)
+    return Described(fqn, shape, tensor.dtype, block, steps, groups), handles
+
+
+def group_handles(described: Sequence[tuple[Described, Sequence[Any]]]) -> dict[tuple[int, ...], Any]:
+    """This rank's groups (their ranks) -> a process group handle: the first tensor's with that group, in
+    state dict order, so that every member of a group picks the same group object."""
+    out: dict[tuple[int, ...], Any] = {}
+    for d, handles in described:
+        for group, handle in zip(d.groups, handles, strict=True):
+            out.setdefault(group, handle)
+    return out
+
+
+def holdings(everyone: Sequence[Sequence[Described]]) -> dict[str, Holding]:
+    """Pure: every rank's descriptions (in rank order) -> one Holding per tensor; refuses disagreements."""
+    first = everyone[0]
+    out = {}
+    for i, d in enumerate(first):
+        views = [rank_descs[i] for rank_descs in everyone]
+        for rank, v in enumerate(views):
+            if (v.fqn, v.shape, v.dtype, v.steps) != (d.fqn, d.shape, d.dtype, d.steps):
+                raise CkptconvError(
+                    f"save_hf: {d.fqn!r} is {d.dtype}{list(d.shape)} sharded by {d.steps} on rank 0 but "
+                    f"{v.fqn!r} {v.dtype}{list(v.shape)} by {v.steps} on rank {rank}"
+                )
+        groups = tuple(tuple(v.groups[k] for v in views) for k in range(len(d.steps)))
+        for k, group_of in enumerate(groups):
+            for rank, group in enumerate(group_of):
+                if rank not in group or any(group_of[m] != group for m in group):
+                    raise CkptconvError(
+                        f"save_hf: the process groups of {d.fqn!r}'s mesh dim {d.steps[k].mesh_dim} do not "
+                        "agree between ranks (every rank must hold the tensor on the same mesh)"
+                    )
+        out[d.fqn] = Holding(d.fqn, d.shape, d.dtype, d.steps, tuple(v.block for v in views), groups)
+    return out
+
+
+def live_jobs(
+    plan: HfSavePlan, holding: Mapping[str, Holding], budget: int
+) -> tuple[list[Job], list[tuple[OutFile, OutTensor]], list[tuple[int, ...]]]:
+    """Pure: the jobs that bring the plan's source tensors to every rank, in the order the writers consume
+    them; that order (the writers' streams interleaved tensor by tensor, so every writer is busy), with the
+    plan's tensors re-pointed at the jobs' blocks (each job block is a "chunk" to `unshard.assemble`); and the
+    jobs each of those tensors reads."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for f in plan.files:
+        for t in f.tensors:
+            for sp in t.parts:
+                if sp.part.src_sizes:
+                    lo = sp.part.src_offsets[0]
+                    ranges.setdefault(sp.spec.fqn, []).append((lo, lo + sp.part.src_sizes[0]))
+    specs: dict[str, TensorSpec] = {}
+    for f in plan.files:
+        for t in f.tensors:
+            for sp in t.parts:
+                h = holding[sp.spec.fqn]
+                boxes = slabs(h.shape, h.dtype.itemsize, ranges.get(h.fqn, []), budget)
+                chunks = tuple(ChunkSpec(o, s, "", 0, 0, "torch_save") for o, s in boxes)
+                specs.setdefault(h.fqn, TensorSpec(h.fqn, h.dtype, h.shape, chunks))
+    streams = [
+        [(f, _repoint(t, specs)) for f in plan.files_of(r) for t in f.tensors] for r in range(plan.world_size)
+    ]
+    depth = max(map(len, streams), default=0)
+    order = [stream[k] for k in range(depth) for stream in streams if k < len(stream)]
+    index: dict[tuple[str, tuple[int, ...]], int] = {}
+    jobs: list[Job] = []
+    needs = []
+    for _, t in order:
+        mine = []
+        for sp in t.parts:
+            for chunk in _touched(sp):
+                key = (sp.spec.fqn, chunk.offsets)
+                if key not in index:
+                    index[key] = len(jobs)
+                    jobs.append(plan_job(holding[sp.spec.fqn], (chunk.offsets, chunk.sizes)))
+                mine.append(index[key])
+        needs.append(tuple(dict.fromkeys(mine)))
+    return jobs, order, needs
+
+
+def _repoint(t: OutTensor, specs: Mapping[str, TensorSpec]) -> OutTensor:
+    return replace(t, parts=tuple(replace(sp, spec=specs[sp.spec.fqn]) for sp in t.parts))
+
+
+def _touched(sp: SourcePart) -> list[ChunkSpec]:
+    """The job blocks (chunks of the re-pointed spec) that a part reads."""
+    box = (sp.part.src_offsets, sp.part.src_sizes)
+    return [c for c in sp.spec.chunks if not c.sizes or intersect((c.offsets, c.sizes), box) is not None]
+
+
+def _narrow(t: torch.Tensor, base: Sequence[int], box: Box) -> torch.Tensor:
+    for dim, (o, s) in enumerate(zip(*box, strict=True)):
+        t = t.narrow(dim, o - base[dim], s)
+    return t
+
+
+def run_rounds(
+    jobs: Sequence[Job],
+    rounds: Sequence[Round],
+    rank: int,
+    local: Callable[[str], torch.Tensor],
+    collective: Collective,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Collective: (job index, its gathered block on the CPU) for every job, in the rounds that finish them.
+
+    `local(fqn)`: this rank's local data of a tensor; a batch's collective runs on its first tensor's device.
+    """
+    held: dict[int, torch.Tensor | None] = {}
+    for r in rounds:
+        for j in r.started:
+            job, mine = jobs[j], jobs[j].start[rank]
+            held[j] = None if mine is None else _narrow(local(job.fqn).detach(), job.origin[rank], mine)
+        for batch in r.batches:
+            device = local(jobs[batch.items[0][0]].fqn).device
+            _run_batch(jobs, batch.items, batch.key, rank, held, collective, device)
+        for j in r.done:
+            value = held.pop(j)
+            if value is None:  # an empty block
+                value = torch.empty(jobs[j].box[1], dtype=jobs[j].dtype)
+            yield j, value.cpu()
+
+
+def _run_batch(
+    jobs: Sequence[Job],
+    items: Sequence[tuple[int, int]],
+    key: Hashable,
+    rank: int,
+    held: dict[int, torch.Tensor | None],
+    collective: Collective,
+    device: torch.device | str,
+) -> None:
+    """One foreach all-gather: every item's piece, padded to its group's largest, in one flat buffer."""
+    first = jobs[items[0][0]]
+    group = first.steps[items[0][1]].group_of[rank]
+    padded = [jobs[j].steps[s].padded_numel(rank) for j, s in items]
+    total, itemsize = sum(padded), first.dtype.itemsize
+    inp = torch.zeros(total * itemsize, dtype=torch.uint8, device=device).view(first.dtype)
+    offset = 0
+    for (j, _), n in zip(items, padded, strict=True):
+        piece = held[j]
+        if piece is not None:
+            inp[offset : offset + piece.numel()].view(piece.shape).copy_(piece)
+        offset += n
+    out = torch.empty(len(group) * total * itemsize, dtype=torch.uint8, device=device).view(first.dtype)
+    collective.all_gather(out, inp, key, group)
+    offset = 0
+    for (j, s), n in zip(items, padded, strict=True):
+        step = jobs[j].steps[s]
+        pieces = []
+        for i, member in enumerate(group):
+            box = step.pieces[member]
+            if box is not None:
+                start = i * total + offset
+                pieces.append(out[start : start + math.prod(box[1])].view(box[1]))
+        held[j] = torch.cat(pieces, dim=step.dim) if pieces else None
+        offset += n
+
+
+class TorchCollective:
+    """`Collective` over torch.distributed, with this rank's process group handle for each of its groups
+    (`group_handles`)."""
+
+    def __init__(self, handles: Mapping[tuple[int, ...], Any]) -> None:
+        self.handles = handles
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, key: Hashable, group: tuple[int, ...]) -> None:
+        import torch.distributed as dist
+
+        # as bytes: every backend moves uint8, whatever the dtype (bool, fp8, bf16 on gloo)
+        dist.all_gather_into_tensor(out.view(torch.uint8), inp.view(torch.uint8), group=self.handles[group])
+
+
+def emit(
+    order: Sequence[tuple[OutFile, OutTensor]],
+    needs: Sequence[tuple[int, ...]],
+    rank: int,
+    results: Iterator[tuple[int, torch.Tensor]],
+    jobs: Sequence[Job],
+) -> Iterator[Item]:
+    """This rank's output tensors in file order, each assembled as soon as the jobs it reads are done; a
+    gathered block is dropped once the last of this rank's tensors reading it is out (at once if none)."""
+    from .unshard import assemble
+
+    mine = [i for i, (f, _) in enumerate(order) if f.owner == rank]
+    last_use: dict[int, int] = {}
+    for n, i in enumerate(mine):
+        for j in needs[i]:
+            last_use[j] = n
+    by_chunk = {(job.fqn, job.box[0]): j for j, job in enumerate(jobs)}
+    got: dict[int, torch.Tensor] = {}
+
+    def rows(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
+        data = got[by_chunk[(spec.fqn, chunk.offsets)]]
+        return data.narrow(0, r0, r1 - r0) if chunk.sizes else data
+
+    k = 0
+    for j, value in results:
+        if j in last_use:
+            got[j] = value
+        while k < len(mine) and all(x in got for x in needs[mine[k]]):
+            f, t = order[mine[k]]
+            yield f, t, assemble(t, rows)
+            for x in needs[mine[k]]:
+                if last_use[x] == k:
+                    del got[x]
+            k += 1
+    if k != len(mine):
+        raise AssertionError(f"unshard: {len(mine) - k} tensors never became ready")

@@ -34,7 +34,7 @@ def target_rows(
         stored, _ = t.parts[0]
         return reader.rows(stored, 0, 1).to(t.dtype)
     shape = (hi - lo, *t.shape[1:])
-    if len(t.parts) == 1 and _is_whole(*t.parts[0], t.shape):  # a plain rename: the rows as read
+    if len(t.parts) == 1 and is_whole(*t.parts[0], t.shape):  # a plain rename: the rows as read
         stored = t.parts[0][0]
         if stored.dtype == t.dtype:
             return reader.rows(stored, lo, hi, out=_within(scratch, shape, t.dtype))
@@ -58,7 +58,7 @@ def _within(scratch: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.d
     return scratch[:nbytes].view(dtype).view(shape)
 
 
-def _is_whole(stored: StoredTensor, part: Part, shape: tuple[int, ...]) -> bool:
+def is_whole(stored: StoredTensor, part: Part, shape: tuple[int, ...]) -> bool:
     """All of the stored tensor, unpermuted, is all of the target."""
     return part.perm is None and stored.shape == part.src_sizes == part.dst_sizes == shape
 

@@ -22,7 +22,7 @@ import torch
 
 from . import convert, outdir
 from .allgather import TorchCollective, describe, emit, group_handles, holdings, live_jobs, run_rounds
-from .compose import target_rows
+from .compose import is_whole, target_rows
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
@@ -275,9 +275,12 @@ def load_hf(
 
 
 def _block(src: Any, spec: LoadSpec, reader: RowReader) -> torch.Tensor:
-    """This rank's block of the checkpoint tensor `src`, read row range by row range."""
+    """This rank's block of the checkpoint tensor `src`: only the block's bytes for a tensor stored as is
+    (any shard dims), else the rows of the block composed from the tensors `src` is made of, then cut."""
     if not spec.shape:
         return target_rows(src, 0, 1, reader)
+    if len(src.parts) == 1 and is_whole(src.parts[0][0], src.parts[0][1], src.shape):
+        return reader.block(src.parts[0][0], spec.offsets, spec.sizes).to(src.dtype)
     rows = target_rows(src, spec.offsets[0], spec.offsets[0] + spec.sizes[0], reader)
     for dim in range(1, len(spec.shape)):
         rows = rows.narrow(dim, spec.offsets[dim], spec.sizes[dim])

@@ -35,6 +35,21 @@ def test_save_hf_bytes_are_independent_of_world_size_and_layout(saved: dict[str,
         assert tree_sha256(saved[name] / "live") == first, name
 
 
+def test_save_hf_batches_all_gathers_within_the_budget(saved: dict[str, Path]) -> None:
+    """save_hf's data moved by the unshard scheduler: several rounds under the 512-byte budget (counted on
+    gathered bytes; the largest tensor, 264 bytes, fits), and fewer collectives than shard steps because the
+    steps of one (process group, dtype) in a round share one foreach all-gather."""
+    for name in saved:
+        report = json.loads((saved[name] / "report.json").read_text())
+        assert report["rounds"] > 2 and report["max_round_bytes"] <= 512, (name, report)
+        assert 0 < report["collectives"] < report["steps"], (name, report)
+        index = json.loads((saved[name] / "live" / "model.safetensors.index.json").read_text())
+        assert report["files"] == sorted(set(index["weight_map"].values()))
+        assert report["nbytes"] == index["metadata"]["total_size"]
+    strided = json.loads((saved["mesh2d-4"] / "report.json").read_text())
+    assert strided["steps"] > json.loads((saved["fsdp2-2"] / "report.json").read_text())["steps"]
+
+
 def test_save_hf_writes_what_dcp_to_hf_writes(saved: dict[str, Path], tmp_path: Path) -> None:
     for name in ("fsdp2-2", "mesh2d-4"):
         out = tmp_path / name
@@ -194,3 +209,37 @@ def test_load_spec_for_every_placement_kind() -> None:
     assert all(result.values()), {k: v for k, v in result.items() if not v}
     assert any("_StridedShard" in key for key in result), sorted(result)
     assert len(result) > 20
+
+
+def test_load_hf_reads_only_a_ranks_block_on_any_shard_dims(tmp_path: Path) -> None:
+    """RowReader.block (load_hf's read for a tensor stored as is) against safetensors' own slicing: column
+    shards (TP rowwise, 2-D meshes) and 3-D blocks read exactly their bytes; short runs fall back to rows."""
+    from safetensors import safe_open
+
+    from ckptconv.formats.hf import RowReader, open_hf
+
+    g = torch.Generator().manual_seed(4)
+    tensors = {
+        "wide": torch.randn(16, 4096, generator=g),
+        "cube": torch.randn(4, 6, 1024, generator=g),
+        "narrow": torch.randn(40, 8, generator=g).to(torch.bfloat16),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    stored = open_hf(tmp_path).tensors
+    cases = [
+        ("wide", (0, 1024), (16, 1024), True),  # Shard(1) of 4: one 4 KiB run a row
+        ("wide", (4, 2048), (4, 2048), True),  # a 2-D block
+        ("wide", (3, 0), (5, 4096), True),  # Shard(0): one run
+        ("cube", (1, 2, 0), (2, 3, 1024), True),  # a grouped 3-D tensor sharded on dims 0 and 1
+        ("cube", (0, 0, 512), (4, 6, 512), False),  # 2 KiB runs: rows, then cut
+        ("narrow", (10, 4), (20, 4), False),  # 8-byte runs: whole rows read, then cut
+    ]
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        for key, offsets, sizes, exact in cases:
+            reader = RowReader()
+            got = reader.block(stored[key], offsets, sizes)
+            index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+            assert torch.equal(got, f.get_slice(key)[index]), (key, offsets, sizes)
+            if exact:
+                assert reader.bytes_read == got.numel() * got.element_size(), (key, offsets, sizes)
+            reader.close()

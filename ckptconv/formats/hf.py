@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import struct
@@ -278,25 +279,53 @@ class RowReader:
     the slice it is saving, not every page of every file it has read.
     """
 
+    MIN_RUN_BYTES = 4096  # a block whose contiguous runs are shorter is read as whole rows and cut
+
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
+        self.bytes_read = 0
 
     def rows(self, t: StoredTensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [lo, hi) of `t` (a 0-d `t` whole), read into `out` if given (contiguous, right shape)."""
         if out is None:
             out = torch.empty((hi - lo, *t.shape[1:]) if t.shape else (), dtype=t.dtype)
         row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
+        self._pread(t, t.data_offset + (lo * row_bytes if t.shape else 0), byte_view(out))
+        return out
+
+    def block(self, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+        """The block of `t` at `offsets` of `sizes` (a rank's shard on any dims), reading only its bytes: one
+        read per contiguous run of the block in the file, straight into place. When those runs are short
+        (< MIN_RUN_BYTES: a column shard of a narrow tensor), its whole rows are read and cut instead."""
+        k = max((d for d in range(len(sizes)) if sizes[d] != t.shape[d]), default=0)
+        if k == 0:
+            return self.rows(t, offsets[0], offsets[0] + sizes[0]) if sizes else self.rows(t, 0, 1)
+        out = torch.empty(tuple(sizes), dtype=t.dtype)
+        stride = [math.prod(t.shape[d + 1 :]) for d in range(len(sizes))]
+        run = sizes[k] * stride[k] * t.dtype.itemsize
+        if run < self.MIN_RUN_BYTES or not out.numel():
+            rows = self.rows(t, offsets[0], offsets[0] + sizes[0])
+            for d in range(1, len(sizes)):
+                rows = rows.narrow(d, offsets[d], sizes[d])
+            return out.copy_(rows)
+        view = byte_view(out)
+        runs = itertools.product(*(range(o, o + s) for o, s in zip(offsets[:k], sizes[:k], strict=True)))
+        for i, index in enumerate(runs):
+            element = sum(x * stride[d] for d, x in enumerate(index)) + offsets[k] * stride[k]
+            self._pread(t, t.data_offset + element * t.dtype.itemsize, view[i * run : (i + 1) * run])
+        return out
+
+    def _pread(self, t: StoredTensor, start: int, view: memoryview) -> None:
         fd = self._fds.get(t.file)
         if fd is None:
             fd = self._fds[t.file] = os.open(t.file, os.O_RDONLY)
-        view, done = byte_view(out), 0
-        start = t.data_offset + (lo * row_bytes if t.shape else 0)
+        done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], start + done)
             if n <= 0:
                 raise CkptconvError(f"{t.file}: truncated while reading {t.key!r}; re-download it")
             done += n
-        return out
+        self.bytes_read += done
 
     def close(self) -> None:
         for fd in self._fds.values():

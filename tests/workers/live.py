@@ -3,6 +3,7 @@
 usage: live.py save OUT LAYOUT   seeded model (no training step: the same values at any world size), sharded
                                  per LAYOUT (fsdp2 | mesh2d); save_hf -> OUT/live, dcp.save -> OUT/dcp (for
                                  dcp-to-hf to compare against), rank 0 writes the full values to OUT/ref.pt
+                                 and save_hf's report (+ the number of shard steps) to OUT/report.json
        live.py load OUT LAYOUT   a differently seeded bf16 model sharded per LAYOUT; load_hf(OUT/live); rank 0
                                  prints one JSON line: the report, and which keys equal the reference bits
 """
@@ -19,6 +20,9 @@ from make_dcp import Tiny, shard
 from torch.distributed.tensor import DTensor
 
 import ckptconv
+from ckptconv.live import LoadSpec
+
+BUCKET = 512  # bytes of gathered tensors per round: several rounds even for this tiny model
 
 
 def full(value: torch.Tensor) -> torch.Tensor:
@@ -35,11 +39,13 @@ def main() -> None:
     shard(model, layout, dist.get_world_size())
     sd = model.state_dict()
     if mode == "save":
-        ckptconv.save_hf(sd, out / "live", extra={"step": 7}, max_shard_size=300)
+        report = ckptconv.save_hf(sd, out / "live", extra={"step": 7}, max_shard_size=300, bucket_size=BUCKET)
         dcp.save({"model": sd, "step": 7}, checkpoint_id=str(out / "dcp"))
         ref = {k: full(v) for k, v in sd.items()}
         if dist.get_rank() == 0:
             torch.save(ref, out / "ref.pt")
+            steps = sum(len(LoadSpec.from_tensor(k, v).steps) for k, v in sd.items())
+            (out / "report.json").write_text(json.dumps(vars(report) | {"steps": steps}))
     else:
         report = ckptconv.load_hf(sd, out / "live")
         ref = torch.load(out / "ref.pt", weights_only=True)

@@ -91,6 +91,12 @@ def group_handles(described: Sequence[tuple[Described, Sequence[Any]]]) -> dict[
 def holdings(everyone: Sequence[Sequence[Described]]) -> dict[str, Holding]:
     """Pure: every rank's descriptions (in rank order) -> one Holding per tensor; refuses disagreements."""
     first = everyone[0]
+    for rank, descs in enumerate(everyone):
+        if [d.fqn for d in descs] != [d.fqn for d in first]:
+            raise CkptconvError(
+                f"save_hf: rank {rank} holds other tensor keys than rank 0 ({len(descs)} vs {len(first)}); "
+                "every rank must pass the same state dict keys (pipeline stages: save each stage's own group)"
+            )
     out = {}
     for i, d in enumerate(first):
         views = [rank_descs[i] for rank_descs in everyone]

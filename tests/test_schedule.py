@@ -278,3 +278,15 @@ def test_layouts_that_do_not_tile_in_step_order_are_refused() -> None:
     wrong = Holding(h.fqn, h.shape, h.dtype, tuple(reversed(h.steps)), h.blocks, tuple(reversed(h.groups)))
     with pytest.raises(CkptconvError, match="'tp': the shards gathered on dim 0 are not adjacent"):
         plan_job(wrong, whole(h))
+
+
+def test_ranks_that_disagree_about_a_state_dict_are_refused() -> None:
+    from ckptconv.allgather import Described, holdings
+
+    def d(fqn: str, groups: tuple[tuple[int, ...], ...] = ((0, 1),)) -> Described:
+        return Described(fqn, (4, 2), torch.float32, ((0, 0), (2, 2)), (ShardStep(0, 0),), groups)
+
+    with pytest.raises(CkptconvError, match="rank 1 holds other tensor keys than rank 0"):
+        holdings([[d("a"), d("b")], [d("a")]])
+    with pytest.raises(CkptconvError, match=r"process groups of 'a'.*do not agree"):
+        holdings([[d("a", ((0, 1),))], [d("a", ((1,),))]])

@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """`ckptconv.save_hf`, `ckptconv.load_hf`, `ckptconv.LoadSpec`: imported on first use (torch is slow to
     import, and `ckptconv --help` should not pay for it)."""
-    if name in ("save_hf", "load_hf", "LoadSpec", "LoadReport"):
+    if name in ("save_hf", "load_hf", "load_specs", "LoadSpec", "LoadReport", "SaveReport"):
         from . import live
 
         return getattr(live, name)

@@ -12,9 +12,10 @@ file keeps what it needs. `load_hf` reads, on each rank, only the rows of its ow
 from __future__ import annotations
 
 import io
+import itertools
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from .formats.dcp import DcpCheckpoint
 from .formats.hf import RowReader, open_hf, write_index
 from .layout import tiling_problem
 from .mapping import load_mapping
-from .plan import parse_size, plan_dcp_to_hf, plan_hf_to_dcp
+from .plan import mapped_tensors, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .schedule import Holding, ShardStep, plan_rounds
 from .specs import ChunkSpec, TensorSpec
 from .stash import StashedItem, json_exact, write_stash
@@ -47,6 +48,8 @@ class LoadSpec:
     offsets: tuple[int, ...]  # of the local block
     sizes: tuple[int, ...]
     steps: tuple[ShardStep, ...] = ()  # the all-gathers that undo the placements, in order
+    hf_keys: tuple[str, ...] = ()  # the HF keys this tensor holds, in order (`load_specs`, through a mapping)
+    fused_dim: int | None = None  # the dim those HF keys are stacked / concatenated on (None: one key)
 
     @classmethod
     def from_tensor(cls, key: str, tensor: torch.Tensor) -> LoadSpec:
@@ -55,6 +58,34 @@ class LoadSpec:
         `__create_chunk_list__`), in global coordinates, and its shard steps (`schedule.shard_steps`)."""
         d, _ = describe(key, tensor)
         return cls(key, d.shape, d.dtype, d.block[0], d.block[1], d.steps)
+
+
+def load_specs(
+    state_dict: Mapping[str, Any], *, mapping: str | None = None, config: Mapping[str, Any] | None = None
+) -> dict[str, LoadSpec]:
+    """Every tensor's LoadSpec, with the HF keys it holds through `mapping` (the plan dcp-to-hf and save_hf
+    use) and the dim they are fused on: e.g. a stacked [experts, ...] tensor holds one HF key per expert on
+    dim 0, a fused gate/up tensor two keys on dim 0, a plain tensor its own (prefix-stripped) key."""
+    tensors = {".".join(p): v for p, v in flatten(state_dict) if isinstance(v, torch.Tensor)}
+    paths: dict[str, tuple[str | int, ...]] = {
+        ".".join(p): p for p, v in flatten(state_dict) if isinstance(v, torch.Tensor)
+    }
+    specs = {k: LoadSpec.from_tensor(k, t) for k, t in tensors.items()}
+    shapes = {k: TensorSpec(k, s.dtype, s.shape) for k, s in specs.items()}
+    ckpt = DcpCheckpoint(Path("<state dict>"), shapes, {}, dict(paths))
+    mapped = load_mapping(mapping) if mapping else None
+    _, outs, _ = mapped_tensors(ckpt, DtypePolicy(None), mapping=mapped, config=dict(config or {}))
+    held: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    for t in outs:
+        for sp in t.parts:
+            held.setdefault(sp.spec.fqn, []).append((sp.part.src_offsets, t.hf_key))
+    out = {}
+    for fqn, spec in specs.items():
+        keys = sorted(held.get(fqn, []))
+        dims = {d for (a, _), (b, _) in itertools.pairwise(keys) for d in range(len(a)) if a[d] != b[d]}
+        fused = min(dims) if dims else None
+        out[fqn] = replace(spec, hf_keys=tuple(dict.fromkeys(k for _, k in keys)), fused_dim=fused)
+    return out
 
 
 def local_data(tensor: torch.Tensor) -> torch.Tensor:

@@ -243,3 +243,22 @@ def test_load_hf_reads_only_a_ranks_block_on_any_shard_dims(tmp_path: Path) -> N
             if exact:
                 assert reader.bytes_read == got.numel() * got.element_size(), (key, offsets, sizes)
             reader.close()
+
+
+def test_load_specs_name_the_hf_keys_and_fused_dim_through_a_mapping(tmp_path: Path) -> None:
+    """torchtitan-qwen3 runtime names: stacked experts hold one HF key per expert on dim 0, a renamed
+    tensor its one key; the runtime state dict nested under "model" like a training checkpoint."""
+    from test_presets import runtime_spec, tiny_qwen3
+
+    hf_dir = tiny_qwen3(tmp_path / "ref", moe=True, tied=False)
+    spec = runtime_spec("torchtitan-qwen3", hf_dir)
+    sd = {"model": {k: torch.zeros(shape) for k, (shape, _, _) in spec.items()}, "step": 3}
+    config = json.loads((hf_dir / "config.json").read_text())
+    specs = lib.load_specs(sd, mapping="torchtitan-qwen3", config=config)
+    experts = specs["model.layers.1.moe.routed_experts.inner_experts.w1_EFD"]
+    assert experts.fused_dim == 0 and experts.shape[0] == 4
+    assert experts.hf_keys == tuple(f"model.layers.1.mlp.experts.{e}.gate_proj.weight" for e in range(4))
+    assert experts.offsets == (0, 0, 0) and experts.sizes == experts.shape and experts.steps == ()
+    q = specs["model.layers.0.attention.qkv_linear.wq.weight"]
+    assert q.hf_keys == ("model.layers.0.self_attn.q_proj.weight",) and q.fused_dim is None
+    assert set(specs) == {f"model.{k}" for k in spec}

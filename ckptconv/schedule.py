@@ -119,6 +119,10 @@ class Job:
     start: tuple[Box | None, ...]  # each rank's part of `box` before the first step
     steps: tuple[JobStep, ...]
     account: Hashable = "all"  # whose memory the gathered block lands in (a budget per account)
+    readers: tuple[int, ...] | None = None  # the ranks that need the result (None: every rank)
+
+    def receives(self, rank: int) -> bool:
+        return self.readers is None or rank in self.readers
 
     @property
     def nbytes(self) -> int:

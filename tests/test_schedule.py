@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -113,44 +114,60 @@ class RecordingCollective:
         self.calls: list[tuple[int, Hashable, tuple[int, ...], int]] = []
         self._cv = threading.Condition()
         self._seq: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._inputs: dict[tuple[tuple[int, ...], int], dict[int, torch.Tensor]] = {}
+        self._inputs: dict[tuple[tuple[int, ...], int], dict[int, list[torch.Tensor]]] = {}
 
     def for_rank(self, rank: int) -> Any:
         outer = self
 
         class Bound:
             def all_gather(
-                self, out: torch.Tensor, inp: torch.Tensor, key: Hashable, group: tuple[int, ...]
+                self,
+                outs: list[torch.Tensor],
+                inps: list[torch.Tensor],
+                key: Hashable,
+                group: tuple[int, ...],
+                receivers: list[tuple[int, ...] | None],
             ) -> None:
-                outer._gather(rank, out, inp, key, group)
+                outer._gather(rank, outs, inps, key, group, receivers)
 
         return Bound()
 
     def _gather(
-        self, rank: int, out: torch.Tensor, inp: torch.Tensor, key: Hashable, group: tuple[int, ...]
+        self,
+        rank: int,
+        outs: list[torch.Tensor],
+        inps: list[torch.Tensor],
+        key: Hashable,
+        group: tuple[int, ...],
+        receivers: list[tuple[int, ...] | None],
     ) -> None:
         with self._cv:
-            self.calls.append((rank, key, group, inp.numel()))
+            self.calls.append((rank, key, group, sum(i.numel() for i in inps)))
             n = self._seq.get((rank, group), 0)
             self._seq[(rank, group)] = n + 1
             slot = self._inputs.setdefault((group, n), {})
-            slot[rank] = inp.clone()
+            slot[rank] = [i.clone() for i in inps]
             self._cv.notify_all()
             assert self._cv.wait_for(lambda: len(slot) == len(group), timeout=30), "a member never came"
-            sizes = {t.numel() for t in slot.values()}
-            assert len(sizes) == 1, f"all-gather with unequal inputs {sizes}"
-            out.copy_(torch.cat([slot[m] for m in group]))
+            for k, out in enumerate(outs):
+                sizes = {slot[m][k].numel() for m in group}
+                assert len(sizes) == 1, f"all-gather with unequal inputs {sizes}"
+                who = receivers[k]
+                if who is not None and rank not in who:
+                    assert out.numel() == 0, "a rank that does not read a job allocated its result"
+                    continue
+                out.copy_(torch.cat([slot[m][k] for m in group]))
 
 
 def simulate(
     holdings: dict[str, Holding], jobs: Sequence[Job], budget: int, full: dict[str, torch.Tensor]
-) -> tuple[RecordingCollective, list[Any], list[dict[int, torch.Tensor]]]:
+) -> tuple[RecordingCollective, list[Any], list[dict[int, Any]]]:
     """Run every simulated rank's executor in a thread; return the recorder, the rounds and each rank's
     results (job index -> block)."""
     world = len(next(iter(holdings.values())).blocks)
     rounds = plan_rounds(jobs, budget)
     recorder = RecordingCollective()
-    results: list[dict[int, torch.Tensor]] = [{} for _ in range(world)]
+    results: list[dict[int, Any]] = [{} for _ in range(world)]
     errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
@@ -238,6 +255,13 @@ def test_budget_counts_gathered_bytes_not_local_shards() -> None:
     full = {k: _full(h.shape, h.dtype, i) for i, (k, h) in enumerate(holdings.items())}
     recorder, _, results = simulate(holdings, jobs, budget, full)
     assert all(torch.equal(results[3][j], full[f"w{j}"]) for j in range(8))
+    # with readers (the ranks writing the files that read a tensor), only they receive it
+    jobs = [replace(job, readers=(j % 4,)) for j, job in enumerate(jobs)]
+    _, _, results = simulate(holdings, jobs, budget, full)
+    for rank in range(4):
+        for j in range(8):
+            assert (results[rank][j] is None) != (rank == j % 4)
+            assert rank != j % 4 or torch.equal(results[rank][j], full[f"w{j}"])
     assert {n for _, _, _, n in recorder.calls} == {2 * 16 * 64}  # two 16-row shards per call
 
 

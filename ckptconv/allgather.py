@@ -2,11 +2,12 @@
 
 Call order (every rank, same arguments but its own tensors): `describe` each tensor, exchange the
 descriptions (`World.all_gather_object`), `holdings` -> `live_jobs` (pure) -> `plan_rounds` (pure, shared with
-the stored-chunk gather path) -> `run_rounds`, consumed to the end. In each round every rank runs one
-all-gather per (process group, dtype) batch it belongs to, in the same order: the pieces of every job in the
-batch are flattened into one buffer (each padded to the largest piece of the group, since uneven shards are
-legal), gathered, and cut back into pieces that are concatenated on the step's dim. Tensors stay on their
-device (gloo on CPU, nccl on CUDA: the same code); finished blocks are moved to the CPU for writing.
+the stored-chunk gather path) -> `run_rounds` -> `emit`, consumed to the end. In each round every rank runs
+one foreach all-gather per (process group, dtype) batch, in the same order: every job's piece (padded to the
+largest piece of its group, since uneven shards are legal) is gathered and the pieces are laid end to end on
+the step's dim (in place when that is dim 0). A job's last step goes only to its readers, the ranks writing
+files that read it (`TorchCollective` skips the others on CPU). Tensors stay on their device (gloo on CPU,
+nccl on CUDA: the same code); finished blocks are moved to the CPU for writing.
 """
 
 from __future__ import annotations

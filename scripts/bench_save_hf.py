@@ -68,24 +68,28 @@ def worker(method: str, out: Path, gb: float) -> None:
                 full[key] = whole.to(torch.bfloat16)
             del whole
         if rank == 0:
+            out.mkdir(parents=True)
             save_torch_state_dict(full, out)
     dist.barrier()
     seconds = time.perf_counter() - start
     extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20
-    print(json.dumps({"rank": rank, "seconds": seconds, "extra_rss_gib": extra}), flush=True)
+    doc = {"rank": rank, "seconds": seconds, "extra_rss_gib": extra}
+    out.with_name(f"{out.name}.rank{rank}.json").write_text(json.dumps(doc))
     os._exit(0)
 
 
 def run(method: str, out: Path, gb: float, nproc: int) -> list[dict[str, float]]:
     shutil.rmtree(out, ignore_errors=True)
+    for stale in out.parent.glob(f"{out.name}.rank*.json"):
+        stale.unlink()
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     argv += [__file__, "--worker", method, str(out), str(gb)]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=False)
     if proc.returncode:
         sys.exit(f"{method} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
+    rows = [json.loads(out.with_name(f"{out.name}.rank{r}.json").read_text()) for r in range(nproc)]
     subprocess.run(["sync"], check=False)
-    return sorted(rows, key=lambda r: r["rank"])
+    return rows
 
 
 def same_output(a: Path, b: Path) -> bool:

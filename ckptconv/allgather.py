@@ -24,6 +24,7 @@ from .layout import Box, intersect
 from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
 from .schedule import Holding, Job, Placement, Round, ShardStep, plan_job, shard_steps, slabs
 from .specs import ChunkSpec, TensorSpec
+from .unshard import assemble, narrow
 
 Item = tuple[OutFile, OutTensor, torch.Tensor]
 
@@ -133,21 +134,19 @@ def live_jobs(
     them; that order (the writers' streams interleaved tensor by tensor, so every writer is busy), with the
     plan's tensors re-pointed at the jobs' blocks (each job block is a "chunk" to `unshard.assemble`); and the
     jobs each of those tensors reads."""
-    ranges: dict[str, list[tuple[int, int]]] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}  # the dim-0 rows each part reads, per source tensor
     for f in plan.files:
         for t in f.tensors:
             for sp in t.parts:
+                rows = ranges.setdefault(sp.spec.fqn, [])
                 if sp.part.src_sizes:
-                    lo = sp.part.src_offsets[0]
-                    ranges.setdefault(sp.spec.fqn, []).append((lo, lo + sp.part.src_sizes[0]))
+                    rows.append((sp.part.src_offsets[0], sp.part.src_offsets[0] + sp.part.src_sizes[0]))
     specs: dict[str, TensorSpec] = {}
-    for f in plan.files:
-        for t in f.tensors:
-            for sp in t.parts:
-                h = holding[sp.spec.fqn]
-                boxes = slabs(h.shape, h.dtype.itemsize, ranges.get(h.fqn, []), budget)
-                chunks = tuple(ChunkSpec(o, s, "", 0, 0, "torch_save") for o, s in boxes)
-                specs.setdefault(h.fqn, TensorSpec(h.fqn, h.dtype, h.shape, chunks))
+    for fqn, rows in ranges.items():
+        h = holding[fqn]
+        boxes = slabs(h.shape, h.dtype.itemsize, rows, budget)
+        chunks = tuple(ChunkSpec(o, s, "", 0, 0, "torch_save") for o, s in boxes)
+        specs[fqn] = TensorSpec(fqn, h.dtype, h.shape, chunks)
     streams = [
         [(f, _repoint(t, specs)) for f in plan.files_of(r) for t in f.tensors] for r in range(plan.world_size)
     ]
@@ -184,12 +183,6 @@ def _touched(sp: SourcePart) -> list[ChunkSpec]:
     return [c for c in sp.spec.chunks if not c.sizes or intersect((c.offsets, c.sizes), box) is not None]
 
 
-def _narrow(t: torch.Tensor, base: Sequence[int], box: Box) -> torch.Tensor:
-    for dim, (o, s) in enumerate(zip(*box, strict=True)):
-        t = t.narrow(dim, o - base[dim], s)
-    return t
-
-
 def run_rounds(
     jobs: Sequence[Job],
     rounds: Sequence[Round],
@@ -206,7 +199,11 @@ def run_rounds(
     for r in rounds:
         for j in r.started:
             job, mine = jobs[j], jobs[j].start[rank]
-            held[j] = None if mine is None else _narrow(local(job.fqn).detach(), job.origin[rank], mine)
+            if mine is None:
+                held[j] = None
+            else:
+                relative = [o - b for o, b in zip(mine[0], job.origin[rank], strict=True)]
+                held[j] = narrow(local(job.fqn).detach(), relative, mine[1])
         for batch in r.batches:
             device = local(jobs[batch.items[0][0]].fqn).device
             _run_batch(jobs, batch.items, batch.key, rank, held, collective, device)
@@ -329,8 +326,6 @@ def emit(
 ) -> Iterator[Item]:
     """This rank's output tensors in file order, each assembled as soon as the jobs it reads are done; a
     gathered block is dropped once the last of this rank's tensors reading it is out (at once if none)."""
-    from .unshard import assemble
-
     mine = [i for i, (f, _) in enumerate(order) if f.owner == rank]
     last_use: dict[int, int] = {}
     for n, i in enumerate(mine):

@@ -66,11 +66,9 @@ def load_specs(
     """Every tensor's LoadSpec, with the HF keys it holds through `mapping` (the plan dcp-to-hf and save_hf
     use) and the dim they are fused on: e.g. a stacked [experts, ...] tensor holds one HF key per expert on
     dim 0, a fused gate/up tensor two keys on dim 0, a plain tensor its own (prefix-stripped) key."""
-    tensors = {".".join(p): v for p, v in flatten(state_dict) if isinstance(v, torch.Tensor)}
-    paths: dict[str, tuple[str | int, ...]] = {
-        ".".join(p): p for p, v in flatten(state_dict) if isinstance(v, torch.Tensor)
-    }
-    specs = {k: LoadSpec.from_tensor(k, t) for k, t in tensors.items()}
+    leaves = [(p, v) for p, v in flatten(state_dict) if isinstance(v, torch.Tensor)]
+    paths: dict[str, tuple[str | int, ...]] = {".".join(p): p for p, _ in leaves}
+    specs = {".".join(p): LoadSpec.from_tensor(".".join(p), v) for p, v in leaves}
     shapes = {k: TensorSpec(k, s.dtype, s.shape) for k, s in specs.items()}
     ckpt = DcpCheckpoint(Path("<state dict>"), shapes, {}, dict(paths))
     mapped = load_mapping(mapping) if mapping else None

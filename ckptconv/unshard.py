@@ -38,7 +38,8 @@ Item = tuple[OutFile, OutTensor, torch.Tensor]
 RowsFn = Callable[[TensorSpec, ChunkSpec, int, int], torch.Tensor]  # rows [r0, r1) of a stored chunk
 
 
-def _narrow(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+def narrow(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The block of `t` at `offsets` (relative to `t`) of `sizes`, as a view."""
     for dim, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
         t = t.narrow(dim, offset, size)
     return t
@@ -85,8 +86,8 @@ def _read_block(sp: SourcePart, rows: RowsFn) -> torch.Tensor:
         r0 = inter[0][0] - chunk.offsets[0]
         piece = rows(spec, chunk, r0, r0 + inter[1][0])
         rel = [0, *(o - c for o, c in zip(inter[0][1:], chunk.offsets[1:], strict=True))]
-        piece = _narrow(piece, rel, inter[1])
-        _narrow(block, [o - b for o, b in zip(inter[0], p.src_offsets, strict=True)], inter[1]).copy_(piece)
+        piece = narrow(piece, rel, inter[1])
+        narrow(block, [o - b for o, b in zip(inter[0], p.src_offsets, strict=True)], inter[1]).copy_(piece)
     return block
 
 
@@ -96,7 +97,7 @@ def _place(out: torch.Tensor, sp: SourcePart, block: torch.Tensor) -> None:
     values = block.reshape(p.dst_sizes)
     if p.perm is not None:
         values = values[list(p.perm)]
-    _narrow(out, p.dst_offsets, p.dst_sizes).copy_(values)
+    narrow(out, p.dst_offsets, p.dst_sizes).copy_(values)
 
 
 def direct_rows(reader: DcpReader) -> RowsFn:
@@ -122,7 +123,7 @@ def _fill_whole(reader: DcpReader, spec: TensorSpec, out: torch.Tensor) -> None:
     """Every chunk of `spec` into its block of `out`: read straight into place when no cast is needed,
     otherwise a slab of rows at a time through a small staging buffer (never a second full-size copy)."""
     for chunk in _unique_chunks(spec):
-        region = _narrow(out, chunk.offsets, chunk.sizes)
+        region = narrow(out, chunk.offsets, chunk.sizes)
         where = reader.locate(spec, chunk)
         if where is None:
             region.copy_(reader.torch_load_chunk(spec, chunk))

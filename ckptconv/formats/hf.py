@@ -300,14 +300,14 @@ class RowReader:
         k = max((d for d in range(len(sizes)) if sizes[d] != t.shape[d]), default=0)
         if k == 0:
             return self.rows(t, offsets[0], offsets[0] + sizes[0]) if sizes else self.rows(t, 0, 1)
-        out = torch.empty(tuple(sizes), dtype=t.dtype)
         stride = [math.prod(t.shape[d + 1 :]) for d in range(len(sizes))]
         run = sizes[k] * stride[k] * t.dtype.itemsize
-        if run < self.MIN_RUN_BYTES or not out.numel():
+        if run < self.MIN_RUN_BYTES or not math.prod(sizes):
             rows = self.rows(t, offsets[0], offsets[0] + sizes[0])
             for d in range(1, len(sizes)):
                 rows = rows.narrow(d, offsets[d], sizes[d])
-            return out.copy_(rows)
+            return rows  # a view of the rows: the caller copies it into place
+        out = torch.empty(tuple(sizes), dtype=t.dtype)
         view = byte_view(out)
         runs = itertools.product(*(range(o, o + s) for o, s in zip(offsets[:k], sizes[:k], strict=True)))
         for i, index in enumerate(runs):

@@ -12,10 +12,17 @@ hf_storage_writer (under torchrun): every rank `dcp.load`s its `Shard(0)` rows o
               into OUT/*.safetensors.
 load_file_dcp_save (hf-to-dcp): `safetensors.torch.load_file` of every shard of the HF directory SRC into one
               state dict, then `dcp.save(sd, checkpoint_id=OUT, no_dist=True)`.
+
+MoE-shaped checkpoints (torchtitan's stacked experts, `..._EFD` / `..._EDF` [E, ...]): format_utils and
+dcp_load write one tensor per expert, as the HF layout has it (`w[e]` cast to bf16; the keys keep their stored
+names plus `.{e}`, renaming costs nothing); load_file_dcp_save stacks the per-expert tensors
+(`...mlp.experts.{e}.gate_proj.weight`) back into [E, ...] tensors with `torch.stack`. hf_storage_writer
+writes the experts stacked, as loaded: less work than the real conversion, which favours the baseline.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -25,10 +32,38 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 GROUP = "model."
+STACKED = ("_EFD", "_EDF")  # torchtitan's stacked routed experts
+PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")  # HF: one tensor per expert
 
 
 def to_bf16(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def split_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked experts [E, ...] -> one view per expert (the cast after this makes each one a tensor)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if k.endswith(STACKED):
+            out.update((f"{k}.{e}", v[e]) for e in range(v.shape[0]))
+        else:
+            out[k] = v
+    return out
+
+
+def stack_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF per-expert tensors -> torchtitan-like stacked [E, ...] tensors (in expert order)."""
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        m = PER_EXPERT.match(k)
+        if m:
+            groups.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = v
+        else:
+            out[k] = v
+    for k, experts in groups.items():
+        out[k] = torch.stack([experts[e] for e in sorted(experts)])
+    return out
 
 
 def format_utils(ckpt: Path, out: Path) -> None:
@@ -38,7 +73,7 @@ def format_utils(ckpt: Path, out: Path) -> None:
     tmp = out / "tmp.pt"
     dcp_to_torch_save(ckpt, tmp)
     full = torch.load(tmp, weights_only=True)
-    model = to_bf16({k: v for k, v in full["model"].items() if isinstance(v, torch.Tensor)})
+    model = to_bf16(split_experts({k: v for k, v in full["model"].items() if isinstance(v, torch.Tensor)}))
     del full
     save_file(model, out / "model.safetensors", metadata={"format": "pt"})
     tmp.unlink()
@@ -53,7 +88,7 @@ def dcp_load(ckpt: Path, out: Path) -> None:
         if key.startswith(GROUP) and isinstance(md, TensorStorageMetadata):
             sd[key] = torch.empty(md.size, dtype=md.properties.dtype)
     dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
-    model = to_bf16({k.removeprefix(GROUP): v for k, v in sd.items()})
+    model = to_bf16(split_experts({k.removeprefix(GROUP): v for k, v in sd.items()}))
     del sd
     save_torch_state_dict(model, out)
 
@@ -104,6 +139,7 @@ def load_file_dcp_save(hf_dir: Path, out: Path) -> None:
     sd: dict[str, torch.Tensor] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         sd.update(load_file(shard))
+    sd = stack_experts(sd)
     dcp.save(sd, checkpoint_id=out, no_dist=True)
 
 

@@ -1,6 +1,10 @@
 """Benchmark `ckptconv dcp-to-hf` and `hf-to-dcp` against `cp -r` and plain PyTorch recipes.
 
-What it measures, per checkpoint size (default ~1 GB and ~4 GB of fp32 weights):
+What it measures, per checkpoint size (default ~1 GB and ~4 GB of fp32 weights) and shape (`--shapes`,
+default both): `dense`, a Llama/Qwen-like decoder under HF names, and `moe`, a torchtitan Qwen3-MoE-like
+decoder (32 routed experts per layer stacked as [E, F, D] tensors under torchtitan's names) that ckptconv
+converts with `--mapping torchtitan-qwen3` (one HF tensor per expert) and the baselines by splitting the
+stacked tensors themselves (see scripts/_bench_baseline.py):
 
   cp -r                    copying the checkpoint directory: the I/O floor
   import torch             `python -c "import torch"`: interpreter + torch start-up, paid by any Python method
@@ -44,8 +48,8 @@ called between runs, outside the timed region, so no run pays for an earlier run
 fsynced inside a run beyond what each tool does itself.
 
 usage (from the repository root):
-  .venv/bin/python scripts/bench.py                     # sizes 1,4 GB, 3 runs each: about 10 minutes
-  .venv/bin/python scripts/bench.py --quick             # 0.25 GB, 1 run: a smoke test
+  .venv/bin/python scripts/bench.py                     # 1 and 4 GB, dense and moe, 3 runs: ~25 minutes
+  .venv/bin/python scripts/bench.py --quick             # 0.25 GB, dense and moe, 1 run: a smoke test
   .venv/bin/python scripts/bench.py --sizes 2 --runs 5 --workdir /tmp/bench
 Writes WORKDIR/bench.md (the table in markdown) and WORKDIR/bench.json (every raw number); logs of the last
 run of each command are in WORKDIR/logs. Progress goes to stderr, the table to stdout.
@@ -111,8 +115,12 @@ def two_nodes(*args: str) -> list[str]:
     return ["bash", "-c", both]
 
 
-def ckptconv_args(ckpt: Path, out: Path) -> list[str]:
-    return ["dcp-to-hf", str(ckpt), str(out), "--dtype", "bf16", "--quiet", "--overwrite"]
+def ckptconv_args(ckpt: Path, out: Path, flags: Flags) -> list[str]:
+    return ["dcp-to-hf", str(ckpt), str(out), "--dtype", "bf16", "--quiet", "--overwrite", *flags]
+
+
+Flags = tuple[str, ...]  # what ckptconv needs to know about a checkpoint shape (the key mapping)
+SHAPES: dict[str, Flags] = {"dense": (), "moe": ("--mapping", "torchtitan-qwen3")}
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ class Method:
     label: str
     ranks: int
     kind: Kind
-    argv: Callable[[Path, Path], list[str]]  # (input checkpoint, output dir) -> command line
+    argv: Callable[[Path, Path, Flags], list[str]]  # (input, output dir, ckptconv's flags) -> command line
 
     @property
     def startup_key(self) -> str:
@@ -130,89 +138,89 @@ class Method:
 
 
 METHODS: tuple[Method, ...] = (
-    Method("cp", "cp -r", 1, "io", lambda c, o: ["cp", "-r", str(c), str(o)]),
-    Method("import_torch", "import torch", 1, "startup", lambda c, o: [PY, "-c", "import torch"]),
+    Method("cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
+    Method("import_torch", "import torch", 1, "startup", lambda c, o, f: [PY, "-c", "import torch"]),
     Method(
         "torchrun_import",
         "torchrun import torch",
         NPROC,
         "startup",
-        lambda c, o: torchrun("--no-python", PY, "-c", "import torch"),
+        lambda c, o, f: torchrun("--no-python", PY, "-c", "import torch"),
     ),
     Method(
         "ckptconv_1",
         "ckptconv 1 rank",
         1,
         "convert",
-        lambda c, o: [PY, "-m", "ckptconv", *ckptconv_args(c, o)],
+        lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f)],
     ),
     Method(
         "ckptconv_2_direct",
         f"ckptconv {NPROC}r direct",
         NPROC,
         "convert",
-        lambda c, o: torchrun("-m", "ckptconv", *ckptconv_args(c, o), "--read", "direct"),
+        lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "direct"),
     ),
     Method(
         "ckptconv_2_nodes",
         "ckptconv 2 nodes x 1",
         NPROC,
         "convert",
-        lambda c, o: two_nodes("-m", "ckptconv", *ckptconv_args(c, o)),
+        lambda c, o, f: two_nodes("-m", "ckptconv", *ckptconv_args(c, o, f)),
     ),
     Method(
         "ckptconv_2_gather",
         f"ckptconv {NPROC}r gather",
         NPROC,
         "convert",
-        lambda c, o: torchrun("-m", "ckptconv", *ckptconv_args(c, o), "--read", "gather"),
+        lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather"),
     ),
     Method(
         "format_utils",
         "format_utils+save_file",
         1,
         "convert",
-        lambda c, o: [PY, str(SCRIPTS / "_bench_baseline.py"), "format_utils", str(c), str(o)],
+        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "format_utils", str(c), str(o)],
     ),
     Method(
         "hf_writer",
         f"torch HF writer {NPROC}r",
         NPROC,
         "convert",
-        lambda c, o: torchrun(str(SCRIPTS / "_bench_baseline.py"), "hf_storage_writer", str(c), str(o)),
+        lambda c, o, f: torchrun(str(SCRIPTS / "_bench_baseline.py"), "hf_storage_writer", str(c), str(o)),
     ),
     Method(
         "dcp_load",
         "dcp.load+save_torch_sd",
         1,
         "convert",
-        lambda c, o: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load", str(c), str(o)],
+        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load", str(c), str(o)],
     ),
 )
 STARTUP = tuple(m for m in METHODS if m.kind == "startup")
 HF_TO_DCP_METHODS: tuple[Method, ...] = (
-    Method("h_cp", "cp -r", 1, "io", lambda c, o: ["cp", "-r", str(c), str(o)]),
+    Method("h_cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
     *STARTUP,
     Method(
         "h_ckptconv_1",
         "ckptconv 1 rank",
         1,
         "convert",
-        lambda c, o: [PY, "-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite"],
+        lambda c, o, f: [PY, "-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite", *f],
     ),
     Method(
         "h_ckptconv_2",
         f"ckptconv {NPROC}r",
         NPROC,
         "convert",
-        lambda c, o: torchrun("-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite"),
+        lambda c, o, f: torchrun("-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite", *f),
     ),
     Method(
         "h_load_save",
         "load_file+dcp.save",
         1,
         "convert",
-        lambda c, o: [PY, str(SCRIPTS / "_bench_baseline.py"), "load_file_dcp_save", str(c), str(o)],
+        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "load_file_dcp_save", str(c), str(o)],
     ),
 )
 DIRECTIONS: dict[str, tuple[Method, ...]] = {"dcp-to-hf": METHODS, "hf-to-dcp": HF_TO_DCP_METHODS}
@@ -230,6 +238,15 @@ def log(msg: str) -> None:
 
 def size_label(size_gb: float) -> str:
     return f"{size_gb:g}GB"
+
+
+def case_label(size_gb: float, shape: str) -> str:
+    return f"{size_label(size_gb)} {shape}"
+
+
+def stem(size_gb: float, shape: str) -> str:
+    """File name part of a checkpoint: `4GB` (dense, as before shapes existed), `moe-4GB`."""
+    return size_label(size_gb) if shape == "dense" else f"{shape}-{size_label(size_gb)}"
 
 
 def dir_bytes(path: Path) -> int:
@@ -334,26 +351,26 @@ def run_measured(argv: Sequence[str], logfile: Path, env: dict[str, str]) -> Sam
 # Checkpoints
 
 
-def ensure_checkpoint(workdir: Path, size_gb: float, env: dict[str, str]) -> Path:
-    ckpt = workdir / f"dcp-{size_label(size_gb)}"
+def ensure_checkpoint(workdir: Path, size_gb: float, shape: str, env: dict[str, str]) -> Path:
+    ckpt = workdir / f"dcp-{stem(size_gb, shape)}"
     if (ckpt / ".metadata").is_file():
         log(f"reusing {ckpt} ({dir_bytes(ckpt) / 1e9:.2f} GB)")
         return ckpt
     remove(ckpt)
     log(f"generating {ckpt} with FSDP2 on {NPROC} ranks ...")
-    argv = torchrun(str(SCRIPTS / "_bench_make_dcp.py"), str(ckpt), str(size_gb))
-    sample = run_measured(argv, workdir / "logs" / f"make-{size_label(size_gb)}.log", env)
+    argv = torchrun(str(SCRIPTS / "_bench_make_dcp.py"), str(ckpt), str(size_gb), shape)
+    sample = run_measured(argv, workdir / "logs" / f"make-{stem(size_gb, shape)}.log", env)
     log(f"generated {ckpt}: {dir_bytes(ckpt) / 1e9:.2f} GB in {sample.seconds:.1f}s")
     return ckpt
 
 
-def ensure_hf(workdir: Path, size_gb: float, env: dict[str, str]) -> Path:
+def ensure_hf(workdir: Path, size_gb: float, shape: str, env: dict[str, str]) -> Path:
     """An fp32 HF safetensors directory (shards and an index) made from the DCP checkpoint by ckptconv."""
-    hf = workdir / f"hf-{size_label(size_gb)}"
+    hf = workdir / f"hf-{stem(size_gb, shape)}"
     if (hf / "model.safetensors.index.json").is_file() or (hf / "model.safetensors").is_file():
         log(f"reusing {hf} ({dir_bytes(hf) / 1e9:.2f} GB in {len(safetensors_files(hf))} file(s))")
         return hf  # complete: it only gets this name by the rename below
-    ckpt = ensure_checkpoint(workdir, size_gb, env)
+    ckpt = ensure_checkpoint(workdir, size_gb, shape, env)
     tmp = hf.with_name(hf.name + ".partial")
     log(f"generating {hf} from {ckpt} with ckptconv dcp-to-hf --dtype keep --max-shard-size 2GB ...")
     remove(tmp)
@@ -369,11 +386,12 @@ def ensure_hf(workdir: Path, size_gb: float, env: dict[str, str]) -> Path:
         "--max-shard-size",
         "2GB",
         "--quiet",
+        *SHAPES[shape],
     ]
-    sample = run_measured(argv, workdir / "logs" / f"make-hf-{size_label(size_gb)}.log", env)
-    shape = ckpt.with_name(ckpt.name + ".shape.json")
-    if shape.is_file():
-        shutil.copy(shape, hf.with_name(hf.name + ".shape.json"))
+    sample = run_measured(argv, workdir / "logs" / f"make-hf-{stem(size_gb, shape)}.log", env)
+    shape_json = ckpt.with_name(ckpt.name + ".shape.json")
+    if shape_json.is_file():
+        shutil.copy(shape_json, hf.with_name(hf.name + ".shape.json"))
     tmp.rename(hf)
     log(
         f"generated {hf}: {dir_bytes(hf) / 1e9:.2f} GB in {len(safetensors_files(hf))} file(s), "
@@ -405,7 +423,8 @@ def describe_shape(shape: dict[str, Any]) -> str:
         return (
             f"hidden {shape['hidden']}, ffn {shape['ffn']}, vocab {shape['vocab']}, "
             f"{shape['layers']} layers, {shape['heads']} heads / {shape['kv_heads']} kv heads, "
-            f"{shape['params'] / 1e6:.1f}M fp32 params"
+            + (f"{shape['experts']} experts of ffn {shape['ffn']} stacked, " if shape.get("experts") else "")
+            + f"{shape['params'] / 1e6:.1f}M fp32 params"
         )
     except KeyError:
         return "shape unknown"
@@ -418,6 +437,7 @@ def describe_shape(shape: dict[str, Any]) -> str:
 @dataclass
 class Result:
     size_gb: float
+    shape: str
     method: str
     samples: list[Sample] = field(default_factory=list)
     error: str | None = None
@@ -447,6 +467,11 @@ class SizeReport:
     shape: dict[str, Any]
     results: dict[str, Result]
     direction: str = "dcp-to-hf"
+    kind: str = "dense"  # the --shapes entry
+
+    @property
+    def label(self) -> str:
+        return case_label(self.size_gb, self.kind)
 
     @property
     def methods(self) -> tuple[Method, ...]:
@@ -496,7 +521,7 @@ def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
     for rep in reports:
         for m in rep.methods:
             r = rep.results[m.key]
-            head = [size_label(rep.size_gb), m.label, str(m.ranks)]
+            head = [rep.label, m.label, str(m.ranks)]
             if not r.ok:
                 rows.append([*head, "FAILED", *["-"] * (len(COLUMNS) - len(head) - 1)])
                 continue
@@ -549,7 +574,7 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
     """The summary lines of one direction's reports (one report per size, in --sizes order)."""
     lines = []
     for rep in reports:
-        size = size_label(rep.size_gb)
+        size = rep.label
         if rep.direction == "hf-to-dcp":
             t1, t2 = rep.seconds("h_ckptconv_1"), rep.seconds("h_ckptconv_2")
             base = rep.seconds("h_load_save")
@@ -572,13 +597,16 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
             keys = ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")
         parts = [f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}" for k in keys]
         lines.append(f"{rep.direction} @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
-    if len(reports) > 1:
-        first, last = reports[0], reports[-1]
+    for kind in dict.fromkeys(r.kind for r in reports):
+        same = [r for r in reports if r.kind == kind]
+        if len(same) < 2:
+            continue
+        first, last = same[0], same[-1]
         for key in RSS_KEYS[first.direction]:
             a, b = first.results[key], last.results[key]
             if a.ok and b.ok:
                 lines.append(
-                    f"{first.direction} peak RSS per rank {size_label(first.size_gb)} vs "
+                    f"{first.direction} {kind} peak RSS per rank {size_label(first.size_gb)} vs "
                     f"{size_label(last.size_gb)} "
                     f"({BY_KEY[key].label}): {a.rss_rank / GIB:.2f} GiB vs {b.rss_rank / GIB:.2f} GiB"
                 )
@@ -628,7 +656,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke test: --sizes 0.25 --runs 1 unless given")
     p.add_argument("--workdir", type=Path, default=ROOT / "bench-out", help="checkpoints, outputs, reports")
     p.add_argument("--direction", choices=("both", *DIRECTIONS), default="both", help="which conversion(s)")
+    p.add_argument("--shapes", default="dense,moe", help="comma-separated: dense, moe (default both)")
     args = p.parse_args(argv)
+    args.shapes = [k.strip() for k in args.shapes.split(",") if k.strip()]
+    if not args.shapes or any(k not in SHAPES for k in args.shapes):
+        p.error(f"--shapes takes a comma-separated list of {', '.join(SHAPES)}")
     args.directions = list(DIRECTIONS) if args.direction == "both" else [args.direction]
     args.sizes = [float(s) for s in (args.sizes or ("0.25" if args.quick else "1,4")).split(",") if s.strip()]
     args.runs = args.runs or (1 if args.quick else 3)
@@ -649,13 +681,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     reports: list[SizeReport] = []
     for direction in args.directions:
-        for size_gb in args.sizes:
+        for kind, size_gb in [(k, s) for k in args.shapes for s in args.sizes]:
             make = ensure_checkpoint if direction == "dcp-to-hf" else ensure_hf
-            ckpt = make(workdir, size_gb, env)
+            ckpt = make(workdir, size_gb, kind, env)
             nbytes = dir_bytes(ckpt)
             methods = DIRECTIONS[direction]
-            results = {m.key: Result(size_gb, m.key) for m in methods}
-            rep = SizeReport(size_gb, ckpt, nbytes, checkpoint_shape(ckpt), results, direction)
+            results = {m.key: Result(size_gb, kind, m.key) for m in methods}
+            rep = SizeReport(size_gb, ckpt, nbytes, checkpoint_shape(ckpt), results, direction, kind)
             for run in range(1, args.runs + 1):
                 for m in methods:
                     r = rep.results[m.key]
@@ -665,10 +697,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     remove(dest)
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     os.sync()
-                    tag = f"{direction} {size_label(size_gb)}"
+                    tag = f"{direction} {rep.label}"
                     try:
                         s = run_measured(
-                            m.argv(ckpt, dest), logs / f"{direction}-{size_label(size_gb)}-{m.key}.log", env
+                            m.argv(ckpt, dest, SHAPES[kind]),
+                            logs / f"{direction}-{stem(size_gb, kind)}-{m.key}.log",
+                            env,
                         )
                     except CommandFailed as e:
                         r.error = str(e)
@@ -690,14 +724,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     title = (
-        f"ckptconv benchmark: {args.runs} run(s) per method, sizes {', '.join(map(size_label, args.sizes))}"
+        f"ckptconv benchmark: {args.runs} run(s) per method, sizes {', '.join(map(size_label, args.sizes))}, "
+        f"shapes {', '.join(args.shapes)}"
     )
     sections = []  # (direction, section title, table rows, headlines)
     for direction in args.directions:
         mine = [r for r in reports if r.direction == direction]
         sections.append((direction, SECTION_TITLES[direction], table_rows(mine), headlines(mine)))
     shapes = [
-        f"{r.direction} {size_label(r.size_gb)}: {r.ckpt.name}, {r.ckpt_bytes / 1e9:.2f} GB in "
+        f"{r.direction} {r.label}: {r.ckpt.name}, {r.ckpt_bytes / 1e9:.2f} GB in "
         f"{describe_files(r.ckpt)}, {describe_shape(r.shape)}"
         for r in reports
     ]
@@ -727,11 +762,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "environment": environment(),
         "headlines": {direction: heads for direction, _, _, heads in sections},
         "loadavg_1min": {"start": load_start, "end": load_end},
-        "commands": {m.key: m.argv(Path("SRC"), Path("OUT")) for m in BY_KEY.values()},
+        "commands": {m.key: m.argv(Path("SRC"), Path("OUT"), ()) for m in BY_KEY.values()},
+        "ckptconv_flags_by_shape": SHAPES,
         "sizes": [
             {
                 "direction": r.direction,
                 "size_gb": r.size_gb,
+                "shape_kind": r.kind,
                 "checkpoint": str(r.ckpt),
                 "checkpoint_bytes": r.ckpt_bytes,
                 "checkpoint_files": describe_files(r.ckpt),
@@ -757,9 +794,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     failed = [(rep, r) for rep in reports for r in rep.results.values() if r.error is not None]
     for rep, r in failed:
-        sys.stderr.write(
-            f"FAILED {rep.direction} {size_label(r.size_gb)} {BY_KEY[r.method].label}: {r.error}\n"
-        )
+        sys.stderr.write(f"FAILED {rep.direction} {rep.label} {BY_KEY[r.method].label}: {r.error}\n")
     return 1 if failed else 0
 
 

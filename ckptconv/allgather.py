@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .dtype_names import short_name
 from .errors import CkptconvError
 from .layout import Box, intersect
 from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
@@ -146,7 +147,7 @@ def live_jobs(
         h = holding[fqn]
         boxes = slabs(h.shape, h.dtype.itemsize, rows, budget)
         chunks = tuple(ChunkSpec(o, s, "", 0, 0, "torch_save") for o, s in boxes)
-        specs[fqn] = TensorSpec(fqn, h.dtype, h.shape, chunks)
+        specs[fqn] = TensorSpec(fqn, short_name(h.dtype), h.shape, chunks)
     streams = [
         [(f, _repoint(t, specs)) for f in plan.files_of(r) for t in f.tensors] for r in range(plan.world_size)
     ]

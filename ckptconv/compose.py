@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .formats.hf import RowReader, StoredTensor
+from .formats.hf import StoredTensor
+from .formats.safetensors_io import RowReader
 from .mapping.rules import Part
 from .plan import DcpOutTensor
 

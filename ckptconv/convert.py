@@ -19,14 +19,10 @@ from . import verify as verify_mod
 from .compose import target_rows
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
-from .formats.dcp import DcpCheckpoint, DcpReader, open_dcp
-from .formats.hf import (
-    Entry,
-    RowReader,
-    SafetensorsWriter,
-    open_hf,
-    write_index,
-)
+from .formats.dcp import DcpCheckpoint, open_dcp
+from .formats.dcp_reader import DcpReader
+from .formats.hf import open_hf, write_index
+from .formats.safetensors_io import Entry, RowReader, SafetensorsWriter
 from .mapping import load_config, load_mapping
 from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .stash import StashedItem, json_exact, read_stash, write_stash

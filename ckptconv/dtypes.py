@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dtype_names import NAME_TO_ST
 from .errors import CkptconvError
 
 DTYPE_NAMES: dict[str, torch.dtype | None] = {
@@ -23,26 +24,8 @@ DTYPE_NAMES: dict[str, torch.dtype | None] = {
 
 CASTABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
-# safetensors dtype names <-> torch dtypes (only those both sides know)
-_ST_NAMES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64,
-}
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
-    if hasattr(torch, _attr):
-        _ST_NAMES[_name] = getattr(torch, _attr)
-_TORCH_TO_ST = {v: k for k, v in _ST_NAMES.items()}
+# torch dtypes -> safetensors dtype names (those both sides know; this torch may predate some)
+_TORCH_TO_ST = {getattr(torch, name): st for name, st in NAME_TO_ST.items() if hasattr(torch, name)}
 
 
 # safetensors lays data out by its Dtype enum, last variant first (then by key); this is that order
@@ -78,16 +61,6 @@ def st_name(dtype: torch.dtype) -> str:
         return _TORCH_TO_ST[dtype]
     except KeyError:
         raise CkptconvError(f"dtype {dtype} cannot be stored in safetensors") from None
-
-
-def from_st_name(name: str) -> torch.dtype | None:
-    """The torch dtype of a safetensors dtype name, None if unknown."""
-    return _ST_NAMES.get(name)
-
-
-def short_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> `bfloat16`."""
-    return str(dtype).removeprefix("torch.")
 
 
 def parse_dtype_flag(value: str, flag: str = "--dtype") -> torch.dtype | None:

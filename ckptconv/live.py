@@ -24,10 +24,12 @@ import torch
 from . import convert, outdir
 from .allgather import TorchCollective, describe, emit, group_handles, holdings, live_jobs, run_rounds
 from .compose import is_whole, target_rows
+from .dtype_names import short_name
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
-from .formats.hf import RowReader, open_hf, write_index
+from .formats.hf import open_hf, write_index
+from .formats.safetensors_io import RowReader
 from .layout import tiling_problem
 from .mapping import load_mapping
 from .plan import mapped_tensors, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
@@ -69,7 +71,7 @@ def load_specs(
     leaves = [(p, v) for p, v in flatten(state_dict) if isinstance(v, torch.Tensor)]
     paths: dict[str, tuple[str | int, ...]] = {".".join(p): p for p, _ in leaves}
     specs = {".".join(p): LoadSpec.from_tensor(".".join(p), v) for p, v in leaves}
-    shapes = {k: TensorSpec(k, s.dtype, s.shape) for k, s in specs.items()}
+    shapes = {k: TensorSpec(k, short_name(s.dtype), s.shape) for k, s in specs.items()}
     ckpt = DcpCheckpoint(Path("<state dict>"), shapes, {}, dict(paths))
     mapped = load_mapping(mapping) if mapping else None
     _, outs, _ = mapped_tensors(ckpt, DtypePolicy(None), mapping=mapped, config=dict(config or {}))
@@ -120,7 +122,7 @@ def _live_checkpoint(holding: dict[str, Holding], paths: dict[str, tuple[str, ..
         chunks = tuple(
             ChunkSpec(o, s, f"__{r}_0.distcp", 0, 0, "torch_save") for r, (o, s) in enumerate(h.blocks)
         )
-        specs[fqn] = TensorSpec(fqn, h.dtype, h.shape, chunks)
+        specs[fqn] = TensorSpec(fqn, short_name(h.dtype), h.shape, chunks)
     return DcpCheckpoint(Path("<live state dict>"), specs, {}, dict(paths))
 
 

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from .dtypes import short_name
+from .dtype_names import short_name
 from .errors import CkptconvError
 from .formats.dcp import is_dcp_dir, open_dcp
 from .formats.hf import is_hf_dir, open_hf
-from .plan import DcpSavePlan, HfSavePlan
 from .ui import human_bytes
+
+if TYPE_CHECKING:
+    from .plan import DcpSavePlan, HfSavePlan
 
 
 def inspect(path: Path) -> dict[str, Any]:
@@ -25,7 +27,7 @@ def inspect(path: Path) -> dict[str, Any]:
         tensors = [
             {
                 "key": t.fqn,
-                "dtype": short_name(t.dtype),
+                "dtype": t.dtype_name,
                 "shape": list(t.shape),
                 "nbytes": t.nbytes,
                 "chunks": [
@@ -42,7 +44,7 @@ def inspect(path: Path) -> dict[str, Any]:
         tensors = [
             {
                 "key": t.key,
-                "dtype": short_name(t.dtype),
+                "dtype": t.dtype_name,
                 "shape": list(t.shape),
                 "nbytes": t.nbytes,
                 "file": t.file.name,

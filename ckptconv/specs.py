@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from .dtype_names import ITEMSIZE, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 ChunkFormat = Literal["torch_save", "safetensors"]
 
@@ -36,12 +39,20 @@ class ChunkSpec:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A whole (global) tensor of a checkpoint and the chunks that store it."""
+    """A whole (global) tensor of a checkpoint and the chunks that store it.
+
+    The dtype is kept by name (`float32`), so describing a checkpoint never needs torch; `dtype` is the torch
+    dtype, for code that makes tensors.
+    """
 
     fqn: str
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     chunks: tuple[ChunkSpec, ...] = ()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
 
     @property
     def numel(self) -> int:
@@ -49,7 +60,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.numel * ITEMSIZE[self.dtype_name]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats.dcp import DcpReader, byte_view
+from .formats.dcp_reader import DcpReader, byte_view
 from .layout import intersect
 from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
 from .schedule import plan_rounds

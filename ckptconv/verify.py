@@ -23,10 +23,13 @@ from typing import Any
 
 import torch
 
-from .dtypes import DtypePolicy, short_name
+from .dtype_names import short_name
+from .dtypes import DtypePolicy
 from .errors import CkptconvError, VerifyMismatch
-from .formats.dcp import DcpReader, is_dcp_dir, open_dcp
-from .formats.hf import RowReader, open_hf
+from .formats.dcp import is_dcp_dir, open_dcp
+from .formats.dcp_reader import DcpReader
+from .formats.hf import open_hf
+from .formats.safetensors_io import RowReader
 from .mapping import VARIANTS, load_config, load_mapping
 from .plan import assign_owners, mapped_tensors, natural_key
 from .sources import any_source

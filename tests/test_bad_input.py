@@ -13,7 +13,8 @@ import torch
 from conftest import ckptconv
 
 from ckptconv.cli import main
-from ckptconv.formats.dcp import DcpReader, open_dcp
+from ckptconv.formats.dcp import open_dcp
+from ckptconv.formats.dcp_reader import DcpReader
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -107,8 +108,6 @@ def test_corrupt_chunk_bytes(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.Ca
 def test_flipped_data_byte_fails_the_crc_check(
     fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], read: str
 ) -> None:
-    from ckptconv.formats.dcp import DcpReader, open_dcp
-
     ckpt = copy_ckpt(fsdp2_ckpt, tmp_path / "ckpt")
     spec = open_dcp(ckpt).tensors["model.embed.weight"]
     chunk = spec.chunks[0]

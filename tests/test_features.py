@@ -195,6 +195,55 @@ def test_inspect_every_format(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.C
     assert "model.layers.0.up.weight" in text and "[10, 6]" in text
 
 
+NO_TORCH = (
+    "import sys; sys.modules['torch'] = None; sys.argv[0] = 'ckptconv'; from ckptconv.cli import run; run()"
+)
+
+
+def test_inspect_runs_without_torch(
+    fsdp2_ckpt: Path, mesh2d_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inspect` reads metadata and headers only, so it must not pay for importing torch: with torch
+    unimportable it prints what it prints with torch, for both DCP serializations, HF files and a mapping
+    view; a bad path is still a one-line error with exit 2."""
+    import subprocess
+    import sys
+
+    from conftest import _env
+
+    from ckptconv.cli import main
+
+    out = tmp_path / "hf"
+    assert run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--max-shard-size", "700", "--quiet")[0] == 0
+    cases = [
+        [str(fsdp2_ckpt)],
+        [str(mesh2d_ckpt)],
+        [str(out)],
+        [str(next(out.glob("*.safetensors")))],
+        [str(fsdp2_ckpt), "--mapping", "torchtitan-llama3", "--allow-unmapped"],
+    ]
+    for args in cases:
+        main(["inspect", *args, "--json"])
+        with_torch = json.loads(capsys.readouterr().out)
+        proc = subprocess.run(
+            [sys.executable, "-c", NO_TORCH, "inspect", *args, "--json"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) == with_torch, args
+    assert with_torch["mapped"] and with_torch["tensors"]
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, "inspect", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "missing" in proc.stderr
+
+
 def test_two_nodes_through_c10d_rendezvous(fsdp2_ckpt: Path, tmp_path: Path) -> None:
     """Two torchrun "nodes" on one machine (c10d rendezvous on 127.0.0.1): both directions and both read paths
     give the bytes one process gives."""

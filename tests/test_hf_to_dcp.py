@@ -146,7 +146,7 @@ def test_stash_round_trip_restores_step_and_args(
         and torch.equal(state["model"]["w"], torch.ones(3))
     )  # type: ignore[index]
     # the item only a full unpickler could read went through as its original bytes, never loaded
-    from ckptconv.formats.dcp import DcpReader
+    from ckptconv.formats.dcp_reader import DcpReader
 
     with DcpReader(open_dcp(src)) as a, DcpReader(back) as b:
         assert a.load_item(open_dcp(src).items["args.cfg"])[0] == b.load_item(back.items["args.cfg"])[0]

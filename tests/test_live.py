@@ -216,7 +216,8 @@ def test_load_hf_reads_only_a_ranks_block_on_any_shard_dims(tmp_path: Path) -> N
     shards (TP rowwise, 2-D meshes) and 3-D blocks read exactly their bytes; short runs fall back to rows."""
     from safetensors import safe_open
 
-    from ckptconv.formats.hf import RowReader, open_hf
+    from ckptconv.formats.hf import open_hf
+    from ckptconv.formats.safetensors_io import RowReader
 
     g = torch.Generator().manual_seed(4)
     tensors = {

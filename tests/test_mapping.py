@@ -330,7 +330,7 @@ def test_one_expert_reads_only_its_rows(shard_dim: int) -> None:
     for i in range(2):
         offsets = (0, i * step[1], 0) if shard_dim == 1 else (i * step[0], 0, 0)
         chunks.append(ChunkSpec(offsets, step, f"__{i}_0.distcp", 0, 1, "torch_save"))
-    spec = TensorSpec("w1", torch.float32, (E, F, D), tuple(chunks))
+    spec = TensorSpec("w1", "float32", (E, F, D), tuple(chunks))
     mapping = load_mapping_text(MAPPING)
     targets, _ = map_keys(mapping, "to_hf", {"layers.1.moe.experts.w1": (E, F, D)}, CONFIG)
     requests: list[tuple[tuple[int, ...], int, int]] = []

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
+from ckptconv.dtype_names import short_name
 from ckptconv.dtypes import DtypePolicy, st_layout_rank
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import DcpCheckpoint
-from ckptconv.formats.hf import Entry, SafetensorsWriter, header_bytes, read_header
+from ckptconv.formats.hf import read_header
+from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter, header_bytes
 from ckptconv.layout import tiling_problem
 from ckptconv.plan import assign_owners, parse_size, plan_dcp_to_hf
 from ckptconv.specs import ChunkSpec, TensorSpec
@@ -118,7 +120,7 @@ def fake_ckpt(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], ranks: int
             if shape
             else (ChunkSpec((), (), "__0_0.distcp", 0, 1, "torch_save"),)
         )
-        tensors[fqn] = TensorSpec(fqn, dtype, shape, chunks)
+        tensors[fqn] = TensorSpec(fqn, short_name(dtype), shape, chunks)
     return DcpCheckpoint(Path("/nowhere"), tensors, {}, {fqn: ("model", fqn[6:]) for fqn in tensors})
 
 
@@ -206,7 +208,8 @@ def test_row_reader_equals_safetensors_get_slice(tmp_path: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from ckptconv.formats.hf import RowReader, open_hf
+    from ckptconv.formats.hf import open_hf
+    from ckptconv.formats.safetensors_io import RowReader
 
     src = {
         "w": torch.randn(7, 3).bfloat16(),
@@ -273,7 +276,7 @@ def test_enum_pickled_through_getattr_is_accepted_and_nothing_else() -> None:
             return getattr, (self.owner, self.name)
 
     def load(obj: object) -> object:
-        return safe_pickle._AllowlistUnpickler(
+        return safe_pickle.AllowlistUnpickler(
             pickle.dumps(obj, protocol=4), safe_pickle._METADATA_GLOBALS
         ).load()
 
@@ -282,3 +285,16 @@ def test_enum_pickled_through_getattr_is_accepted_and_nothing_else() -> None:
     for owner, name in ((_MEM_FORMAT_ENCODING, "__class__"), (torch.Size, "__init__")):
         with pytest.raises(pickle.UnpicklingError, match="getattr"):
             load(ByName(owner, name))
+
+
+def test_dtype_names_cover_torch_and_safetensors() -> None:
+    """The torch-free dtype tables metadata is read with: every torch dtype by name with its itemsize, and
+    each safetensors name meaning what safetensors itself means by it."""
+    from safetensors.torch import _TYPES
+
+    from ckptconv.dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
+
+    torch_names = {short_name(v): v.itemsize for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    assert torch_names == ITEMSIZE
+    assert set(ST_TO_NAME) - set(_TYPES) == {"F8_E8M0"}  # newer than this safetensors' torch table
+    assert all(torch_dtype(name) == _TYPES[st] for st, name in ST_TO_NAME.items() if st in _TYPES)

@@ -172,7 +172,7 @@ def test_verify_flag_refuses_to_publish_a_wrong_output(
     """A conversion whose written bytes differ from the source (a simulated writer bug) is caught by --verify:
     exit 1, and OUT does not exist."""
     from ckptconv import convert
-    from ckptconv.formats.hf import SafetensorsWriter
+    from ckptconv.formats.safetensors_io import SafetensorsWriter
     from ckptconv.ui import Ui
     from ckptconv.world import World
 

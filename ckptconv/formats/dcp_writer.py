@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..errors import CkptconvError
-from .dcp import byte_view
+from .dcp_reader import byte_view
 from .torch_record import fast_path, write_tensor_record
 
 SLAB_BYTES = 8 * 2**20  # read, checksummed and written at once per writer thread (4-8 MiB measured best)

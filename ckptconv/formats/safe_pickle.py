@@ -1,9 +1,9 @@
 """Unpickling without running code from the checkpoint.
 
 `load_dcp_metadata` accepts only the classes DCP's `.metadata` is made of (see
-torch/distributed/checkpoint/metadata.py); `read_tensor_record` reads the `data.pkl` of a torch.save zip into
-a plain description of the tensor (dtype, storage key, offset, size, stride) without building anything.
-Any other global in the pickle stops the load with a `CkptconvError` naming it.
+torch/distributed/checkpoint/metadata.py), loaded into plain stand-ins without importing torch: a dtype
+becomes its name (`"bfloat16"`), a `torch.Size` a tuple. Any other global in the pickle stops the load with
+a `CkptconvError` naming it. The allowlist unpickler here also serves `torch_record.read_tensor_record`.
 """
 
 from __future__ import annotations
@@ -14,29 +14,23 @@ import pickletools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-import torch
-
+from ..dtype_names import ITEMSIZE
 from ..errors import CkptconvError
 
-_LAYOUTS = {"torch.strided": torch.strided, "torch.sparse_coo": torch.sparse_coo}
+_LAYOUTS = ("torch.strided", "torch.sparse_coo")
 
 
-def _get_layout(name: str) -> torch.layout:
+def _get_layout(name: str) -> str:
     if name not in _LAYOUTS:
         raise pickle.UnpicklingError(f"unknown layout {name!r}")
-    return _LAYOUTS[name]
+    return name
 
 
 def _path(*parts: str) -> str:
     return str(PurePosixPath(*parts))
-
-
-def _dtype_globals() -> dict[tuple[str, str], Any]:
-    return {("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
 class Record:
@@ -139,14 +133,14 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     (_DCP_MD, "_MEM_FORMAT_ENCODING"): _MemFormat,
     ("builtins", "getattr"): _enum_member,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
-    ("torch", "Size"): torch.Size,
+    ("torch", "Size"): tuple,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,
     ("pathlib", "PurePosixPath"): _path,
     ("pathlib", "WindowsPath"): _path,
     ("pathlib", "Path"): _path,
     ("collections", "OrderedDict"): dict,
-    **_dtype_globals(),
+    **{("torch", name): name for name in ITEMSIZE},  # a dtype is pickled as the global torch.<name>
 }
 
 
@@ -172,7 +166,7 @@ def trusted() -> list[str] | None:
     return _TRUSTED.get()
 
 
-class _AllowlistUnpickler(pickle.Unpickler):
+class AllowlistUnpickler(pickle.Unpickler):
     trustable = False  # under `trusting()`, load globals outside the allowlist instead of refusing them
 
     def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
@@ -190,7 +184,7 @@ class _AllowlistUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
 
 
-class _MetadataUnpickler(_AllowlistUnpickler):
+class _MetadataUnpickler(AllowlistUnpickler):
     trustable = True
 
 
@@ -216,70 +210,6 @@ def load_dcp_metadata(data: bytes, where: str) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CkptconvError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """What a torch.save'd tensor's data.pkl says, without building the tensor."""
-
-    dtype: torch.dtype
-    storage_key: str
-    storage_numel: int
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @property
-    def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.size), reversed(self.stride), strict=True):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
-
-
-class _StorageType:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-
-def _storage_globals() -> dict[tuple[str, str], Any]:
-    # the legacy typed-storage names torch.save writes into data.pkl, e.g. ("torch", "BFloat16Storage")
-    names = torch.storage._dtype_to_storage_type_map()
-    return {("torch", name): _StorageType(dtype) for dtype, name in names.items()}
-
-
-def _rebuild_tensor_v2(storage: Any, storage_offset: int, size: Any, stride: Any, *_: Any) -> TensorRecord:
-    dtype, key, numel = storage
-    return TensorRecord(dtype, key, numel, int(storage_offset), tuple(size), tuple(stride))
-
-
-_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("collections", "OrderedDict"): dict,
-    ("torch", "Size"): torch.Size,
-    **_storage_globals(),
-}
-
-
-class _TensorRecordUnpickler(_AllowlistUnpickler):
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("unexpected persistent id")
-        _, storage_type, key, _location, numel = pid
-        if not isinstance(storage_type, _StorageType):
-            raise pickle.UnpicklingError("unexpected storage type")
-        return (storage_type.dtype, str(key), int(numel))
-
-
-def read_tensor_record(data_pkl: bytes) -> TensorRecord | None:
-    """The tensor a torch.save data.pkl describes, or None when it is anything but one plain tensor."""
-    try:
-        record = _TensorRecordUnpickler(data_pkl, _TENSOR_GLOBALS).load()
-    except Exception:
-        return None
-    return record if isinstance(record, TensorRecord) else None
 
 
 def pickle_globals(data: bytes) -> list[str]:

@@ -1,4 +1,7 @@
-"""torch.save's on-disk record of one tensor, written from a stream of byte slabs.
+"""torch.save's on-disk record of one tensor, written from a stream of byte slabs; its data.pkl read back.
+
+`read_tensor_record` reads the `data.pkl` of a torch.save zip into a plain description of the tensor (dtype,
+storage key, offset, size, stride) without building anything, through safe_pickle's allowlist.
 
 DCP's `FileSystemReader` `torch.load`s every tensor record, so hf-to-dcp writes torch.save records. torch.save
 computes the zip CRC-32 with miniz's byte-at-a-time table (about 0.35 GB/s here), which made it the bottleneck
@@ -21,9 +24,12 @@ import pickle
 import struct
 import zlib
 from collections.abc import Iterable
-from typing import BinaryIO
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import torch
+
+from .safe_pickle import AllowlistUnpickler
 
 ALIGNMENT = 64
 _LIMIT = 0xFFFFFFFF - (1 << 16)  # below this, no offset or size of a record needs zip64 fields
@@ -35,6 +41,69 @@ def _storage_names() -> dict[torch.dtype, str]:
     from torch.storage import _dtype_to_storage_type_map  # the names torch.save pickles (no public API)
 
     return dict(_dtype_to_storage_type_map())
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """What a torch.save'd tensor's data.pkl says, without building the tensor."""
+
+    dtype: torch.dtype
+    storage_key: str
+    storage_numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.size), reversed(self.stride), strict=True):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _storage_globals() -> dict[tuple[str, str], Any]:
+    # the legacy typed-storage names torch.save writes into data.pkl, e.g. ("torch", "BFloat16Storage")
+    return {("torch", name): _StorageType(dtype) for dtype, name in _storage_names().items()}
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: int, size: Any, stride: Any, *_: Any) -> TensorRecord:
+    dtype, key, numel = storage
+    return TensorRecord(dtype, key, numel, int(storage_offset), tuple(size), tuple(stride))
+
+
+_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("collections", "OrderedDict"): dict,
+    ("torch", "Size"): torch.Size,
+    **_storage_globals(),
+}
+
+
+class _TensorRecordUnpickler(AllowlistUnpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise pickle.UnpicklingError("unexpected storage type")
+        return (storage_type.dtype, str(key), int(numel))
+
+
+def read_tensor_record(data_pkl: bytes) -> TensorRecord | None:
+    """The tensor a torch.save data.pkl describes, or None when it is anything but one plain tensor."""
+    try:
+        record = _TensorRecordUnpickler(data_pkl, _TENSOR_GLOBALS).load()
+    except Exception:
+        return None
+    return record if isinstance(record, TensorRecord) else None
 
 
 class _Storage:

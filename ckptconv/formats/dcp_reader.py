@@ -1,0 +1,243 @@
+"""Reading the stored chunks and non-tensor items of a DCP checkpoint `dcp.open_dcp` described.
+
+Each `read_chunk_into` reads exactly one stored chunk into a caller-owned tensor: straight from the file
+where the record stores the raw bytes (checked against the zip entry's CRC-32 when the chunk is the whole
+entry), with `torch.load(weights_only=True)` otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import os
+import struct
+import zipfile
+import zlib
+from typing import Any
+
+import torch
+
+from ..errors import CkptconvError
+from ..specs import ChunkSpec, NonTensorItem, TensorSpec
+from .dcp import MAX_HEADER_BYTES, DcpCheckpoint
+from .safe_pickle import pickle_globals, trusted
+from .torch_record import read_tensor_record
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (bf16, bool and 0-d included).
+
+    Built with ctypes rather than `.numpy()`, which would pin the storage's size for good (and so keep
+    `write_dcp` from releasing a chunk once it is written). Valid while `tensor` is alive.
+    """
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+class DcpReader:
+    """Reads stored chunks of one DCP checkpoint into caller-owned tensors. Safe for concurrent threads."""
+
+    def __init__(self, ckpt: DcpCheckpoint) -> None:
+        self.ckpt = ckpt
+        self._fds: dict[str, int] = {}
+        self._st_headers: dict[tuple[str, int], dict[str, Any]] = {}
+        self._crcs: dict[tuple[str, int], int] = {}  # (file, data offset) -> CRC-32 of a whole zip entry
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> DcpReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            fd = self._fds[rel] = os.open(self.ckpt.path / rel, os.O_RDONLY)
+        return fd
+
+    def pread(self, rel: str, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes of `rel` at `offset`, or raise naming the truncated file."""
+        fd, done = self._fd(rel), 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n <= 0:
+                raise CkptconvError(f"{self.ckpt.path / rel}: truncated at byte {offset + done}; re-copy it")
+            done += n
+
+    def read_bytes(self, rel: str, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.pread(rel, offset, memoryview(buf))
+        return bytes(buf)
+
+    def read_chunk_into(self, spec: TensorSpec, chunk: ChunkSpec, out: torch.Tensor) -> None:
+        """Fill `out` (contiguous, `spec.dtype`, `chunk.sizes`) with the stored chunk."""
+        assert out.is_contiguous() and out.dtype == spec.dtype and tuple(out.shape) == chunk.sizes
+        if chunk.numel == 0:
+            return
+        where = self.locate(spec, chunk)
+        if where is None:
+            out.copy_(self.torch_load_chunk(spec, chunk))
+        else:
+            view = byte_view(out)
+            self.pread(chunk.file, where, view)
+            self.check(spec, chunk, where, zlib.crc32(view))
+
+    def check(self, spec: TensorSpec, chunk: ChunkSpec, where: int, crc: int) -> None:
+        """Compare the CRC-32 of the whole chunk read at `where` with the one its torch.save record stores
+        (chunks that are a part of their record, and the safetensors serialization, have none to check)."""
+        expected = self._crcs.get((chunk.file, where))
+        if expected is not None and expected != crc:
+            raise CkptconvError(
+                f"{self.ckpt.path / chunk.file}: the chunk of {spec.fqn!r} at byte {chunk.byte_offset} fails "
+                "its CRC-32 check; the checkpoint is corrupt, re-copy or re-save it"
+            )
+
+    def read_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
+        out = torch.empty(chunk.sizes, dtype=spec.dtype)
+        self.read_chunk_into(spec, chunk, out)
+        return out
+
+    def locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
+        """File offset of the chunk's raw bytes (C order, in `spec.dtype`), None if only torch.load can."""
+        nbytes = chunk.numel * spec.dtype.itemsize
+        if chunk.fmt == "safetensors":
+            header = self._st_header(chunk.file, chunk.byte_offset)
+            entry = header.get(spec.fqn)
+            if not isinstance(entry, dict) or list(entry.get("shape", [])) != list(chunk.sizes):
+                raise self._corrupt(chunk, f"has no stored tensor {spec.fqn!r} of shape {list(chunk.sizes)}")
+            begin, end = entry.get("data_offsets", (0, -1))
+            if end - begin != nbytes:
+                raise self._corrupt(chunk, f"stores {end - begin} bytes for {spec.fqn!r}, expected {nbytes}")
+            return int(header["__data_start__"]) + int(begin)
+        return self._locate_in_zip(spec, chunk, nbytes)
+
+    def _locate_in_zip(self, spec: TensorSpec, chunk: ChunkSpec, nbytes: int) -> int | None:
+        window = _Window(self, chunk.file, chunk.byte_offset, chunk.byte_length)
+        try:
+            archive = zipfile.ZipFile(window)
+            names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
+            if archive.read(names["byteorder"]) != b"little":
+                return None
+            record = read_tensor_record(archive.read(names["data.pkl"]))
+            if record is None or record.dtype != spec.dtype or not record.is_contiguous:
+                return None
+            if record.size != chunk.sizes:
+                raise self._corrupt(chunk, f"stores shape {list(record.size)}, expected {list(chunk.sizes)}")
+            info = names[f"data/{record.storage_key}"]
+        except (zipfile.BadZipFile, KeyError, EOFError, ValueError) as e:
+            raise self._corrupt(chunk, f"is not a readable torch.save record ({e})") from None
+        if info.compress_type != zipfile.ZIP_STORED:
+            return None
+        local = self.read_bytes(chunk.file, chunk.byte_offset + info.header_offset, 30)
+        if local[:4] != b"PK\x03\x04":
+            raise self._corrupt(chunk, "has a broken zip entry")
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        data_start = info.header_offset + 30 + name_len + extra_len
+        start = data_start + record.storage_offset * spec.dtype.itemsize
+        if start + nbytes > data_start + info.file_size or data_start + info.file_size > chunk.byte_length:
+            raise self._corrupt(chunk, "stores fewer bytes than its shape needs")
+        if start == data_start and nbytes == info.file_size:  # the chunk is the whole entry: checkable
+            self._crcs[(chunk.file, chunk.byte_offset + start)] = info.CRC
+        return chunk.byte_offset + start
+
+    def torch_load_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
+        data = self.read_bytes(chunk.file, chunk.byte_offset, chunk.byte_length)
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise self._corrupt(chunk, f"could not be loaded safely ({type(e).__name__})") from None
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes:
+            raise self._corrupt(chunk, f"does not hold a tensor of shape {list(chunk.sizes)}")
+        return tensor
+
+    def _st_header(self, rel: str, offset: int) -> dict[str, Any]:
+        key = (rel, offset)
+        if key not in self._st_headers:
+            (length,) = struct.unpack("<Q", self.read_bytes(rel, offset, 8))
+            if length > MAX_HEADER_BYTES:
+                raise CkptconvError(
+                    f"{self.ckpt.path / rel}: safetensors header of {length} bytes is too large"
+                )
+            try:
+                header = json.loads(self.read_bytes(rel, offset + 8, length))
+            except ValueError:
+                raise CkptconvError(
+                    f"{self.ckpt.path / rel}: unreadable safetensors header; re-copy it"
+                ) from None
+            if not isinstance(header, dict):
+                raise CkptconvError(f"{self.ckpt.path / rel}: unreadable safetensors header; re-copy it")
+            header["__data_start__"] = offset + 8 + length
+            self._st_headers[key] = header
+        return self._st_headers[key]
+
+    def _corrupt(self, chunk: ChunkSpec, what: str) -> CkptconvError:
+        return CkptconvError(
+            f"{self.ckpt.path / chunk.file}: the chunk at byte {chunk.byte_offset} {what}; "
+            "the checkpoint is corrupt, re-save or re-copy it"
+        )
+
+    def load_item(self, item: NonTensorItem) -> tuple[bytes, Any, str | None]:
+        """(raw torch.save bytes, the value loaded with weights_only=True, why it was not loaded or None)."""
+        raw = self.read_bytes(item.file, item.byte_offset, item.byte_length)
+        try:
+            return raw, torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True), None
+        except Exception:
+            names = [
+                n for n in pickle_globals(_data_pkl(raw)) if not n.startswith(("torch.", "collections."))
+            ]
+            what = ", ".join(dict.fromkeys(names)) or "objects weights_only loading does not allow"
+            loaded = trusted()
+            if loaded is None:
+                return raw, None, f"holds {what}"
+        try:  # --trust-pickle: the user vouches for this checkpoint
+            value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise CkptconvError(f"{item.fqn!r}: cannot be loaded even with --trust-pickle ({e})") from None
+        loaded.append(f"{item.fqn} ({what})")
+        return raw, value, None
+
+
+def _data_pkl(raw: bytes) -> bytes:
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(raw))
+        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+        return archive.read(name)
+    except Exception:
+        return b""
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of bytes [start, start+length) of a checkpoint file."""
+
+    def __init__(self, reader: DcpReader, rel: str, start: int, length: int) -> None:
+        self.reader, self.rel, self.start, self.length, self.pos = reader, rel, start, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        if n:
+            self.reader.pread(self.rel, self.start + self.pos, memoryview(buffer).cast("B")[:n])
+            self.pos += n
+        return n

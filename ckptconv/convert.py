@@ -20,7 +20,7 @@ from .compose import target_rows
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, open_dcp
-from .formats.dcp_reader import DcpReader
+from .formats.dcp_reader import DcpReader, RowPiece, check_pieces
 from .formats.hf import open_hf, write_index
 from .formats.safetensors_io import Entry, RowReader, SafetensorsWriter
 from .mapping import load_config, load_mapping
@@ -146,16 +146,18 @@ def dcp_to_hf(
             "source", ckpt.path, prefix, mapping, model_config, allow_unmapped, variant=hf_experts
         )
 
+    pieces: list[RowPiece] = []
+
+    def write(staging: Path) -> None:
+        pieces.extend(_write_shards(plan, ckpt, staging, world, ui, bucket, read_path))
+
+    def check(staging: Path) -> None:
+        _check_pieces(world, ckpt, pieces)
+        if verify:
+            _check(world, ui, source, lambda _: verify_mod.hf_side("output", staging))
+
     result.copied = (
-        atomically(
-            world,
-            out,
-            lambda staging: _write_shards(plan, ckpt, staging, world, ui, bucket, read_path),
-            lambda staging: _finish(plan, ckpt, staging, copy_from, ui),
-            (lambda staging: _check(world, ui, source, lambda _: verify_mod.hf_side("output", staging)))
-            if verify
-            else None,
-        )
+        atomically(world, out, write, lambda staging: _finish(plan, ckpt, staging, copy_from, ui), check)
         or []
     )
     result.seconds = time.perf_counter() - start
@@ -171,13 +173,22 @@ def _write_shards(
     ui: Ui,
     bucket: int,
     read_path: ReadPath,
-) -> None:
+) -> list[RowPiece]:
+    """This rank's files into `staging`; returns the chunks' pieces it read (some rows of a chunk)."""
     with DcpReader(ckpt) as reader:
         if read_path == "gather":
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
         else:
             items = direct_tensors(plan, world, reader, bucket)
         write_files(plan, items, staging, world, ui)
+        return reader.pieces()
+
+
+def _check_pieces(world: World, ckpt: DcpCheckpoint, pieces: list[RowPiece]) -> None:
+    """Collective: chunks read in pieces (stacked experts split, fused projections cut), on any ranks,
+    against their stored CRC-32 once all their pieces are in."""
+    everywhere = [piece for rank_pieces in world.all_gather_object(pieces) for piece in rank_pieces]
+    on_main(world, check_pieces, ckpt, everywhere)
 
 
 def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: World, ui: Ui) -> None:

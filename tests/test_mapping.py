@@ -197,6 +197,44 @@ def test_mapping_both_directions_bit_exact(runtime_ckpt, tmp_path: Path, form: s
     }
 
 
+def test_flipped_byte_in_one_expert_fails_the_crc_check_at_any_rank_count(
+    runtime_ckpt, tmp_path: Path
+) -> None:
+    """Stacked experts are read one expert's rows at a time; the pieces' CRC-32s, from whichever ranks
+    read them, add up to the chunk's and catch a flipped byte in the middle of one expert."""
+    import shutil
+
+    from ckptconv.formats.dcp_reader import DcpReader
+
+    src, mapping, config = runtime_ckpt
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    spec = open_dcp(ckpt).tensors["model.layers.1.moe.experts.w2"]
+    chunk = max(spec.chunks, key=lambda c: c.sizes[0])
+    with DcpReader(open_dcp(ckpt)) as reader:
+        where = reader.locate(spec, chunk)
+    assert where is not None and chunk.sizes[0] >= 2
+    row_bytes = chunk.numel // chunk.sizes[0] * spec.dtype.itemsize
+    with open(ckpt / chunk.file, "r+b") as f:  # one bit of one value of the chunk's last expert
+        f.seek(where + (chunk.sizes[0] - 1) * row_bytes + 6)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x04]))
+    flags = ["--mapping", str(mapping), "--config", str(config), "--hf-experts", "per_expert"]
+    for nproc, read in [(0, "direct"), (2, "direct"), (3, "gather")]:
+        out = tmp_path / f"out-{nproc}"
+        proc = ckptconv(
+            "dcp-to-hf", str(ckpt), str(out), *flags, "--max-shard-size", "900", "--read", read, nproc=nproc
+        )
+        assert proc.returncode == (2 if nproc == 0 else 1), proc.stderr  # torchrun exits 1 for a failed job
+        errors = [line for line in proc.stderr.splitlines() if "ckptconv: error:" in line]
+        assert len(errors) == 1, proc.stderr
+        assert chunk.file in errors[0] and "'model.layers.1.moe.experts.w2'" in errors[0], errors
+        assert "fails its CRC-32 check" in errors[0], errors
+        assert "ckptconv/" not in proc.stderr.replace(str(tmp_path), "")  # no worker traceback
+        assert not out.exists() and not list(tmp_path.glob(f".out-{nproc}*"))
+
+
 def test_rope_perm_is_torchtitans() -> None:
     w = torch.arange(8 * 3).reshape(8, 3)
     perm = rope_perm(8, 2)

@@ -298,3 +298,28 @@ def test_dtype_names_cover_torch_and_safetensors() -> None:
     assert torch_names == ITEMSIZE
     assert set(ST_TO_NAME) - set(_TYPES) == {"F8_E8M0"}  # newer than this safetensors' torch table
     assert all(torch_dtype(name) == _TYPES[st] for st, name in ST_TO_NAME.items() if st in _TYPES)
+
+
+def test_crc32_of_pieces_read_in_any_order_is_the_whole_ranges() -> None:
+    import itertools
+    import random
+    import zlib
+
+    from ckptconv.crc32 import combine, whole_crc
+
+    rng = random.Random(7)
+    for _ in range(200):
+        a, b = rng.randbytes(rng.randrange(0, 200)), rng.randbytes(rng.randrange(0, 5000))
+        assert combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    data = rng.randbytes(10_000)
+    cuts = sorted({0, len(data), *(rng.randrange(len(data)) for _ in range(30))})
+    pieces = [(s, e - s, zlib.crc32(data[s:e])) for s, e in itertools.pairwise(cuts)]
+    shuffled = pieces + pieces[:3]  # repeats: the same rows read twice
+    rng.shuffle(shuffled)
+    assert whole_crc(shuffled, len(data)) == zlib.crc32(data)
+    assert whole_crc(pieces[1:], len(data)) is None  # a gap at the start
+    assert whole_crc(pieces[:-1], len(data)) is None  # not all of it
+    s, n, _ = pieces[1]
+    overlap = (s - 1, n + 1, zlib.crc32(data[s - 1 : s + n]))
+    assert whole_crc([*pieces, overlap], len(data)) is None  # an overlap that is not a repeat
+    assert whole_crc([], 0) == zlib.crc32(b"")

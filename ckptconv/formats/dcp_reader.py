@@ -2,7 +2,8 @@
 
 Each `read_chunk_into` reads exactly one stored chunk into a caller-owned tensor: straight from the file
 where the record stores the raw bytes (checked against the zip entry's CRC-32 when the chunk is the whole
-entry), with `torch.load(weights_only=True)` otherwise.
+entry), with `torch.load(weights_only=True)` otherwise. A chunk read in pieces (some rows at a time) is
+checked by `check_pieces` from the pieces' CRC-32s, gathered from every rank that read some.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import io
 import json
 import os
 import struct
+import threading
 import zipfile
 import zlib
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 
+from ..crc32 import whole_crc
 from ..errors import CkptconvError
 from ..specs import ChunkSpec, NonTensorItem, TensorSpec
 from .dcp import MAX_HEADER_BYTES, DcpCheckpoint
@@ -46,6 +50,8 @@ class DcpReader:
         self._fds: dict[str, int] = {}
         self._st_headers: dict[tuple[str, int], dict[str, Any]] = {}
         self._crcs: dict[tuple[str, int], int] = {}  # (file, data offset) -> CRC-32 of a whole zip entry
+        self._pieces: list[RowPiece] = []  # parts of checkable chunks read in pieces, checked at the end
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -100,6 +106,33 @@ class DcpReader:
                 f"{self.ckpt.path / chunk.file}: the chunk of {spec.fqn!r} at byte {chunk.byte_offset} fails "
                 "its CRC-32 check; the checkpoint is corrupt, re-copy or re-save it"
             )
+
+    def note_piece(
+        self, spec: TensorSpec, chunk: ChunkSpec, where: int, start: int, length: int, crc: int
+    ) -> None:
+        """Remember the CRC-32 of bytes [start, start + length) of a chunk read in pieces (some rows of it,
+        as a mapping that splits stacked experts or fused projections reads it), to check the whole chunk
+        once every piece is read: `check_pieces`, possibly with other ranks' pieces."""
+        expected = self._crcs.get((chunk.file, where))
+        if expected is None:
+            return
+        piece = RowPiece(
+            chunk.file,
+            where,
+            spec.fqn,
+            chunk.byte_offset,
+            expected,
+            chunk.numel * spec.dtype.itemsize,
+            start,
+            length,
+            crc,
+        )
+        with self._lock:
+            self._pieces.append(piece)
+
+    def pieces(self) -> list[RowPiece]:
+        with self._lock:
+            return list(self._pieces)
 
     def read_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
         out = torch.empty(chunk.sizes, dtype=spec.dtype)
@@ -204,6 +237,41 @@ class DcpReader:
             raise CkptconvError(f"{item.fqn!r}: cannot be loaded even with --trust-pickle ({e})") from None
         loaded.append(f"{item.fqn} ({what})")
         return raw, value, None
+
+
+class RowPiece(NamedTuple):
+    """A part of a stored chunk that was read on its own, with its CRC-32 and the whole chunk's."""
+
+    file: str
+    where: int  # file offset of the chunk's bytes
+    fqn: str
+    byte_offset: int  # of the chunk's record, for the error message
+    expected: int  # CRC-32 of the whole chunk, from its zip entry
+    nbytes: int  # of the whole chunk
+    start: int  # of this piece, from the chunk's first byte
+    length: int
+    crc: int
+
+
+def check_pieces(ckpt: DcpCheckpoint, pieces: Iterable[RowPiece]) -> int:
+    """Check every chunk whose pieces (from any number of ranks) cover it exactly against its stored
+    CRC-32; return how many chunks were checked. A chunk not wholly read (only some experts mapped) is not."""
+    by_chunk: dict[tuple[str, int], list[RowPiece]] = {}
+    for piece in pieces:
+        by_chunk.setdefault((piece.file, piece.where), []).append(piece)
+    checked = 0
+    for (file, _), parts in sorted(by_chunk.items()):
+        first = parts[0]
+        crc = whole_crc(((p.start, p.length, p.crc) for p in parts), first.nbytes)
+        if crc is None:
+            continue
+        if crc != first.expected:
+            raise CkptconvError(
+                f"{ckpt.path / file}: the chunk of {first.fqn!r} at byte {first.byte_offset} fails its "
+                "CRC-32 check; the checkpoint is corrupt, re-copy or re-save it"
+            )
+        checked += 1
+    return checked
 
 
 def _data_pkl(raw: bytes) -> bytes:

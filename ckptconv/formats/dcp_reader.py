@@ -102,10 +102,7 @@ class DcpReader:
         (chunks that are a part of their record, and the safetensors serialization, have none to check)."""
         expected = self._crcs.get((chunk.file, where))
         if expected is not None and expected != crc:
-            raise CkptconvError(
-                f"{self.ckpt.path / chunk.file}: the chunk of {spec.fqn!r} at byte {chunk.byte_offset} fails "
-                "its CRC-32 check; the checkpoint is corrupt, re-copy or re-save it"
-            )
+            raise _crc_error(self.ckpt, chunk.file, spec.fqn, chunk.byte_offset)
 
     def note_piece(
         self, spec: TensorSpec, chunk: ChunkSpec, where: int, start: int, length: int, crc: int
@@ -266,12 +263,16 @@ def check_pieces(ckpt: DcpCheckpoint, pieces: Iterable[RowPiece]) -> int:
         if crc is None:
             continue
         if crc != first.expected:
-            raise CkptconvError(
-                f"{ckpt.path / file}: the chunk of {first.fqn!r} at byte {first.byte_offset} fails its "
-                "CRC-32 check; the checkpoint is corrupt, re-copy or re-save it"
-            )
+            raise _crc_error(ckpt, file, first.fqn, first.byte_offset)
         checked += 1
     return checked
+
+
+def _crc_error(ckpt: DcpCheckpoint, file: str, fqn: str, byte_offset: int) -> CkptconvError:
+    return CkptconvError(
+        f"{ckpt.path / file}: the chunk of {fqn!r} at byte {byte_offset} fails its CRC-32 check; "
+        "the checkpoint is corrupt, re-copy or re-save it"
+    )
 
 
 def _data_pkl(raw: bytes) -> bytes:

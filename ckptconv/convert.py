@@ -20,14 +20,14 @@ from .compose import target_rows
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, open_dcp
-from .formats.dcp_reader import DcpReader, RowPiece, check_pieces
+from .formats.dcp_reader import DcpReader, RowPiece
 from .formats.hf import open_hf, write_index
 from .formats.safetensors_io import Entry, RowReader, SafetensorsWriter
 from .mapping import load_config, load_mapping
 from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .stash import StashedItem, json_exact, read_stash, write_stash
 from .ui import Ui
-from .unshard import Item, direct_rows, direct_tensors, gather_tensors
+from .unshard import Item, check_read_pieces, direct_rows, direct_tensors, gather_tensors
 from .world import World, everyone, on_main
 
 ReadPath = Literal["direct", "gather"]
@@ -152,7 +152,7 @@ def dcp_to_hf(
         pieces.extend(_write_shards(plan, ckpt, staging, world, ui, bucket, read_path))
 
     def check(staging: Path) -> None:
-        _check_pieces(world, ckpt, pieces)
+        check_read_pieces(world, ckpt, pieces)
         if verify:
             _check(world, ui, source, lambda _: verify_mod.hf_side("output", staging))
 
@@ -182,13 +182,6 @@ def _write_shards(
             items = direct_tensors(plan, world, reader, bucket)
         write_files(plan, items, staging, world, ui)
         return reader.pieces()
-
-
-def _check_pieces(world: World, ckpt: DcpCheckpoint, pieces: list[RowPiece]) -> None:
-    """Collective: chunks read in pieces (stacked experts split, fused projections cut), on any ranks,
-    against their stored CRC-32 once all their pieces are in."""
-    everywhere = [piece for rank_pieces in world.all_gather_object(pieces) for piece in rank_pieces]
-    on_main(world, check_pieces, ckpt, everywhere)
 
 
 def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: World, ui: Ui) -> None:

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats.dcp_reader import DcpReader, byte_view
+from .formats.dcp import DcpCheckpoint
+from .formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
 from .layout import intersect
 from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
 from .schedule import plan_rounds
 from .specs import ChunkSpec, TensorSpec
-from .world import World
+from .world import World, on_main
 
 Item = tuple[OutFile, OutTensor, torch.Tensor]
 
@@ -119,6 +120,13 @@ def direct_rows(reader: DcpReader) -> RowsFn:
         return out
 
     return rows
+
+
+def check_read_pieces(world: World, ckpt: DcpCheckpoint, pieces: list[RowPiece]) -> None:
+    """Collective: the chunks this job read in pieces (`direct_rows` of some rows: stacked experts split,
+    fused projections cut), on any ranks, against their stored CRC-32 once all their pieces are in."""
+    everywhere = [piece for rank_pieces in world.all_gather_object(pieces) for piece in rank_pieces]
+    on_main(world, check_pieces, ckpt, everywhere)
 
 
 def _fill_whole(reader: DcpReader, spec: TensorSpec, out: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ from .mapping import VARIANTS, load_config, load_mapping
 from .plan import assign_owners, mapped_tensors, natural_key
 from .sources import any_source
 from .ui import Ui
-from .unshard import assemble, direct_rows
+from .unshard import assemble, check_read_pieces, direct_rows
 from .world import World, everyone, on_main
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -141,6 +141,7 @@ class Side:
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
     read: Callable[[str], torch.Tensor]
     close: Callable[[], None]
+    check_pieces: Callable[[World], None] = lambda world: None  # collective, after every read
 
 
 def hf_side(label: str, path: Path, keys: set[str] | None = None) -> Side:
@@ -183,7 +184,9 @@ def dcp_side(
         return assemble(outs[key], rows, reader)
 
     shapes = {k: (t.shape, t.dtype) for k, t in outs.items()}
-    return Side(label, path, shapes, read, reader.close)
+    return Side(
+        label, path, shapes, read, reader.close, lambda world: check_read_pieces(world, ckpt, reader.pieces())
+    )
 
 
 def open_sides(
@@ -241,6 +244,8 @@ def verify_sides(a: Side, b: Side, world: World, ui: Ui, tolerance: Tolerance | 
         except Exception as e:  # every rank must reach the gather below
             error = e
     world.agree(error)
+    a.check_pieces(world)  # chunks read in pieces (split experts) against their CRC-32
+    b.check_pieces(world)
     for part in world.all_gather_object(mine):
         findings.extend(part)
     order = {k: i for i, k in enumerate(keys)}

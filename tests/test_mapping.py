@@ -207,6 +207,10 @@ def test_flipped_byte_in_one_expert_fails_the_crc_check_at_any_rank_count(
     from ckptconv.formats.dcp_reader import DcpReader
 
     src, mapping, config = runtime_ckpt
+    flags = ["--mapping", str(mapping), "--config", str(config)]
+    good = tmp_path / "good"  # converted before the damage, to verify against
+    proc = ckptconv("dcp-to-hf", str(src), str(good), *flags, "--dtype", "keep")
+    assert proc.returncode == 0, proc.stderr
     ckpt = tmp_path / "ckpt"
     shutil.copytree(src, ckpt)
     spec = open_dcp(ckpt).tensors["model.layers.1.moe.experts.w2"]
@@ -220,19 +224,31 @@ def test_flipped_byte_in_one_expert_fails_the_crc_check_at_any_rank_count(
         byte = f.read(1)[0]
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0x04]))
-    flags = ["--mapping", str(mapping), "--config", str(config), "--hf-experts", "per_expert"]
-    for nproc, read in [(0, "direct"), (2, "direct"), (3, "gather")]:
-        out = tmp_path / f"out-{nproc}"
-        proc = ckptconv(
-            "dcp-to-hf", str(ckpt), str(out), *flags, "--max-shard-size", "900", "--read", read, nproc=nproc
+    runs = [
+        (
+            nproc,
+            [
+                "dcp-to-hf",
+                str(ckpt),
+                str(tmp_path / f"out-{nproc}"),
+                "--max-shard-size",
+                "900",
+                "--read",
+                read,
+            ],
         )
+        for nproc, read in [(0, "direct"), (2, "direct"), (3, "gather")]
+    ]
+    runs += [(nproc, ["verify", str(ckpt), str(good)]) for nproc in (0, 2)]  # a CRC error, not a mismatch
+    for nproc, args in runs:
+        proc = ckptconv(*args, *flags, nproc=nproc)
         assert proc.returncode == (2 if nproc == 0 else 1), proc.stderr  # torchrun exits 1 for a failed job
         errors = [line for line in proc.stderr.splitlines() if "ckptconv: error:" in line]
         assert len(errors) == 1, proc.stderr
         assert chunk.file in errors[0] and "'model.layers.1.moe.experts.w2'" in errors[0], errors
         assert "fails its CRC-32 check" in errors[0], errors
         assert "ckptconv/" not in proc.stderr.replace(str(tmp_path), "")  # no worker traceback
-        assert not out.exists() and not list(tmp_path.glob(f".out-{nproc}*"))
+        assert not list(tmp_path.glob("out-*")) and not list(tmp_path.glob(".out-*"))
 
 
 def test_rope_perm_is_torchtitans() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import io
-import json
 import os
 import struct
 import threading
@@ -25,6 +24,7 @@ from ..crc32 import whole_crc
 from ..errors import CkptconvError
 from ..specs import ChunkSpec, NonTensorItem, TensorSpec
 from .dcp import MAX_HEADER_BYTES, DcpCheckpoint
+from .hf import parse_header
 from .safe_pickle import pickle_globals, trusted
 from .torch_record import read_tensor_record
 
@@ -197,14 +197,7 @@ class DcpReader:
                 raise CkptconvError(
                     f"{self.ckpt.path / rel}: safetensors header of {length} bytes is too large"
                 )
-            try:
-                header = json.loads(self.read_bytes(rel, offset + 8, length))
-            except ValueError:
-                raise CkptconvError(
-                    f"{self.ckpt.path / rel}: unreadable safetensors header; re-copy it"
-                ) from None
-            if not isinstance(header, dict):
-                raise CkptconvError(f"{self.ckpt.path / rel}: unreadable safetensors header; re-copy it")
+            header = parse_header(self.read_bytes(rel, offset + 8, length), self.ckpt.path / rel)
             header["__data_start__"] = offset + 8 + length
             self._st_headers[key] = header
         return self._st_headers[key]

@@ -45,6 +45,19 @@ class StoredTensor:
         return torch_dtype(self.dtype_name)
 
 
+def parse_header(raw: bytes, path: object) -> dict[str, Any]:
+    """The JSON object of a safetensors header's bytes; `path` names the file in the error."""
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise CkptconvError(
+            f"{path}: the safetensors header is not valid JSON; the file is corrupt"
+        ) from None
+    if not isinstance(header, dict):
+        raise CkptconvError(f"{path}: the safetensors header is not a JSON object; the file is corrupt")
+    return header
+
+
 def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     """Parse and validate one safetensors header: (tensors by key, __metadata__). Reads no tensor bytes."""
     try:
@@ -61,14 +74,7 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
             raw = f.read(length)
     except OSError as e:
         raise CkptconvError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        header = json.loads(raw)
-    except ValueError:
-        raise CkptconvError(
-            f"{path}: the safetensors header is not valid JSON; the file is corrupt"
-        ) from None
-    if not isinstance(header, dict):
-        raise CkptconvError(f"{path}: the safetensors header is not a JSON object")
+    header = parse_header(raw, path)
     metadata = header.pop("__metadata__", None) or {}
     start = 8 + length
     tensors: dict[str, StoredTensor] = {}

@@ -116,7 +116,7 @@ def direct_rows(reader: DcpReader) -> RowsFn:
         if r0 == 0 and (not chunk.sizes or r1 == chunk.sizes[0]):  # the whole chunk: check its CRC-32
             reader.check(spec, chunk, where, zlib.crc32(view))
         else:  # some rows: checked once all of the chunk's rows are read (`check_pieces`)
-            reader.note_piece(spec, chunk, where, r0 * row_bytes, len(view), zlib.crc32(view))
+            reader.note_piece(spec, chunk, where, r0 * row_bytes, view)
         return out
 
     return rows

@@ -19,10 +19,10 @@ from ..errors import CkptconvError
 from ..layout import tiling_problem
 from ..specs import ChunkFormat, ChunkSpec, NonTensorItem, TensorSpec
 from . import safe_pickle as md
+from .hf import MAX_HEADER_BYTES  # a larger safetensors header inside a .distcp is refused too
 from .safe_pickle import load_dcp_metadata
 
 METADATA_FILE = ".metadata"
-MAX_HEADER_BYTES = 100 * 2**20  # a larger safetensors header inside a .distcp is refused
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import torch
 from ..crc32 import whole_crc
 from ..errors import CkptconvError
 from ..specs import ChunkSpec, NonTensorItem, TensorSpec
-from .dcp import MAX_HEADER_BYTES, DcpCheckpoint
-from .hf import parse_header
+from .dcp import DcpCheckpoint
+from .hf import MAX_HEADER_BYTES, parse_header
 from .safe_pickle import pickle_globals, trusted
 from .torch_record import read_tensor_record
 
@@ -105,27 +105,29 @@ class DcpReader:
             raise _crc_error(self.ckpt, chunk.file, spec.fqn, chunk.byte_offset)
 
     def note_piece(
-        self, spec: TensorSpec, chunk: ChunkSpec, where: int, start: int, length: int, crc: int
+        self, spec: TensorSpec, chunk: ChunkSpec, where: int, start: int, piece: memoryview
     ) -> None:
-        """Remember the CRC-32 of bytes [start, start + length) of a chunk read in pieces (some rows of it,
+        """Remember the CRC-32 of `piece`, the bytes from `start` of a chunk read in pieces (some rows of it,
         as a mapping that splits stacked experts or fused projections reads it), to check the whole chunk
-        once every piece is read: `check_pieces`, possibly with other ranks' pieces."""
+        once every piece is read: `check_pieces`, possibly with other ranks' pieces. Chunks without a
+        stored CRC-32 cost nothing."""
         expected = self._crcs.get((chunk.file, where))
         if expected is None:
             return
-        piece = RowPiece(
+        nbytes = chunk.numel * spec.dtype.itemsize
+        noted = RowPiece(
             chunk.file,
             where,
             spec.fqn,
             chunk.byte_offset,
             expected,
-            chunk.numel * spec.dtype.itemsize,
+            nbytes,
             start,
-            length,
-            crc,
+            len(piece),
+            zlib.crc32(piece),
         )
         with self._lock:
-            self._pieces.append(piece)
+            self._pieces.append(noted)
 
     def pieces(self) -> list[RowPiece]:
         with self._lock:
@@ -243,22 +245,17 @@ class RowPiece(NamedTuple):
     crc: int
 
 
-def check_pieces(ckpt: DcpCheckpoint, pieces: Iterable[RowPiece]) -> int:
+def check_pieces(ckpt: DcpCheckpoint, pieces: Iterable[RowPiece]) -> None:
     """Check every chunk whose pieces (from any number of ranks) cover it exactly against its stored
-    CRC-32; return how many chunks were checked. A chunk not wholly read (only some experts mapped) is not."""
+    CRC-32. A chunk not wholly read (only some experts mapped) is not checked."""
     by_chunk: dict[tuple[str, int], list[RowPiece]] = {}
     for piece in pieces:
         by_chunk.setdefault((piece.file, piece.where), []).append(piece)
-    checked = 0
     for (file, _), parts in sorted(by_chunk.items()):
         first = parts[0]
         crc = whole_crc(((p.start, p.length, p.crc) for p in parts), first.nbytes)
-        if crc is None:
-            continue
-        if crc != first.expected:
+        if crc is not None and crc != first.expected:
             raise _crc_error(ckpt, file, first.fqn, first.byte_offset)
-        checked += 1
-    return checked
 
 
 def _crc_error(ckpt: DcpCheckpoint, file: str, fqn: str, byte_offset: int) -> CkptconvError:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+
+from .env import env_float
 
 
 def human_bytes(n: int) -> str:
@@ -89,7 +90,7 @@ class LogProgress(ProgressHook):
     def __init__(self, bar: None, task: None, console: Console, label: str, total: int) -> None:
         super().__init__(bar, task)
         self.console, self.label, self.total, self.done = console, label, total, 0
-        self.every = float(os.environ.get("CKPTCONV_LOG_EVERY_S", "10"))
+        self.every = env_float("CKPTCONV_LOG_EVERY_S", 10.0)
         self.start = self.last = time.monotonic()
 
     def advance(self, nbytes: int) -> None:

@@ -8,17 +8,17 @@ timeout so that a dead peer turns into an error rather than a hang.
 from __future__ import annotations
 
 import datetime
-import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar, cast
 
+from .env import env_int
 from .errors import CkptconvError
 
 P = ParamSpec("P")
 T = TypeVar("T")
-DEFAULT_TIMEOUT_S = int(os.environ.get("CKPTCONV_TIMEOUT_S", "600"))
 
 
 @dataclass(frozen=True)
@@ -87,29 +87,55 @@ def _one_line(error: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else None
+COLLECTIVE_FAILURE = re.compile(r"gloo|nccl|[Tt]imed out|timeout|closed by peer|Connection reset|Broken pipe")
+
+
+def collective_failure(error: BaseException, rank: int, timeout_s: int) -> CkptconvError | None:
+    """The one-line error for a collective that failed because a peer died or stalled (torch raises a plain
+    RuntimeError from gloo, a DistError from its newer backends), or None for any other exception."""
+    import torch.distributed as dist
+
+    if not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    if not (isinstance(error, dist.DistError) or COLLECTIVE_FAILURE.search(text)):
+        return None
+    cause = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", cause)[:200]  # drop gloo's "[/path/pair.cc:553]" prefix
+    return CkptconvError(
+        f"rank {rank}: a collective with the other ranks failed ({cause}); another rank died or waited "
+        f"longer than CKPTCONV_TIMEOUT_S={timeout_s}s: see the other ranks' errors above"
+    )
 
 
 @contextmanager
-def world_from_env(timeout_s: int = DEFAULT_TIMEOUT_S) -> Iterator[World]:
-    """The world torchrun describes in the environment; a process group only when WORLD_SIZE > 1."""
-    size = _env_int("WORLD_SIZE") or 1
+def world_from_env(timeout_s: int | None = None) -> Iterator[World]:
+    """The world torchrun describes in the environment; a process group only when WORLD_SIZE > 1.
+
+    `timeout_s` (default CKPTCONV_TIMEOUT_S, 600) bounds every collective; a collective that fails because a
+    peer died or stalled becomes one line naming this rank (`collective_failure`)."""
+    size = env_int("WORLD_SIZE", 1)
     if size <= 1:
         yield World(0, 1)
         return
     import torch
     import torch.distributed as dist
 
+    timeout = timeout_s if timeout_s is not None else env_int("CKPTCONV_TIMEOUT_S", 600)
     owned = not dist.is_initialized()
     if owned:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    rank = dist.get_rank()
     try:
-        yield World(dist.get_rank(), dist.get_world_size())
+        yield World(rank, dist.get_world_size())
         if owned:
             dist.barrier()  # no rank tears down its process group while a peer is still in a collective
+    except RuntimeError as e:
+        failure = collective_failure(e, rank, timeout)
+        if failure is None:
+            raise
+        raise failure from None
     finally:
         if owned and dist.is_initialized():
             dist.destroy_process_group()

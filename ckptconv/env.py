@@ -1,0 +1,52 @@
+"""The `CKPTCONV_*` environment variables, read and validated in one place.
+
+A bad value is bad input like a bad flag: one line naming the variable and what it takes, exit 2.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import CkptconvError
+
+VARIABLES = {
+    "CKPTCONV_TIMEOUT_S": "seconds a collective waits for a peer before the job fails (default 600)",
+    "CKPTCONV_WRITE_THREADS": "files each rank writes at once in hf-to-dcp (default 2)",
+    "CKPTCONV_LOG_EVERY_S": "seconds between progress log lines when stderr is not a terminal (default 10)",
+    "CKPTCONV_DEBUG": "set to 1 to get a traceback instead of the one-line error",
+}
+
+
+def env_int(name: str, default: int, minimum: int = 1) -> int:
+    """The whole number in `name` (>= `minimum`), or `default` when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise CkptconvError(f"{name}={raw!r}: must be a whole number >= {minimum}; fix or unset it")
+    return value
+
+
+def env_float(name: str, default: float, minimum: float = 0.0) -> float:
+    """The finite number in `name` (>= `minimum`), or `default` when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not minimum <= value < float("inf"):
+        raise CkptconvError(f"{name}={raw!r}: must be a number >= {minimum:g}; fix or unset it")
+    return value
+
+
+def check_all() -> None:
+    """Validate every variable a command may read, before any work: a bad one fails at once, on every rank."""
+    env_int("CKPTCONV_TIMEOUT_S", 600)
+    env_int("CKPTCONV_WRITE_THREADS", 2)
+    env_float("CKPTCONV_LOG_EVERY_S", 10.0)

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -98,6 +98,27 @@ VerifyOpt = Annotated[
 ]
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        sys.stdout.write(f"ckptconv {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Convert LLM checkpoints between PyTorch Distributed Checkpoint (DCP) and Hugging Face safetensors."""
+    from .env import check_all
+
+    check_all()  # a bad CKPTCONV_* variable fails before any work, with one line
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
@@ -126,9 +147,12 @@ def _print_json(doc: dict[str, Any]) -> None:
 @app.command("dcp-to-hf")
 def dcp_to_hf_cmd(
     src: Annotated[
-        Path, typer.Argument(help="DCP checkpoint directory (with .metadata).", show_default=False)
+        Path,
+        typer.Argument(help="DCP checkpoint directory (with .metadata).", show_default=False, metavar="SRC"),
     ],
-    out: Annotated[Path, typer.Argument(help="Output Hugging Face directory.", show_default=False)],
+    out: Annotated[
+        Path, typer.Argument(help="Output Hugging Face directory.", show_default=False, metavar="OUT")
+    ],
     dtype: DtypeOpt = "bf16",
     fp32: Fp32Opt = None,
     max_shard_size: MaxShardOpt = "5GB",
@@ -212,10 +236,14 @@ def hf_to_dcp_cmd(
     src: Annotated[
         str,
         typer.Argument(
-            help="HF model directory, .safetensors file, or hub repo id (org/name).", show_default=False
+            help="HF model directory, .safetensors file, or hub repo id (org/name).",
+            show_default=False,
+            metavar="SRC",
         ),
     ],
-    out: Annotated[Path, typer.Argument(help="Output DCP checkpoint directory.", show_default=False)],
+    out: Annotated[
+        Path, typer.Argument(help="Output DCP checkpoint directory.", show_default=False, metavar="OUT")
+    ],
     dtype: DtypeOpt = "keep",
     fp32: Fp32Opt = None,
     prefix: Annotated[
@@ -356,7 +384,9 @@ def inspect_cmd(
     path: Annotated[
         str,
         typer.Argument(
-            help="DCP directory, HF directory, .safetensors file or hub repo id.", show_default=False
+            help="DCP directory, HF directory, .safetensors file or hub repo id.",
+            show_default=False,
+            metavar="PATH",
         ),
     ],
     revision: RevisionOpt = None,
@@ -389,34 +419,69 @@ def inspect_cmd(
         render_mapped(info["mapped"], console)
 
 
+def _typer_errors() -> tuple[type[Exception], type[Exception]]:
+    """typer's usage-error class and the base of the errors it shows to users, found from its public
+    `typer.BadParameter`: typer < 0.29 re-exports click's classes, typer 0.29 vendors its own copy of click,
+    so neither `click.UsageError` nor a typer-internal module path can be relied on."""
+    ancestors = {cls.__name__: cls for cls in typer.BadParameter.__mro__}
+    usage = ancestors.get("UsageError", typer.BadParameter)
+    shown = ancestors.get("ClickException", usage)
+    return usage, shown
+
+
+def _usage_line(error: Exception, argv: list[str]) -> str:
+    """One line: typer's message and where to look (`see 'ckptconv dcp-to-hf --help'`)."""
+    ctx = getattr(error, "ctx", None)
+    path = getattr(ctx, "command_path", None) or "ckptconv"
+    if path == "ckptconv":  # raised while parsing a command's options, before its context existed
+        command = next((a for a in argv if not a.startswith("-")), None)
+        if command in typer.main.get_command(app).commands:  # type: ignore[attr-defined]
+            path = f"ckptconv {command}"
+    message = error.format_message() if hasattr(error, "format_message") else str(error)
+    return f"ckptconv: error: {' '.join(message.split()).rstrip('.')}; see '{path} --help'"
+
+
 def main(argv: list[str] | None = None) -> None:
-    import click
-
+    args = (sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `ckptconv`: the help, exit 0
     from .errors import CkptconvError
+    from .signals import as_interrupts
 
+    usage_error, shown_error = _typer_errors()
     try:
-        code = app(args=argv, prog_name="ckptconv", standalone_mode=False)
-        if isinstance(code, int) and code:  # typer turns Ctrl-C into an exit code of 130 and returns it
+        with as_interrupts():
+            code = app(args=args, prog_name="ckptconv", standalone_mode=False)
+        if isinstance(code, int) and code:  # some typer versions turn Ctrl-C into 130 and return it
             if code == 130:
-                sys.stderr.write("ckptconv: interrupted\n")
+                _exit_interrupted()
             sys.exit(code)
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
+        if e.exit_code == 130:
+            _exit_interrupted()
         sys.exit(e.exit_code)
-    except click.UsageError as e:
-        hint = (
-            f" (see 'ckptconv {e.ctx.info_name} --help')" if e.ctx and e.ctx.info_name != "ckptconv" else ""
-        )
-        sys.stderr.write(f"ckptconv: error: {e.format_message()}{hint}\n")
+    except usage_error as e:
+        sys.stderr.write(_usage_line(e, args) + "\n")
         sys.exit(2)
-    except (click.Abort, KeyboardInterrupt):
-        sys.stderr.write("ckptconv: interrupted\n")
-        sys.exit(130)
+    except (KeyboardInterrupt, typer.Abort):
+        _exit_interrupted()
     except CkptconvError as e:
         if os.environ.get("CKPTCONV_DEBUG"):
             raise
         if not (e.agreed and _rank() != 0):
             sys.stderr.write(f"ckptconv: error: {' '.join(str(e).split())}\n")
         sys.exit(e.exit_code)
+    except shown_error as e:  # any other error typer shows to users (a file it cannot open, ...)
+        sys.stderr.write(_usage_line(e, args) + "\n")
+        sys.exit(2)
+
+
+def _exit_interrupted() -> NoReturn:
+    """Exit 128 + the signal that stopped the run, with one line for the whole job: under torchrun every rank
+    is signalled, rank 0 says so."""
+    from .signals import exit_code
+
+    if _rank() == 0:
+        sys.stderr.write("ckptconv: interrupted\n")
+    sys.exit(exit_code())
 
 
 def run() -> None:

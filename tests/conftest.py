@@ -121,3 +121,15 @@ def fsdp2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mesh2d_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 ranks, a 2x2 (dp, tp) mesh: FSDP2 x TP blocks and strided rows, in the safetensors serialization."""
     return make_dcp(tmp_path_factory.mktemp("mesh2d") / "ckpt", 4, "mesh2d", "safetensors")
+
+
+@pytest.fixture(scope="session")
+def slow_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~400 MB of fp32 in 8 tensors, saved by dcp.save in one process: a conversion slow enough to signal."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path_factory.mktemp("slow") / "ckpt"
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"layers.{i}.w": torch.randn(3000, 4096, generator=g) for i in range(8)}}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path

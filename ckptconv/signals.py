@@ -1,0 +1,54 @@
+"""SIGTERM and SIGHUP behave like Ctrl-C: the work in progress unwinds (staging removed, locks released),
+then the command exits 128 + the signal's number with one line.
+
+A batch scheduler's cancel (SIGTERM), a closed terminal or ssh session (SIGHUP) and Ctrl-C (SIGINT) all arrive
+as `Interrupted`, a KeyboardInterrupt, so every `finally` and `except BaseException` that cleans up after
+Ctrl-C cleans up after them too. Python runs the handler in the main thread, between bytecodes.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+HANDLED = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by `signum`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_received: list[int] = []  # the signals `as_interrupts` turned into `Interrupted`, in order
+
+
+def exit_code() -> int:
+    """128 + the signal that stopped the run: 143 for SIGTERM, 129 for SIGHUP, 130 for Ctrl-C. Kept here,
+    not read off the exception: typer turns a KeyboardInterrupt into an exit code of 130."""
+    return 128 + (_received[0] if _received else signal.SIGINT)
+
+
+def _raise(signum: int, frame: FrameType | None) -> None:
+    _received.append(signum)
+    for sig in HANDLED:  # a second signal while unwinding must not interrupt the cleanup
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+@contextmanager
+def as_interrupts() -> Iterator[None]:
+    """Inside: SIGTERM and SIGHUP raise `Interrupted` in the main thread. Outside: the handlers before."""
+    before = {sig: signal.getsignal(sig) for sig in HANDLED}
+    for sig in HANDLED:
+        if before[sig] != signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
+            signal.signal(sig, _raise)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,180 @@
+"""The command line itself: usage errors, --version, help, CKPTCONV_* variables, signals, collective failures.
+
+Every usage error is exit 2 with one line and a hint, whichever typer (and whichever click inside it) is
+installed; SIGTERM and SIGHUP unwind like Ctrl-C, on one process and under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import _env, ckptconv
+from test_bad_input import assert_one_line
+
+import ckptconv as package
+
+USAGE_ERRORS = [
+    ((), None),
+    (("--bogus",), ("No such option: --bogus", "see 'ckptconv --help'")),
+    (("frobnicate",), ("No such command 'frobnicate'", "see 'ckptconv --help'")),
+    (("dcp-to-hf",), ("Missing argument 'SRC'", "see 'ckptconv dcp-to-hf --help'")),
+    (("dcp-to-hf", "--bogus"), ("No such option: --bogus", "see 'ckptconv dcp-to-hf --help'")),
+    (("dcp-to-hf", "a", "b", "--dtype"), ("'--dtype' requires an argument", "ckptconv dcp-to-hf --help")),
+    (("hf-to-dcp", "org/name"), ("Missing argument 'OUT'", "see 'ckptconv hf-to-dcp --help'")),
+    (("verify", "a"), ("Missing argument 'B'", "see 'ckptconv verify --help'")),
+    (("verify", "a", "b", "--atol", "x"), ("--atol", "see 'ckptconv verify --help'")),
+    (("inspect",), ("Missing argument 'PATH'", "see 'ckptconv inspect --help'")),
+    (("inspect", "x", "--json", "extra"), ("unexpected extra argument", "ckptconv inspect --help")),
+]
+
+
+@pytest.mark.parametrize(("args", "needles"), USAGE_ERRORS, ids=lambda v: " ".join(v) if v else "-")
+def test_usage_errors_are_one_line_exit_2_with_a_hint(args: tuple[str, ...], needles: tuple | None) -> None:
+    proc = ckptconv(*args)
+    if needles is None:  # bare: the help, as `ckptconv --help` (whatever typer itself would do)
+        assert proc.returncode == 0 and proc.stdout == ckptconv("--help").stdout and proc.stderr == ""
+        return
+    assert_one_line(proc.returncode, proc.stderr, *needles)
+    assert proc.stdout == ""
+
+
+def test_version() -> None:
+    proc = ckptconv("--version")
+    assert proc.returncode == 0 and proc.stdout == f"ckptconv {package.__version__}\n" and proc.stderr == ""
+
+
+def test_help_lists_each_command_once() -> None:
+    proc = ckptconv("--help")
+    assert proc.returncode == 0, proc.stderr
+    commands = proc.stdout.split("Commands:")[1].split()
+    for name in ("dcp-to-hf", "hf-to-dcp", "verify", "inspect"):
+        assert commands.count(name) == 1, proc.stdout
+    assert "--version" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("CKPTCONV_TIMEOUT_S", "ten"),
+        ("CKPTCONV_TIMEOUT_S", "0"),
+        ("CKPTCONV_WRITE_THREADS", "1.5"),
+        ("CKPTCONV_WRITE_THREADS", "-2"),
+        ("CKPTCONV_LOG_EVERY_S", "soon"),
+        ("CKPTCONV_LOG_EVERY_S", "inf"),
+    ],
+)
+def test_bad_environment_variable_is_one_line_naming_it(
+    fsdp2_ckpt: Path, tmp_path: Path, name: str, value: str
+) -> None:
+    env = {**_env(), name: value}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptconv", "dcp-to-hf", str(fsdp2_ckpt), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert_one_line(proc.returncode, proc.stderr, f"{name}={value!r}", "fix or unset it")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _start(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        **kwargs,
+    )
+
+
+def _wait_for_work(parent: Path, proc: subprocess.Popen[str], seconds: float = 120) -> None:
+    """Until the run has created something beside OUT (its staging directory): it is writing."""
+    deadline = time.monotonic() + seconds
+    while not any(parent.iterdir()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never started writing"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_and_sighup_unwind_like_ctrl_c(slow_ckpt: Path, tmp_path: Path, sig: int, code: int) -> None:
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    out = parent / "out"
+    args = ["dcp-to-hf", str(slow_ckpt), str(out), "--bucket-size", "8MB"]
+    proc = _start([sys.executable, "-m", "ckptconv", *args])
+    _wait_for_work(parent, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert [x for x in err.splitlines() if x.startswith("ckptconv:")] == ["ckptconv: interrupted"], err
+    assert list(parent.iterdir()) == []  # staging (and any lock) removed, OUT never created
+
+
+@pytest.mark.parametrize("how", ["sigterm-to-torchrun", "ctrl-c-to-the-job"])
+def test_a_signal_to_a_torchrun_job_prints_one_line_and_leaves_nothing(
+    slow_ckpt: Path, tmp_path: Path, how: str
+) -> None:
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    out = parent / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    cmd += ["ckptconv", "dcp-to-hf", str(slow_ckpt), str(out), "--bucket-size", "8MB"]
+    agent = _start(cmd, start_new_session=True)
+    _wait_for_work(parent, agent)
+    workers = psutil.Process(agent.pid).children()
+    assert len(workers) == 2
+    if how == "sigterm-to-torchrun":
+        agent.send_signal(signal.SIGTERM)
+    else:  # a terminal's Ctrl-C: SIGINT to the whole foreground process group
+        os.killpg(agent.pid, signal.SIGINT)
+    _, err = agent.communicate(timeout=90)
+    assert agent.returncode != 0
+    ours = [line for line in err.splitlines() if line.startswith("ckptconv:")]
+    assert ours == ["ckptconv: interrupted"], err
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert alive == [], alive
+    assert list(parent.iterdir()) == []
+
+
+def test_a_stalled_rank_is_one_line_per_rank_naming_the_collective(slow_ckpt: Path, tmp_path: Path) -> None:
+    """A rank that stops answering (SIGSTOP, as a hung node would) fails its peer's next collective after
+    CKPTCONV_TIMEOUT_S: one line, not gloo's RuntimeError traceback."""
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    cmd += ["ckptconv", "dcp-to-hf", str(slow_ckpt), str(parent / "out"), "--bucket-size", "8MB"]
+    agent = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**_env(), "CKPTCONV_TIMEOUT_S": "5"},
+        stdin=subprocess.DEVNULL,
+    )
+    _wait_for_work(parent, agent)
+    workers = sorted(psutil.Process(agent.pid).children(), key=lambda p: p.pid)
+    stalled = next(w for w in workers if w.environ().get("RANK") == "1")
+    stalled.suspend()
+    try:
+        _, err = agent.communicate(timeout=120)
+    finally:
+        if stalled.is_running():
+            stalled.kill()
+    assert agent.returncode != 0
+    ours = [line for line in err.splitlines() if line.startswith("ckptconv:")]
+    assert len(ours) == 1, err
+    assert ours[0].startswith("ckptconv: error: rank 0: a collective with the other ranks failed"), err
+    assert "CKPTCONV_TIMEOUT_S=5s" in ours[0]
+    assert "RuntimeError" not in err
+    assert not (parent / "out").exists()

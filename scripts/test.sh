@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Set up, lint, type-check and run the whole test suite (what CI runs).
+# CKPTCONV_DEPS=latest runs the same against the newest release of every dependency (in .venv-latest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check ckptconv tests scripts
-.venv/bin/mypy
-.venv/bin/python -m pytest -p no:cacheprovider "$@"
+venv=.venv
+[ "${CKPTCONV_DEPS:-locked}" = latest ] && venv=.venv-latest
+"$venv/bin/ruff" check ckptconv tests scripts
+"$venv/bin/mypy"
+"$venv/bin/python" -m pytest -p no:cacheprovider "$@"

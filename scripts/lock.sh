@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Re-resolve the lock: install ckptconv with its test tools into a fresh venv from the newest releases
+# (torch pinned to the CPU build tested), then write every installed version to requirements-lock.txt.
+# scripts/setup.sh installs from that file; `CKPTCONV_DEPS=latest` ignores it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"${PYTHON:-python3}" -m venv "$tmp/venv"
+"$tmp/venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+"$tmp/venv/bin/python" -m pip install -q "torch==2.13.0" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+{
+  echo "# The lock: every package scripts/setup.sh installs, at the versions tested. Made by scripts/lock.sh."
+  "$tmp/venv/bin/python" -m pip freeze --all --exclude-editable | sed 's/^torch==\(.*\)+cpu$/torch==\1/'
+} > requirements-lock.txt
+echo "wrote requirements-lock.txt ($(grep -vc '^#' requirements-lock.txt) packages)"

@@ -8,4 +8,4 @@ venv=.venv
 [ "${CKPTCONV_DEPS:-locked}" = latest ] && venv=.venv-latest
 "$venv/bin/ruff" check ckptconv tests scripts
 "$venv/bin/mypy"
-"$venv/bin/python" -m pytest -p no:cacheprovider "$@"
+"$venv/bin/python" -m pytest -p no:cacheprovider --durations=15 "$@"

@@ -106,6 +106,7 @@ def _wait_for_work(parent: Path, proc: subprocess.Popen[str], seconds: float = 1
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_sigterm_and_sighup_unwind_like_ctrl_c(slow_ckpt: Path, tmp_path: Path, sig: int, code: int) -> None:
     parent = tmp_path / "outs"
@@ -121,6 +122,7 @@ def test_sigterm_and_sighup_unwind_like_ctrl_c(slow_ckpt: Path, tmp_path: Path, 
     assert list(parent.iterdir()) == []  # staging (and any lock) removed, OUT never created
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigterm-to-torchrun", "ctrl-c-to-the-job"])
 def test_a_signal_to_a_torchrun_job_prints_one_line_and_leaves_nothing(
     slow_ckpt: Path, tmp_path: Path, how: str
@@ -147,6 +149,7 @@ def test_a_signal_to_a_torchrun_job_prints_one_line_and_leaves_nothing(
     assert list(parent.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_is_one_line_per_rank_naming_the_collective(slow_ckpt: Path, tmp_path: Path) -> None:
     """A rank that stops answering (SIGSTOP, as a hung node would) fails its peer's next collective after
     CKPTCONV_TIMEOUT_S: one line, not gloo's RuntimeError traceback."""

@@ -7,9 +7,8 @@ with exactly what it was made from. Keys are shared out over the ranks (largest 
 each rank reads and compares its keys one at a time (memory: the tensor pair being compared) and the
 findings are gathered on every rank, so the verdict does not depend on the number of ranks.
 
-Exact: A's values cast to B's dtype (`Tensor.to`) equal B bit for bit (so -0.0 != 0.0, and NaN == NaN only
-with the same bits). With a tolerance: |a - b| <= atol + rtol * |b| in fp32, NaN equal to NaN in the same
-place, infinities equal when the same.
+What matches is `compare.compare`'s rule (bit for bit by default, or a tolerance), applied a slab at a
+time: a rank holds the tensor pair it compares plus one slab's temporaries.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .dtype_names import short_name
+from .compare import Finding, Tolerance, compare, describe
 from .dtypes import DtypePolicy
 from .errors import CkptconvError, VerifyMismatch
 from .formats.dcp import is_dcp_dir, open_dcp
@@ -36,42 +35,6 @@ from .sources import any_source
 from .ui import Ui
 from .unshard import assemble, check_read_pieces, direct_rows
 from .world import World, everyone, on_main
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    atol: float = 0.0
-    rtol: float = 0.0
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One mismatch: a key on one side only, a shape that differs, or values that differ."""
-
-    key: str
-    kind: str  # only_in_a | only_in_b | shape | values
-    a: dict[str, Any] | None
-    b: dict[str, Any] | None
-    differing: int = 0
-    numel: int = 0
-    max_abs_diff: float | None = None
-
-    def line(self) -> str:
-        def desc(side: dict[str, Any] | None) -> str:
-            return f"{side['dtype']}{side['shape']}" if side else "-"
-
-        if self.kind == "only_in_a":
-            return f"{self.key}: only in A ({desc(self.a)})"
-        if self.kind == "only_in_b":
-            return f"{self.key}: only in B ({desc(self.b)})"
-        if self.kind == "shape":
-            return f"{self.key}: shape differs, A {desc(self.a)} vs B {desc(self.b)}"
-        return (
-            f"{self.key}: {self.differing} of {self.numel} elements differ (max abs diff "
-            f"{self.max_abs_diff:.6g}), A {desc(self.a)} vs B {desc(self.b)}"
-        )
 
 
 @dataclass
@@ -102,34 +65,6 @@ class Report:
             "seconds": round(self.seconds, 3),
             "notes": self.notes,
         }
-
-
-def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
-    return {"shape": list(shape), "dtype": short_name(dtype)}
-
-
-def compare(key: str, a: torch.Tensor, b: torch.Tensor, tolerance: Tolerance | None = None) -> Finding | None:
-    """None when `a` (cast to b's dtype) matches `b`; else what differs."""
-    da, db = _describe(tuple(a.shape), a.dtype), _describe(tuple(b.shape), b.dtype)
-    if a.shape != b.shape:
-        return Finding(key, "shape", da, db)
-    cast = a.to(b.dtype)
-    if tolerance is None:
-        if b.dtype == torch.bool:
-            differ = cast != b
-        else:
-            bits = _BITS[b.dtype.itemsize]
-            differ = cast.contiguous().view(bits) != b.contiguous().view(bits)
-    else:
-        fa, fb = cast.float(), b.float()
-        close = (fa - fb).abs() <= tolerance.atol + tolerance.rtol * fb.abs()
-        differ = ~(close | (fa == fb) | (fa.isnan() & fb.isnan()))
-    n = int(differ.sum())
-    if n == 0:
-        return None
-    gap = (a[differ].double() - b[differ].double()).abs() if differ.dim() else (a.double() - b.double()).abs()
-    worst = float(gap.max()) if gap.numel() else math.nan
-    return Finding(key, "values", da, db, n, b.numel(), worst)
 
 
 @dataclass
@@ -259,7 +194,7 @@ def _side(side: Side, key: str) -> dict[str, Any] | None:
     if key not in side.shapes:
         return None
     shape, dtype = side.shapes[key]
-    return _describe(shape, dtype)
+    return describe(shape, dtype)
 
 
 def _nbytes(side: Side, key: str) -> int:

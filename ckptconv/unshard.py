@@ -21,13 +21,13 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
-from .layout import intersect
+from .layout import Box, intersect
 from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
 from .schedule import plan_rounds
 from .specs import ChunkSpec, TensorSpec
@@ -63,42 +63,73 @@ def assemble(t: OutTensor, rows: RowsFn, reader: DcpReader | None = None) -> tor
 
     A part that is a whole stored tensor is filled chunk by chunk straight into place (`_fill_whole`); any
     other part (a block of a stacked or fused tensor, a permuted one) reads only the rows of the chunks that
-    intersect its block, then lands in its block of the output.
+    intersect its block, at most `SLAB_BYTES` at a time, each cast into its place in the output as it comes:
+    besides the output, this holds one slab of rows (never a source-dtype copy of the part).
     """
     out = torch.empty(t.shape, dtype=t.dtype)
     for sp in t.parts:
         if sp.whole and sp.spec.shape == t.shape and reader is not None:
             _fill_whole(reader, sp.spec, out)
-        else:
-            _place(out, sp, _read_block(sp, rows))
+            continue
+        for chunk, r0, r1 in _part_rows(sp):
+            for lo, hi in _row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
+                place(out, sp, _rows_box(chunk, lo, hi), rows(sp.spec, chunk, lo, hi))
     return out
 
 
-def _read_block(sp: SourcePart, rows: RowsFn) -> torch.Tensor:
-    p, spec = sp.part, sp.spec
-    chunks = _unique_chunks(spec)
-    if not p.src_sizes:  # 0-d
-        return rows(spec, chunks[0], 0, 1)
-    block = torch.empty(p.src_sizes, dtype=spec.dtype)
-    for chunk in chunks:
+def _part_rows(sp: SourcePart) -> list[tuple[ChunkSpec, int, int]]:
+    """The stored chunks of `sp`'s tensor that intersect its block, each with the rows [r0, r1) it needs."""
+    p = sp.part
+    out = []
+    for chunk in _unique_chunks(sp.spec):
         inter = intersect((chunk.offsets, chunk.sizes), (p.src_offsets, p.src_sizes))
         if inter is None:
             continue
-        r0 = inter[0][0] - chunk.offsets[0]
-        piece = rows(spec, chunk, r0, r0 + inter[1][0])
-        rel = [0, *(o - c for o, c in zip(inter[0][1:], chunk.offsets[1:], strict=True))]
-        piece = narrow(piece, rel, inter[1])
-        narrow(block, [o - b for o, b in zip(inter[0], p.src_offsets, strict=True)], inter[1]).copy_(piece)
-    return block
+        r0 = inter[0][0] - chunk.offsets[0] if chunk.sizes else 0
+        out.append((chunk, r0, r0 + inter[1][0] if chunk.sizes else 1))
+    return out
 
 
-def _place(out: torch.Tensor, sp: SourcePart, block: torch.Tensor) -> None:
-    """Copy a source block into its block of `out` (reshaped across size-1 dims, rows permuted), casting."""
+def _row_slabs(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int, limit: int) -> list[tuple[int, int]]:
+    """Rows [r0, r1) of a chunk cut into runs of at most `limit` bytes (at least one row each)."""
+    if not chunk.sizes:
+        return [(r0, r1)]
+    step = max(1, limit // max(1, math.prod(chunk.sizes[1:]) * spec.dtype.itemsize))
+    return [(lo, min(lo + step, r1)) for lo in range(r0, r1, step)]
+
+
+def _rows_box(chunk: ChunkSpec, r0: int, r1: int) -> Box:
+    """The block (global coordinates) that rows [r0, r1) of `chunk` cover."""
+    if not chunk.sizes:
+        return chunk.offsets, chunk.sizes
+    return (chunk.offsets[0] + r0, *chunk.offsets[1:]), (r1 - r0, *chunk.sizes[1:])
+
+
+def place(out: torch.Tensor, sp: SourcePart, box: Box, data: torch.Tensor) -> None:
+    """Cast the part of `data` (the block `box` of `sp`'s stored tensor) that `sp` reads into its place in
+    `out`: source blocks map onto target blocks across size-1 dims; a permuted part's rows land where `perm`
+    sends them. Holds nothing beyond `data` (a permuted piece: its rows gathered once, in `out`'s dtype)."""
     p = sp.part
-    values = block.reshape(p.dst_sizes)
-    if p.perm is not None:
-        values = values[list(p.perm)]
-    narrow(out, p.dst_offsets, p.dst_sizes).copy_(values)
+    inter = intersect(box, (p.src_offsets, p.src_sizes))
+    if inter is None or not math.prod(p.src_sizes):
+        return
+    values = narrow(data, [o - b for o, b in zip(inter[0], box[0], strict=True)], inter[1])
+    rel = [o - s for o, s in zip(inter[0], p.src_offsets, strict=True)]
+    src_dims = [d for d, n in enumerate(p.src_sizes) if n != 1]
+    dst_dims = [d for d, n in enumerate(p.dst_sizes) if n != 1]
+    offsets, sizes = [0] * len(p.dst_sizes), [1] * len(p.dst_sizes)
+    for s, d in zip(src_dims, dst_dims, strict=True):
+        offsets[d], sizes[d] = rel[s], inter[1][s]
+    values = values.reshape(sizes)
+    target = narrow(out, p.dst_offsets, p.dst_sizes)
+    if p.perm is None:
+        narrow(target, offsets, sizes).copy_(values)
+        return
+    lo, n = offsets[0], sizes[0]  # target row r of the block is (reshaped) source row perm[r]
+    dst_rows = [r for r, src in enumerate(p.perm) if lo <= src < lo + n]
+    src_rows = torch.tensor([p.perm[r] - lo for r in dst_rows], dtype=torch.long)
+    target = narrow(target, [0, *offsets[1:]], [target.shape[0], *sizes[1:]])
+    target.index_copy_(0, torch.tensor(dst_rows, dtype=torch.long), values[src_rows].to(out.dtype))
 
 
 def direct_rows(reader: DcpReader) -> RowsFn:
@@ -291,47 +322,82 @@ def gather_rounds(
     return out
 
 
+def split_round(transfers: list[Transfer], bucket_bytes: int) -> list[list[Transfer]]:
+    """Pure: one round's transfers as steps each bringing at most `bucket_bytes` to every writer. A round
+    within the budget is one step, as it is; a writer's larger round (one tensor bigger than the budget) is
+    cut into runs of rows of at most `bucket_bytes` (a single larger row alone), its k-th group of them in
+    step k. The same steps, in the same order, on every rank."""
+    by_writer: dict[int, list[Transfer]] = {}
+    for tr in transfers:
+        by_writer.setdefault(tr.writer, []).append(tr)
+    groups: dict[int, list[list[Transfer]]] = {}
+    for writer, mine in sorted(by_writer.items()):
+        if sum(tr.nbytes for tr in mine) <= bucket_bytes:
+            groups[writer] = [mine]
+            continue
+        steps: list[list[Transfer]] = [[]]
+        used = 0
+        for tr in mine:
+            for lo, hi in _row_slabs(tr.spec, tr.chunk, tr.r0, tr.r1, bucket_bytes):
+                piece = replace(tr, r0=lo, r1=hi)
+                if used and used + piece.nbytes > bucket_bytes:
+                    steps.append([])
+                    used = 0
+                steps[-1].append(piece)
+                used += piece.nbytes
+        groups[writer] = steps
+    depth = max((len(g) for g in groups.values()), default=0)
+    return [[tr for _, g in sorted(groups.items()) if k < len(g) for tr in g[k]] for k in range(depth)]
+
+
 def gather_tensors(plan: HfSavePlan, world: World, source: RowsFn, bucket_bytes: int) -> Iterator[Item]:
     """Collective: this rank's output tensors in file order. The rows each tensor needs of each chunk are read
     by the chunk's reader rank (`source`: rows of a stored chunk, from storage or from memory) and sent to the
-    writer in rounds of at most `bucket_bytes` of gathered bytes per writer, one batch of p2p ops a round."""
+    writer in rounds of at most `bucket_bytes` of gathered bytes per writer (`gather_rounds`; a tensor larger
+    than that in steps of rows, `split_round`), one batch of p2p ops a step. The writer casts each received
+    block into its output tensors as it arrives, so it holds one step's blocks (<= `bucket_bytes`, or one
+    larger row) beside the round's output tensors, never a source-dtype copy of a tensor."""
+    for round_ in gather_rounds(plan, bucket_bytes):
+        mine = dict(round_).get(world.rank, [])
+        outs = {t.hf_key: torch.empty(t.shape, dtype=t.dtype) for _, t in mine}
+        for step in split_round(round_transfers(round_, world.size), bucket_bytes):
+            for tr, data in _exchange(step, world, source):
+                for sp in tr.tensor.parts:
+                    if sp.spec.fqn == tr.spec.fqn:
+                        place(outs[tr.tensor.hf_key], sp, _rows_box(tr.chunk, tr.r0, tr.r1), data)
+        for f, t in mine:
+            yield f, t, outs.pop(t.hf_key)
+
+
+def _exchange(step: list[Transfer], world: World, source: RowsFn) -> Iterator[tuple[Transfer, torch.Tensor]]:
+    """Collective: read this rank's blocks of `step`, agree on read errors, run one batch of p2p ops; then
+    the blocks this rank is the writer of, each dropped once the caller has used it."""
     import torch.distributed as dist
 
-    for round_ in gather_rounds(plan, bucket_bytes):
-        transfers = round_transfers(round_, world.size)
-        local: dict[int, torch.Tensor] = {}
-        error: BaseException | None = None
-        try:
-            for i, tr in enumerate(transfers):
-                if tr.reader == world.rank:
-                    local[i] = source(tr.spec, tr.chunk, tr.r0, tr.r1).contiguous()
-        except Exception as e:
-            error = e
-        world.agree(error)
-        ops = []
-        for i, tr in enumerate(transfers):
-            if tr.reader == tr.writer:
-                continue
-            if tr.reader == world.rank:  # sent as bytes: gloo moves any dtype that way (bool, fp8, bf16)
-                ops.append(dist.P2POp(dist.isend, _as_bytes(local.pop(i)), tr.writer))
-            elif tr.writer == world.rank:
-                local[i] = torch.empty(tr.shape, dtype=tr.spec.dtype)
-                ops.append(dist.P2POp(dist.irecv, _as_bytes(local[i]), tr.reader))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        received: dict[str, dict[tuple[str, tuple[int, ...]], tuple[int, torch.Tensor]]] = {}
-        for i, tr in enumerate(transfers):
-            if tr.writer == world.rank:
-                received.setdefault(tr.tensor.hf_key, {})[(tr.spec.fqn, tr.chunk.offsets)] = (
-                    tr.r0,
-                    local.pop(i),
-                )
-        for f, t in dict(round_).get(world.rank, []):
-            chunks = received.pop(t.hf_key, {})
-
-            def rows(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
-                first, data = chunks[(spec.fqn, chunk.offsets)]  # noqa: B023 (used before the next iteration)
-                return data.narrow(0, r0 - first, r1 - r0) if chunk.sizes else data
-
-            yield f, t, assemble(t, rows)
+    local: dict[int, torch.Tensor] = {}
+    error: BaseException | None = None
+    try:
+        for i, tr in enumerate(step):
+            if tr.reader == world.rank:
+                local[i] = source(tr.spec, tr.chunk, tr.r0, tr.r1).contiguous()
+    except Exception as e:
+        error = e
+    world.agree(error)
+    ops = []
+    for i, tr in enumerate(step):
+        if tr.reader == tr.writer:
+            continue
+        if tr.reader == world.rank:  # sent as bytes: gloo moves any dtype that way (bool, fp8, bf16)
+            ops.append(dist.P2POp(dist.isend, _as_bytes(local[i]), tr.writer))
+        elif tr.writer == world.rank:
+            local[i] = torch.empty(tr.shape, dtype=tr.spec.dtype)
+            ops.append(dist.P2POp(dist.irecv, _as_bytes(local[i]), tr.reader))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for i, tr in enumerate(step):
+        if tr.writer != world.rank:
+            local.pop(i, None)  # sent: free it before casting what arrived
+    for i, tr in enumerate(step):
+        if tr.writer == world.rank:
+            yield tr, local.pop(i)

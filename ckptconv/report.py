@@ -11,6 +11,7 @@ from rich.console import Console
 from .dtype_names import short_name
 from .errors import CkptconvError
 from .formats.dcp import is_dcp_dir, open_dcp
+from .formats.files import exists, is_directory
 from .formats.hf import is_hf_dir, open_hf
 from .ui import human_bytes
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 def inspect(path: Path) -> dict[str, Any]:
     """A JSON-able description of the checkpoint at `path` (DCP dir, HF dir or .safetensors file)."""
-    if not path.exists():
+    if not exists(path):
         raise CkptconvError(f"{path}: no such file or directory")
     if is_dcp_dir(path):
         ckpt = open_dcp(path)
@@ -39,7 +40,7 @@ def inspect(path: Path) -> dict[str, Any]:
         formats = sorted({c.fmt for t in ckpt.tensors.values() for c in t.chunks})
         extra = {"serialization": formats, "non_tensor_items": list(ckpt.items)}
         kind = "dcp"
-    elif is_hf_dir(path) or (path.is_file() and path.suffix == ".safetensors"):
+    elif is_hf_dir(path) or (not is_directory(path) and path.suffix == ".safetensors"):
         hf = open_hf(path)
         tensors = [
             {

@@ -8,19 +8,20 @@ from pathlib import Path
 
 from .errors import CkptconvError
 from .formats.dcp import is_dcp_dir
-from .formats.hf import INDEX_FILE, download, is_hf_dir, looks_like_repo_id
+from .formats.files import exists, is_directory, is_regular
+from .formats.hf import download, is_hf_dir, looks_like_repo_id
 from .outdir import refuse_partial
 
 
 def dcp_source(src: Path) -> Path:
     """The DCP directory the user means, or a CkptconvError saying what `src` is instead."""
-    if not src.exists():
+    if not exists(src):
         raise CkptconvError(f"{src}: no such file or directory")
     refuse_partial(src)
     if is_dcp_dir(src):
         return src
-    if src.is_file() or any(src.glob("*.safetensors")) or (src / INDEX_FILE).exists():
-        if src.suffix == ".safetensors" or src.is_dir():
+    if is_regular(src) or is_hf_dir(src):
+        if src.suffix == ".safetensors" or is_directory(src):
             raise CkptconvError(f"{src}: is a Hugging Face safetensors checkpoint, not DCP; use hf-to-dcp")
         raise CkptconvError(f"{src}: is a file; dcp-to-hf reads a DCP checkpoint directory (with .metadata)")
     raise CkptconvError(
@@ -30,7 +31,7 @@ def dcp_source(src: Path) -> Path:
 
 def _local_or_hub(src: str, revision: str | None, check: Callable[[Path], None]) -> Path:
     path = Path(src)
-    if path.exists():
+    if exists(path):
         if revision is not None:
             raise CkptconvError(f"--revision applies to hub repo ids; {src} is a local path")
         refuse_partial(path)
@@ -47,9 +48,9 @@ def hf_source(src: str, revision: str | None) -> Path:
     def check(path: Path) -> None:
         if is_dcp_dir(path):
             raise CkptconvError(f"{path}: is a DCP checkpoint, not Hugging Face safetensors; use dcp-to-hf")
-        if path.is_file() and path.suffix != ".safetensors":
+        if not is_directory(path) and path.suffix != ".safetensors":
             raise CkptconvError(f"{path}: not a .safetensors file")
-        if path.is_dir() and not is_hf_dir(path):
+        if is_directory(path) and not is_hf_dir(path):
             raise CkptconvError(
                 f"{path}: no .safetensors files (only safetensors weights are read, not .bin)"
             )
@@ -61,7 +62,7 @@ def any_source(src: str, revision: str | None = None) -> Path:
     """A DCP directory, an HF directory or .safetensors file, or a hub repo id (verify's inputs)."""
 
     def check(path: Path) -> None:
-        if not (is_dcp_dir(path) or is_hf_dir(path) or (path.is_file() and path.suffix == ".safetensors")):
+        if not (is_dcp_dir(path) or is_hf_dir(path) or path.suffix == ".safetensors"):
             raise CkptconvError(
                 f"{path}: neither a DCP checkpoint (.metadata) nor safetensors (a directory or a file)"
             )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from ..errors import CkptconvError
 from ..layout import tiling_problem
 from ..specs import ChunkFormat, ChunkSpec, NonTensorItem, TensorSpec
 from . import safe_pickle as md
+from .files import Stamp, inside, mode_of, open_regular, read_error, read_regular, stamp, stat_regular
 from .hf import MAX_HEADER_BYTES  # a larger safetensors header inside a .distcp is refused too
 from .safe_pickle import load_dcp_metadata
 
@@ -33,6 +36,7 @@ class DcpCheckpoint:
     tensors: dict[str, TensorSpec]
     items: dict[str, NonTensorItem]
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # fqn -> nesting in the saved dict
+    stamps: dict[str, Stamp] = field(default_factory=dict)  # file -> identity when .metadata was read
 
     @property
     def nbytes(self) -> int:
@@ -40,16 +44,17 @@ class DcpCheckpoint:
 
 
 def is_dcp_dir(path: Path) -> bool:
-    return path.is_dir() and (path / METADATA_FILE).is_file()
+    """Whether `path` is a directory with a `.metadata` (of any kind: `open_dcp` refuses a FIFO by name)."""
+    mode = mode_of(path)
+    return mode is not None and stat.S_ISDIR(mode) and mode_of(path / METADATA_FILE) is not None
 
 
 def open_dcp(path: Path) -> DcpCheckpoint:
-    """Read and validate `path/.metadata`; raise CkptconvError naming the problem and the fix."""
+    """Read and validate `path/.metadata`; raise CkptconvError naming the problem and the fix.
+
+    `.metadata` and every file it names must be regular files resolving inside `path`."""
     md_path = path / METADATA_FILE
-    try:
-        data = md_path.read_bytes()
-    except OSError as e:
-        raise CkptconvError(f"{md_path}: cannot read ({e.strerror})") from None
+    data = read_regular(md_path, path)
     metadata = load_dcp_metadata(data, str(md_path))
     try:
         return _specs_from_metadata(path, metadata)
@@ -94,7 +99,7 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
         )
         for fqn, t in tensors.items()
     }
-    return DcpCheckpoint(root, tensors, items, paths)
+    return DcpCheckpoint(root, tensors, items, paths, file_sizes.stamps)
 
 
 def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, where: Path) -> TensorSpec:
@@ -148,7 +153,7 @@ def _location(
             "(compression or another DCP extension), which ckptconv does not read yet"
         )
     pure = PurePosixPath(rel)
-    if pure.is_absolute() or ".." in pure.parts or not pure.parts:
+    if pure.is_absolute() or ".." in pure.parts or not pure.parts or "\0" in rel:
         raise CkptconvError(f"{where}: {fqn!r} points outside the checkpoint ({rel!r}); refusing to read it")
     size = file_sizes.size(rel)
     if size is None:
@@ -162,16 +167,23 @@ def _location(
 
 
 class _FileSizes:
+    """The size of each file `.metadata` names, once: a regular file resolving inside the checkpoint."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self._sizes: dict[str, int | None] = {}
+        self.stamps: dict[str, Stamp] = {}
 
     def size(self, rel: str) -> int | None:
+        """The size of `rel`, None when it is missing; anything else wrong with it is a CkptconvError."""
         if rel not in self._sizes:
-            try:
-                self._sizes[rel] = (self.root / rel).stat().st_size
-            except OSError:
+            path = self.root / rel
+            if mode_of(Path(os.path.realpath(path))) is None:
+                inside(path, self.root)  # a dangling link out of the checkpoint is refused as such
                 self._sizes[rel] = None
+            else:
+                st = stat_regular(path, self.root)
+                self._sizes[rel], self.stamps[rel] = st.st_size, stamp(st)
         return self._sizes[rel]
 
 
@@ -187,9 +199,15 @@ def _sniff_formats(root: Path, tensors: Iterable[TensorSpec]) -> dict[str, Chunk
             first[c.file] = min(first.get(c.file, c.byte_offset), c.byte_offset)
     formats: dict[str, ChunkFormat] = {}
     for rel, offset in first.items():
-        with open(root / rel, "rb") as f:
-            f.seek(offset)
-            head = f.read(9)
+        head = bytearray(9)
+        fd = open_regular(root / rel, root)
+        try:
+            n = os.preadv(fd, [head], offset)
+        except OSError as e:
+            raise read_error(root / rel, e) from None
+        finally:
+            os.close(fd)
+        head = head[:n]
         if head[:4] == b"PK\x03\x04":
             formats[rel] = "torch_save"
         elif len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] <= MAX_HEADER_BYTES:

@@ -24,7 +24,8 @@ from ..crc32 import whole_crc
 from ..errors import CkptconvError
 from ..specs import ChunkSpec, NonTensorItem, TensorSpec
 from .dcp import DcpCheckpoint
-from .hf import MAX_HEADER_BYTES, parse_header
+from .files import check_unchanged, open_regular, pread_exact, read_error
+from .hf import MAX_HEADER_BYTES, StoredTensor, header_tensors, parse_header
 from .safe_pickle import pickle_globals, trusted
 from .torch_record import read_tensor_record
 
@@ -48,7 +49,7 @@ class DcpReader:
     def __init__(self, ckpt: DcpCheckpoint) -> None:
         self.ckpt = ckpt
         self._fds: dict[str, int] = {}
-        self._st_headers: dict[tuple[str, int], dict[str, Any]] = {}
+        self._st_headers: dict[tuple[str, int], dict[str, StoredTensor]] = {}
         self._crcs: dict[tuple[str, int], int] = {}  # (file, data offset) -> CRC-32 of a whole zip entry
         self._pieces: list[RowPiece] = []  # parts of checkable chunks read in pieces, checked at the end
         self._lock = threading.Lock()
@@ -65,19 +66,24 @@ class DcpReader:
         self.close()
 
     def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            fd = self._fds[rel] = os.open(self.ckpt.path / rel, os.O_RDONLY)
-        return fd
+        """The open descriptor of `rel`: a regular file inside the checkpoint, the very file `open_dcp`
+        measured (same inode, size and mtime)."""
+        with self._lock:
+            fd = self._fds.get(rel)
+            if fd is None:
+                path = self.ckpt.path / rel
+                fd = open_regular(path, self.ckpt.path)
+                try:
+                    check_unchanged(path, fd, self.ckpt.stamps.get(rel))
+                except CkptconvError:
+                    os.close(fd)
+                    raise
+                self._fds[rel] = fd
+            return fd
 
     def pread(self, rel: str, offset: int, out: memoryview) -> None:
-        """Fill `out` with the bytes of `rel` at `offset`, or raise naming the truncated file."""
-        fd, done = self._fd(rel), 0
-        while done < len(out):
-            n = os.preadv(fd, [out[done:]], offset + done)
-            if n <= 0:
-                raise CkptconvError(f"{self.ckpt.path / rel}: truncated at byte {offset + done}; re-copy it")
-            done += n
+        """Fill `out` with the bytes of `rel` at `offset`, or raise naming the file and what is wrong."""
+        pread_exact(self._fd(rel), self.ckpt.path / rel, offset, out)
 
     def read_bytes(self, rel: str, offset: int, length: int) -> bytes:
         buf = bytearray(length)
@@ -142,14 +148,13 @@ class DcpReader:
         """File offset of the chunk's raw bytes (C order, in `spec.dtype`), None if only torch.load can."""
         nbytes = chunk.numel * spec.dtype.itemsize
         if chunk.fmt == "safetensors":
-            header = self._st_header(chunk.file, chunk.byte_offset)
-            entry = header.get(spec.fqn)
-            if not isinstance(entry, dict) or list(entry.get("shape", [])) != list(chunk.sizes):
+            stored = self._st_header(chunk.file, chunk.byte_offset).get(spec.fqn)
+            if stored is None or stored.shape != chunk.sizes:
                 raise self._corrupt(chunk, f"has no stored tensor {spec.fqn!r} of shape {list(chunk.sizes)}")
-            begin, end = entry.get("data_offsets", (0, -1))
-            if end - begin != nbytes:
-                raise self._corrupt(chunk, f"stores {end - begin} bytes for {spec.fqn!r}, expected {nbytes}")
-            return int(header["__data_start__"]) + int(begin)
+            if stored.nbytes != nbytes:
+                what = f"stores {stored.nbytes} bytes for {spec.fqn!r}, expected {nbytes}"
+                raise self._corrupt(chunk, what)
+            return stored.data_offset
         return self._locate_in_zip(spec, chunk, nbytes)
 
     def _locate_in_zip(self, spec: TensorSpec, chunk: ChunkSpec, nbytes: int) -> int | None:
@@ -191,17 +196,21 @@ class DcpReader:
             raise self._corrupt(chunk, f"does not hold a tensor of shape {list(chunk.sizes)}")
         return tensor
 
-    def _st_header(self, rel: str, offset: int) -> dict[str, Any]:
+    def _st_header(self, rel: str, offset: int) -> dict[str, StoredTensor]:
+        """The tensors of the safetensors file at `offset` of `rel` (DCP's safetensors serialization: the
+        whole .distcp file), validated as `hf.read_header` validates an HF file."""
         key = (rel, offset)
         if key not in self._st_headers:
+            path = self.ckpt.path / rel
             (length,) = struct.unpack("<Q", self.read_bytes(rel, offset, 8))
             if length > MAX_HEADER_BYTES:
-                raise CkptconvError(
-                    f"{self.ckpt.path / rel}: safetensors header of {length} bytes is too large"
-                )
-            header = parse_header(self.read_bytes(rel, offset + 8, length), self.ckpt.path / rel)
-            header["__data_start__"] = offset + 8 + length
-            self._st_headers[key] = header
+                raise CkptconvError(f"{path}: safetensors header of {length} bytes is too large")
+            header = parse_header(self.read_bytes(rel, offset + 8, length), path)
+            try:
+                size = os.fstat(self._fd(rel)).st_size
+            except OSError as e:
+                raise read_error(path, e) from None
+            self._st_headers[key] = header_tensors(header, path, offset + 8 + length, size)[0]
         return self._st_headers[key]
 
     def _corrupt(self, chunk: ChunkSpec, what: str) -> CkptconvError:

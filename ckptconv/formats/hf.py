@@ -5,10 +5,13 @@ Reading and writing tensor bytes is `safetensors_io`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
 from ..errors import CkptconvError
+from .files import Stamp, inside, listdir, mode_of, open_regular, pread_exact, read_error, read_regular, stamp
 
 if TYPE_CHECKING:
     import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-MAX_HEADER_BYTES = 100 * 2**20
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library refuses a larger header
+MAX_INDEX_BYTES = 1 << 30
 
 
 def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
@@ -39,6 +44,7 @@ class StoredTensor:
     file: Path
     data_offset: int  # absolute offset of the first byte in `file`
     nbytes: int
+    stamp: Stamp | None = None  # the file's identity when its header was read: a reader refuses another
 
     @property
     def dtype(self) -> torch.dtype:
@@ -46,65 +52,171 @@ class StoredTensor:
 
 
 def parse_header(raw: bytes, path: object) -> dict[str, Any]:
-    """The JSON object of a safetensors header's bytes; `path` names the file in the error."""
+    """The JSON object of a safetensors header's bytes, parsed as strictly as the safetensors library
+    parses it (UTF-8, at most 127 levels of nesting, no duplicate keys, no NaN / Infinity, no number out of
+    range); `path` names the file in the error."""
     try:
-        header = json.loads(raw)
-    except ValueError:
+        text = raw.decode("utf-8")
+        if _depth(text) > MAX_DEPTH:
+            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+        header = json.loads(
+            text,
+            object_pairs_hook=_object,
+            parse_constant=_constant,
+            parse_float=_float,
+            parse_int=_int,
+        )
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        why = "too deeply nested" if isinstance(e, RecursionError) else str(e).split("\n")[0][:200]
         raise CkptconvError(
-            f"{path}: the safetensors header is not valid JSON; the file is corrupt"
+            f"{path}: the safetensors header is not valid JSON ({why}); the file is corrupt"
         ) from None
     if not isinstance(header, dict):
         raise CkptconvError(f"{path}: the safetensors header is not a JSON object; the file is corrupt")
     return header
 
 
-def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
-    """Parse and validate one safetensors header: (tensors by key, __metadata__). Reads no tensor bytes."""
+MAX_DEPTH = 127  # serde_json's recursion limit, as the safetensors library parses a header
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _depth(text: str) -> int:
+    """How deeply the JSON in `text` nests (strings skipped), without recursing."""
+    steps = (1 if b in "[{" else -1 for b in _BRACKET.findall(_STRING.sub("", text)))
+    return max(itertools.accumulate(steps, initial=0))
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (which two readers could resolve differently) and strings
+    that are not Unicode (lone surrogates from `\\ud800` escapes, which safetensors refuses)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        key.encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate
+        if isinstance(value, str):
+            value.encode("utf-8")
+        out[key] = value
+    return out
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} out of range")
+    return value
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > 309:  # serde_json reads it as a double, which it overflows
+        raise ValueError(f"number {text[:40]}... out of range")
+    return int(text)
+
+
+def read_header(path: Path, root: Path | None = None) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """Parse and validate one safetensors header: (tensors by key, __metadata__). Reads no tensor bytes.
+
+    `path` must be a regular file, inside `root` when given (see `files.open_regular`). The file is held to
+    what the safetensors library accepts: the tensors tile the data exactly up to the end of the file."""
+    fd = open_regular(path, root)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CkptconvError(f"{path}: too short to be a safetensors file (truncated?)")
-            (length,) = struct.unpack("<Q", head)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise CkptconvError(
-                    f"{path}: header length {length} is impossible; the file is corrupt or truncated"
-                )
-            raw = f.read(length)
+        st = _fstat(fd, path)
+        head = bytearray(8)
+        if st.st_size < 8:
+            raise CkptconvError(f"{path}: too short to be a safetensors file (truncated?)")
+        pread_exact(fd, path, 0, memoryview(head))
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER_BYTES or 8 + length > st.st_size:
+            raise CkptconvError(
+                f"{path}: header length {length} is impossible; the file is corrupt or truncated"
+            )
+        raw = bytearray(length)
+        pread_exact(fd, path, 8, memoryview(raw))
+    finally:
+        os.close(fd)
+    tensors, metadata = header_tensors(parse_header(bytes(raw), path), path, 8 + length, st.st_size)
+    version = stamp(st)
+    return {k: dataclasses.replace(t, stamp=version) for k, t in tensors.items()}, metadata
+
+
+def _fstat(fd: int, path: Path) -> os.stat_result:
+    try:
+        return os.fstat(fd)
     except OSError as e:
-        raise CkptconvError(f"{path}: cannot read ({e.strerror})") from None
-    header = parse_header(raw, path)
-    metadata = header.pop("__metadata__", None) or {}
-    start = 8 + length
-    tensors: dict[str, StoredTensor] = {}
-    spans = []
-    for key, info in header.items():
-        tensors[key] = _stored(path, key, info, start, size)
-        spans.append((tensors[key].data_offset, tensors[key].data_offset + tensors[key].nbytes, key))
-    spans.sort()
-    for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
-        if begin < end:
-            raise CkptconvError(f"{path}: tensors {a!r} and {b!r} overlap; the file is corrupt")
-    return tensors, {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+        raise read_error(path, e) from None
 
 
-def _stored(path: Path, key: str, info: Any, start: int, size: int) -> StoredTensor:
-    try:
-        dtype = ST_TO_NAME.get(info["dtype"])
-        shape = tuple(int(s) for s in info["shape"])
-        begin, end = (int(x) for x in info["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        raise CkptconvError(f"{path}: malformed header entry for {key!r}") from None
-    if dtype is None:
-        raise CkptconvError(f"{path}: tensor {key!r} has unknown dtype {info.get('dtype')!r}")
-    if any(s < 0 for s in shape) or end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0:
+def header_tensors(
+    header: dict[str, Any], path: Path, start: int, end: int
+) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """Validate a parsed header whose data begins at file offset `start` and must end exactly at `end`."""
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CkptconvError(f"{path}: __metadata__ is not a map of strings to strings; the file is corrupt")
+    tensors = {key: _stored(path, key, info, start, end) for key, info in header.items()}
+    spans = sorted((t.data_offset, t.data_offset + t.nbytes, key) for key, t in tensors.items())
+    at, previous = start, None
+    for begin, stop, key in spans:
+        if begin < at:
+            raise CkptconvError(f"{path}: tensors {previous!r} and {key!r} overlap; the file is corrupt")
+        if begin > at:
+            raise CkptconvError(
+                f"{path}: bytes {at - start}-{begin - start} of the data belong to no tensor (before "
+                f"{key!r}); the file is corrupt"
+            )
+        at, previous = stop, key
+    if at != end:
         raise CkptconvError(
-            f"{path}: tensor {key!r}: shape {list(shape)} does not match its {end - begin} bytes"
+            f"{path}: {end - at} bytes after the last tensor belong to no tensor; the file is corrupt"
         )
-    if start + end > size:
+    return tensors, metadata
+
+
+_U64 = 2**64
+_I64 = 2**63
+
+
+def _stored(path: Path, key: str, info: Any, start: int, end: int) -> StoredTensor:
+    """One header entry as a StoredTensor, with the checks safetensors' `Metadata::validate` makes."""
+    try:
+        name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    except (KeyError, TypeError):
+        raise CkptconvError(f"{path}: malformed header entry for {key!r}") from None
+    if not isinstance(name, str) or not isinstance(shape, list) or not _counts(offsets) or len(offsets) != 2:
+        raise CkptconvError(f"{path}: malformed header entry for {key!r}")
+    dtype = ST_TO_NAME.get(name)
+    if dtype is None:
+        raise CkptconvError(f"{path}: tensor {key!r} has unknown dtype {name!r}")
+    if not _counts(shape) or any(s >= _I64 for s in shape):
+        raise CkptconvError(
+            f"{path}: tensor {key!r}: shape {shape} is not a list of dimensions (integers from 0 to 2**63-1)"
+        )
+    begin, stop = offsets
+    numel = 1
+    for s in shape:  # in this order, as safetensors multiplies (an overflow with a 0 after it counts)
+        numel *= s
+        if numel >= _U64:
+            break
+    nbytes = numel * ITEMSIZE[dtype]
+    if numel >= _U64 or nbytes * 8 >= _U64:
+        raise CkptconvError(f"{path}: tensor {key!r}: shape {shape} overflows a 64-bit size")
+    if stop < begin or stop - begin != nbytes:
+        raise CkptconvError(f"{path}: tensor {key!r}: shape {shape} does not match its {stop - begin} bytes")
+    if start + stop > end:
         raise CkptconvError(f"{path}: tensor {key!r} lies past the end of the file (truncated?)")
-    return StoredTensor(key, dtype, shape, path, start + begin, end - begin)
+    return StoredTensor(key, dtype, tuple(shape), path, start + begin, nbytes)
+
+
+def _counts(value: Any) -> bool:
+    """Whether `value` is a list of JSON integers in u64 (not bools, not floats), as serde reads `usize`."""
+    return isinstance(value, list) and all(type(x) is int and 0 <= x < _U64 for x in value)
 
 
 @dataclass(frozen=True)
@@ -119,34 +231,49 @@ class HfCheckpoint:
 
 
 def is_hf_dir(path: Path) -> bool:
-    return path.is_dir() and ((path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")))
+    """Whether `path` is a directory holding an index or .safetensors files (EACCES: a one-line error)."""
+    mode = mode_of(path)
+    if mode is None or not stat.S_ISDIR(mode):
+        return False
+    return any(n == INDEX_FILE or n.endswith(".safetensors") for n in listdir(path))
+
+
+def checkpoint_root(directory: Path) -> Path:
+    """The directory every file of the HF checkpoint in `directory` must resolve into: `directory` itself,
+    or for a huggingface_hub cache snapshot (`models--org--name/snapshots/<rev>/`, whose files are symlinks
+    to `../../blobs/<sha>`) the repo's cache folder `models--org--name/`."""
+    real = Path(os.path.realpath(directory))
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return directory
 
 
 def open_hf(path: Path) -> HfCheckpoint:
-    """Read the headers of a safetensors file or HF directory (with or without an index); validate them."""
-    if path.is_file():
+    """Read the headers of a safetensors file or HF directory (with or without an index); validate them.
+
+    In a directory every file, named by the index or found there, must resolve inside `checkpoint_root`."""
+    mode = mode_of(path)
+    if mode is None:
+        raise CkptconvError(f"{path}: no such file or directory")
+    if not stat.S_ISDIR(mode):
         return HfCheckpoint(path, read_header(path)[0], (path,))
+    root = checkpoint_root(path)
     index_path = path / INDEX_FILE
-    weight_map: dict[str, str] | None = None
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise CkptconvError(f"{index_path}: not a valid safetensors index (no weight_map)") from None
+    weight_map = _weight_map(index_path, root) if mode_of(index_path) is not None else None
+    if weight_map is not None:
         names = list(dict.fromkeys(weight_map.values()))
     else:
-        names = sorted(p.name for p in path.glob("*.safetensors"))
+        names = [n for n in listdir(path) if n.endswith(".safetensors")]
     if not names:
         raise CkptconvError(f"{path}: no .safetensors files; not a Hugging Face safetensors checkpoint")
     tensors: dict[str, StoredTensor] = {}
     files = []
     for name in names:
         file = path / name
-        if not file.is_file():
+        if weight_map is not None and mode_of(file) is None:
             raise CkptconvError(f"{index_path}: names {name}, which is missing; re-download the model")
         files.append(file)
-        for key, stored in read_header(file)[0].items():
+        for key, stored in read_header(file, root)[0].items():
             if key in tensors:
                 raise CkptconvError(f"{path}: key {key!r} is in both {tensors[key].file.name} and {name}")
             if weight_map is not None and weight_map.get(key) != name:
@@ -161,6 +288,22 @@ def open_hf(path: Path) -> HfCheckpoint:
     return HfCheckpoint(path, tensors, tuple(files))
 
 
+def _weight_map(index_path: Path, root: Path) -> dict[str, str]:
+    """The index's weight_map (key -> file name relative to the directory), read as a regular file."""
+    raw = read_regular(index_path, root, MAX_INDEX_BYTES)
+    try:
+        weight_map = json.loads(raw)["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items()
+    ):
+        raise CkptconvError(f"{index_path}: not a valid safetensors index (no weight_map)")
+    for name in weight_map.values():
+        inside(index_path.parent / name, root)
+    return weight_map
+
+
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # what hf-to-dcp and inspect fetch from the hub: weights, index, config, and a ckptconv stash if any
 HUB_PATTERNS = [
@@ -173,7 +316,7 @@ HUB_PATTERNS = [
 
 
 def looks_like_repo_id(src: str) -> bool:
-    return bool(_REPO_ID.match(src)) and not Path(src).exists()
+    return bool(_REPO_ID.match(src)) and mode_of(Path(src)) is None
 
 
 def download(repo_id: str, revision: str | None) -> Path:
@@ -184,6 +327,7 @@ def download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -192,6 +336,10 @@ def download(repo_id: str, revision: str | None) -> Path:
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except HFValidationError as e:
+        raise CkptconvError(
+            f"{where}: not a valid hub repo id or revision ({_first_line(e)}); pass org/name or a local path"
+        ) from None
     except LocalEntryNotFoundError:
         raise CkptconvError(
             f"{where}: not in the local Hugging Face cache and the hub cannot be reached "
@@ -203,5 +351,10 @@ def download(repo_id: str, revision: str | None) -> Path:
         raise CkptconvError(
             f"{where}: no such repository on the hub (or it is private: run `hf auth login`)"
         ) from None
-    except (HfHubHTTPError, OSError) as e:
-        raise CkptconvError(f"{where}: download failed ({type(e).__name__}: {e})") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise CkptconvError(f"{where}: download failed ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    """The first line of an exception's message, at most 300 characters."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

@@ -23,6 +23,7 @@ import torch
 from ..dtypes import st_name
 from ..errors import CkptconvError
 from .dcp_reader import byte_view
+from .files import check_unchanged, open_regular, pread_exact
 from .hf import StoredTensor
 
 
@@ -107,6 +108,7 @@ class RowReader:
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self.bytes_read = 0
+        self.error: CkptconvError | None = None  # the first read error, raised again by close()
 
     def rows(self, t: StoredTensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [lo, hi) of `t` (a 0-d `t` whole), read into `out` if given (contiguous, right shape)."""
@@ -139,18 +141,30 @@ class RowReader:
         return out
 
     def _pread(self, t: StoredTensor, start: int, view: memoryview) -> None:
-        fd = self._fds.get(t.file)
-        if fd is None:
-            fd = self._fds[t.file] = os.open(t.file, os.O_RDONLY)
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], start + done)
-            if n <= 0:
-                raise CkptconvError(f"{t.file}: truncated while reading {t.key!r}; re-download it")
-            done += n
-        self.bytes_read += done
+        """Read `view` from `t.file` at `start`: a regular file, the one whose header was read (same inode,
+        size and mtime), which must still hold every byte; otherwise a CkptconvError naming it."""
+        try:
+            fd = self._fds.get(t.file)
+            if fd is None:
+                fd = open_regular(t.file)
+                try:
+                    check_unchanged(t.file, fd, t.stamp)
+                except CkptconvError:
+                    os.close(fd)
+                    raise
+                self._fds[t.file] = fd
+            pread_exact(fd, t.file, start, view, shrank=True)
+        except CkptconvError as e:
+            self.error = self.error or e
+            raise
+        self.bytes_read += len(view)
 
     def close(self) -> None:
+        """Close the files; raise the first read error again, in case a caller lost it (dcp.save wraps
+        errors its writer threads raise into a CheckpointException, with tracebacks)."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        error, self.error = self.error, None
+        if error is not None:
+            raise error

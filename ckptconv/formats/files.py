@@ -1,0 +1,201 @@
+"""Opening checkpoint files: only regular files, only inside the checkpoint, every OS error one line.
+
+Every file ckptconv reads from a checkpoint goes through `open_regular` (or `read_regular`):
+
+- the path is resolved (symlinks and `..` followed) and must lie inside the checkpoint's root directory
+  (`inside`), so neither a path from `.metadata` or an index nor a symlink leads out of it;
+- it must be a regular file: checked with `stat` before the open (a FIFO, device or socket is never opened),
+  and again with `fstat` on the descriptor, opened `O_NONBLOCK` so that a FIFO swapped in between cannot
+  block the open; `O_NONBLOCK` is then cleared;
+- any OSError (EACCES, EIO, ELOOP, ...) becomes a `CkptconvError` naming the file and the cause.
+
+`pread_exact` reads at an offset and turns a short read (a file that shrank) into an error as well.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+from ..errors import CkptconvError
+
+Stamp = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) of a file when it was first read
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def read_error(path: object, e: OSError) -> CkptconvError:
+    """The one-line error for an OSError met while reading `path`."""
+    cause = e.strerror or str(e) or type(e).__name__
+    return CkptconvError(f"{path}: cannot read ({cause}); check the file's permissions and storage")
+
+
+def inside(path: Path, root: Path) -> Path:
+    """The real path of `path` (symlinks resolved), which must lie in the real directory `root`."""
+    try:
+        real, base = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    except OSError as e:  # a symlink loop (Python 3.13 raises it even without strict=True)
+        raise read_error(path, e) from None
+    if real != base and base not in real.parents:
+        raise CkptconvError(
+            f"{path}: resolves to {real}, outside the checkpoint directory {root}; refusing to read it "
+            "(copy the file into the checkpoint instead of linking or pointing to it)"
+        )
+    return real
+
+
+def kind(mode: int) -> str:
+    """What a file of st_mode `mode` is, in words."""
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _not_regular(path: object, mode: int) -> CkptconvError:
+    return CkptconvError(
+        f"{path}: is {kind(mode)}, not a regular file; refusing to read it (replace it with the real file)"
+    )
+
+
+def stat_regular(path: Path, root: Path | None = None) -> os.stat_result:
+    """`stat` of the regular file `path` (inside `root` if given), or a CkptconvError saying why not."""
+    return _stat_regular(path, inside(path, root) if root is not None else path)
+
+
+def _stat_regular(path: Path, real: Path) -> os.stat_result:
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise read_error(path, e) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode)
+    return st
+
+
+def open_regular(path: Path, root: Path | None = None) -> int:
+    """A read-only descriptor of the regular file `path` (which must lie inside `root` if given).
+
+    Never opens a FIFO, device or socket, and never blocks opening one swapped in after the check.
+    """
+    real = inside(path, root) if root is not None else path
+    _stat_regular(path, real)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if root is not None else 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as e:
+        raise read_error(path, e) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except OSError as e:
+        os.close(fd)
+        raise read_error(path, e) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def stamp(st: os.stat_result) -> Stamp:
+    """What identifies one version of a file: device, inode, size and modification time."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_unchanged(path: object, fd: int, expected: Stamp | None) -> None:
+    """Refuse a file that is not the one read earlier in this run (replaced, rewritten, or resized)."""
+    if expected is None:
+        return
+    try:
+        now = stamp(os.fstat(fd))
+    except OSError as e:
+        raise read_error(path, e) from None
+    if now != expected:
+        raise changed(path)
+
+
+def changed(path: object) -> CkptconvError:
+    """The error for a source file that changed or shrank while ckptconv was reading it."""
+    return CkptconvError(
+        f"{path}: changed or shrank while ckptconv was reading it; "
+        "rerun once nothing writes to the checkpoint"
+    )
+
+
+def pread_exact(fd: int, path: object, offset: int, view: memoryview, shrank: bool = False) -> None:
+    """Fill `view` with the bytes of the open file `path` at `offset`; a short read is an error (`changed`
+    when `shrank`: the caller knew the file held these bytes)."""
+    done = 0
+    while done < len(view):
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except InterruptedError:
+            continue
+        except OSError as e:
+            raise read_error(path, e) from None
+        if n <= 0 and shrank:
+            raise changed(path)
+        if n <= 0:
+            raise CkptconvError(
+                f"{path}: truncated at byte {offset + done} (it shrank, or was cut short when copied); "
+                "re-copy it, and rerun once nothing writes to it"
+            )
+        done += n
+
+
+def read_regular(path: Path, root: Path | None = None, limit: int | None = None) -> bytes:
+    """The whole content of the regular file `path` (inside `root` if given), at most `limit` bytes."""
+    fd = open_regular(path, root)
+    try:
+        size = os.fstat(fd).st_size
+        if limit is not None and size > limit:
+            raise CkptconvError(f"{path}: {size} bytes, more than the {limit} a file of its kind may have")
+        buf = bytearray(size)
+        pread_exact(fd, path, 0, memoryview(buf))
+        return bytes(buf)
+    finally:
+        os.close(fd)
+
+
+def mode_of(path: Path) -> int | None:
+    """The st_mode of what `path` leads to (symlinks followed), None when nothing is there (a dangling
+    symlink included); any other error (EACCES on a parent directory, ELOOP) is a CkptconvError naming it."""
+    try:
+        return os.stat(path).st_mode
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise read_error(path, e) from None
+
+
+def exists(path: Path) -> bool:
+    """Whether anything is at `path`, without a traceback for EACCES (see `mode_of`)."""
+    return mode_of(path) is not None
+
+
+def is_regular(path: Path) -> bool:
+    """Whether `path` is a regular file (symlinks followed), without a traceback for EACCES."""
+    mode = mode_of(path)
+    return mode is not None and stat.S_ISREG(mode)
+
+
+def is_directory(path: Path) -> bool:
+    """Whether `path` is a directory (symlinks followed), without a traceback for EACCES."""
+    mode = mode_of(path)
+    return mode is not None and stat.S_ISDIR(mode)
+
+
+def listdir(path: Path) -> list[str]:
+    """The names in directory `path`, sorted; an unreadable directory is a CkptconvError naming it."""
+    try:
+        return sorted(os.listdir(path))
+    except OSError as e:
+        raise read_error(path, e) from None

@@ -30,8 +30,9 @@ and for hf-to-dcp, from an fp32 HF directory made once of the same DCP checkpoin
   load_file+dcp.save       `safetensors.torch.load_file` of every shard into one state dict, then
                            `dcp.save(sd, no_dist=True)`
 
-`--direction` picks dcp-to-hf, hf-to-dcp or both (the default); each direction gets its own section (table
-and headlines) in the printed output and in bench.md.
+`--direction` picks dcp-to-hf, hf-to-dcp or both (the default), `memory` (peak RSS per rank of `verify`,
+`dcp-to-hf --verify` and `--read gather` against the largest tensor and the bucket: scripts/_bench_memory.py)
+or `all`; each direction gets its own section (table and headlines) in the printed output and in bench.md.
 
 Every command runs `--runs` times (methods interleaved run by run) as a fresh subprocess of this interpreter
 (`sys.executable`); the table shows the median wall time, and the peak RSS over the runs, sampled every 20 ms
@@ -51,6 +52,7 @@ usage (from the repository root):
   .venv/bin/python scripts/bench.py                     # 1 and 4 GB, dense and moe, 3 runs: ~25 minutes
   .venv/bin/python scripts/bench.py --quick             # 0.25 GB, dense and moe, 1 run: a smoke test
   .venv/bin/python scripts/bench.py --sizes 2 --runs 5 --workdir /tmp/bench
+  .venv/bin/python scripts/bench.py --direction memory --shapes dense --sizes 1,4 --runs 1
 Writes WORKDIR/bench.md (the table in markdown) and WORKDIR/bench.json (every raw number); logs of the last
 run of each command are in WORKDIR/logs. Progress goes to stderr, the table to stdout.
 """
@@ -72,7 +74,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import _bench_memory as memory
 import psutil
+from _bench_memory import ensure_release, largest_tensor_bytes, release_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -198,6 +202,54 @@ METHODS: tuple[Method, ...] = (
     ),
 )
 STARTUP = tuple(m for m in METHODS if m.kind == "startup")
+MEMORY_METHODS: tuple[Method, ...] = (  # see scripts/_bench_memory.py
+    *STARTUP,
+    next(m for m in METHODS if m.key == "ckptconv_1"),
+    Method(
+        "m_verify_1",
+        "verify 1 rank",
+        1,
+        "convert",
+        lambda c, o, f: [PY, "-m", "ckptconv", "verify", str(c), str(release_of(c)), *f],
+    ),
+    Method(
+        "m_verify_atol",
+        "verify 1r --atol",
+        1,
+        "convert",
+        lambda c, o, f: [PY, "-m", "ckptconv", "verify", str(c), str(release_of(c)), "--atol", "1e-2", *f],
+    ),
+    Method(
+        "m_verify_2",
+        f"verify {NPROC}r",
+        NPROC,
+        "convert",
+        lambda c, o, f: torchrun("-m", "ckptconv", "verify", str(c), str(release_of(c)), *f),
+    ),
+    Method(
+        "m_convert_verify",
+        "dcp-to-hf --verify 1r",
+        1,
+        "convert",
+        lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f), "--verify"],
+    ),
+    Method(
+        "m_gather_128",
+        f"gather {NPROC}r 128MB",
+        NPROC,
+        "convert",
+        lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather"),
+    ),
+    Method(
+        "m_gather_32",
+        f"gather {NPROC}r 32MB",
+        NPROC,
+        "convert",
+        lambda c, o, f: torchrun(
+            "-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather", "--bucket-size", "32MB"
+        ),
+    ),
+)
 HF_TO_DCP_METHODS: tuple[Method, ...] = (
     Method("h_cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
     *STARTUP,
@@ -223,10 +275,15 @@ HF_TO_DCP_METHODS: tuple[Method, ...] = (
         lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "load_file_dcp_save", str(c), str(o)],
     ),
 )
-DIRECTIONS: dict[str, tuple[Method, ...]] = {"dcp-to-hf": METHODS, "hf-to-dcp": HF_TO_DCP_METHODS}
+DIRECTIONS: dict[str, tuple[Method, ...]] = {
+    "dcp-to-hf": METHODS,
+    "hf-to-dcp": HF_TO_DCP_METHODS,
+    "memory": MEMORY_METHODS,
+}
 REFERENCE = {
     "dcp-to-hf": ("ckptconv_1", "cp"),
     "hf-to-dcp": ("h_ckptconv_1", "h_cp"),
+    "memory": ("ckptconv_1", "cp"),
 }  # (ckptconv 1 rank, cp)
 BY_KEY = {m.key: m for methods in DIRECTIONS.values() for m in methods}
 
@@ -468,6 +525,7 @@ class SizeReport:
     results: dict[str, Result]
     direction: str = "dcp-to-hf"
     kind: str = "dense"  # the --shapes entry
+    largest: int = 0  # bytes of the largest stored tensor (the memory direction)
 
     @property
     def label(self) -> str:
@@ -540,12 +598,12 @@ def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
     return rows
 
 
-def render_text(rows: list[list[str]]) -> str:
-    names = [c for c, _ in COLUMNS]
+def render_text(rows: list[list[str]], columns: Sequence[tuple[str, str]] = COLUMNS) -> str:
+    names = [c for c, _ in columns]
     widths = [max(len(r[i]) for r in [names, *rows]) for i in range(len(names))]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(f"{c:{a}{w}}" for c, (_, a), w in zip(cells, COLUMNS, widths, strict=True)).rstrip()
+        return "  ".join(f"{c:{a}{w}}" for c, (_, a), w in zip(cells, columns, widths, strict=True)).rstrip()
 
     out = [line(names), "  ".join("-" * w for w in widths)]
     prev = rows[0][0] if rows else ""
@@ -557,9 +615,9 @@ def render_text(rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def render_markdown(rows: list[list[str]]) -> str:
-    names = [c for c, _ in COLUMNS]
-    sep = ["---" if a == "<" else "---:" for _, a in COLUMNS]
+def render_markdown(rows: list[list[str]], columns: Sequence[tuple[str, str]] = COLUMNS) -> str:
+    names = [c for c, _ in columns]
+    sep = ["---" if a == "<" else "---:" for _, a in columns]
     return "\n".join("| " + " | ".join(r) + " |" for r in [names, sep, *rows])
 
 
@@ -616,10 +674,12 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
 RSS_KEYS = {
     "dcp-to-hf": ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather"),
     "hf-to-dcp": ("h_ckptconv_1", "h_ckptconv_2"),
+    "memory": (),
 }
 SECTION_TITLES = {
     "dcp-to-hf": f"dcp-to-hf: fp32 DCP (FSDP2, {NPROC} ranks) -> bf16 safetensors",
     "hf-to-dcp": "hf-to-dcp: fp32 safetensors (ckptconv dcp-to-hf --dtype keep --max-shard-size 2GB) -> DCP",
+    "memory": "memory: verify, --verify and --read gather against the largest tensor and the bucket",
 }
 
 
@@ -655,13 +715,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, help="runs per method and size; the median is reported (default 3)")
     p.add_argument("--quick", action="store_true", help="a smoke test: --sizes 0.25 --runs 1 unless given")
     p.add_argument("--workdir", type=Path, default=ROOT / "bench-out", help="checkpoints, outputs, reports")
-    p.add_argument("--direction", choices=("both", *DIRECTIONS), default="both", help="which conversion(s)")
+    p.add_argument(
+        "--direction",
+        choices=("both", "all", *DIRECTIONS),
+        default="both",
+        help="both: the two conversions; memory: verify and --read gather against the largest tensor; all",
+    )
     p.add_argument("--shapes", default="dense,moe", help="comma-separated: dense, moe (default both)")
     args = p.parse_args(argv)
     args.shapes = [k.strip() for k in args.shapes.split(",") if k.strip()]
     if not args.shapes or any(k not in SHAPES for k in args.shapes):
         p.error(f"--shapes takes a comma-separated list of {', '.join(SHAPES)}")
-    args.directions = list(DIRECTIONS) if args.direction == "both" else [args.direction]
+    both = ["dcp-to-hf", "hf-to-dcp"]
+    args.directions = {"both": both, "all": list(DIRECTIONS)}.get(args.direction, [args.direction])
     args.sizes = [float(s) for s in (args.sizes or ("0.25" if args.quick else "1,4")).split(",") if s.strip()]
     args.runs = args.runs or (1 if args.quick else 3)
     if args.runs < 1 or not args.sizes or min(args.sizes) <= 0:
@@ -682,12 +748,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports: list[SizeReport] = []
     for direction in args.directions:
         for kind, size_gb in [(k, s) for k in args.shapes for s in args.sizes]:
-            make = ensure_checkpoint if direction == "dcp-to-hf" else ensure_hf
+            make = ensure_hf if direction == "hf-to-dcp" else ensure_checkpoint
             ckpt = make(workdir, size_gb, kind, env)
             nbytes = dir_bytes(ckpt)
             methods = DIRECTIONS[direction]
             results = {m.key: Result(size_gb, kind, m.key) for m in methods}
             rep = SizeReport(size_gb, ckpt, nbytes, checkpoint_shape(ckpt), results, direction, kind)
+            if direction == "memory":
+                log(f"memory {rep.label}: the bf16 release {ensure_release(ckpt, SHAPES[kind], env)}")
+                rep.largest = largest_tensor_bytes(ckpt, env)
             for run in range(1, args.runs + 1):
                 for m in methods:
                     r = rep.results[m.key]
@@ -730,16 +799,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections = []  # (direction, section title, table rows, headlines)
     for direction in args.directions:
         mine = [r for r in reports if r.direction == direction]
-        sections.append((direction, SECTION_TITLES[direction], table_rows(mine), headlines(mine)))
+        if direction == "memory":
+            labels = {m.key: m.label for m in MEMORY_METHODS}
+            rows, heads = memory.table_rows(mine), memory.headlines(mine, labels)
+            sections.append((direction, SECTION_TITLES[direction], rows, heads, memory.COLUMNS))
+            continue
+        sections.append((direction, SECTION_TITLES[direction], table_rows(mine), headlines(mine), COLUMNS))
     shapes = [
         f"{r.direction} {r.label}: {r.ckpt.name}, {r.ckpt_bytes / 1e9:.2f} GB in "
         f"{describe_files(r.ckpt)}, {describe_shape(r.shape)}"
         for r in reports
     ]
     print(title)
-    for _, section_title, rows, heads in sections:
+    for _, section_title, rows, heads, columns in sections:
         print(f"\n== {section_title} ==\n")
-        print(render_text(rows))
+        print(render_text(rows, columns))
         print()
         print("\n".join(heads))
     print()
@@ -750,8 +824,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     (workdir / "bench.md").write_text(
         f"# {title}\n\n"
         + "".join(
-            f"## {section_title}\n\n{render_markdown(rows)}\n\n" + "".join(f"- {h}\n" for h in heads) + "\n"
-            for _, section_title, rows, heads in sections
+            f"## {section_title}\n\n{render_markdown(rows, columns)}\n\n"
+            + "".join(f"- {h}\n" for h in heads)
+            + "\n"
+            for _, section_title, rows, heads, columns in sections
         )
         + f"{NOTES}\n\n{load}.\n\nCheckpoints:\n\n"
         + "".join(f"- {s}\n" for s in shapes)
@@ -760,7 +836,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": args.runs,
         "directions": args.directions,
         "environment": environment(),
-        "headlines": {direction: heads for direction, _, _, heads in sections},
+        "headlines": {direction: heads for direction, _, _, heads, _ in sections},
         "loadavg_1min": {"start": load_start, "end": load_end},
         "commands": {m.key: m.argv(Path("SRC"), Path("OUT"), ()) for m in BY_KEY.values()},
         "ckptconv_flags_by_shape": SHAPES,
@@ -773,6 +849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "checkpoint_bytes": r.ckpt_bytes,
                 "checkpoint_files": describe_files(r.ckpt),
                 "shape": r.shape,
+                "largest_tensor_bytes": r.largest,
                 "methods": {
                     k: {
                         "label": BY_KEY[k].label,

@@ -101,11 +101,12 @@ def _worse(worst: float, gap: float) -> float:
 
 
 def slabs(
-    a: torch.Tensor, b: torch.Tensor, elements: int = SLAB_ELEMENTS
+    a: torch.Tensor, b: torch.Tensor, elements: int | None = None
 ) -> Iterator[tuple[torch.Tensor, ...]]:
     """Aligned 1-D slabs of `a` and `b` (same shape), row-major, at most `elements` each (a 0-d pair is one
     slab of one): views when both are contiguous; otherwise slabs of whole rows, copied a slab at a time
-    (a single row longer than `elements` is one slab)."""
+    (a single row longer than `elements` is one slab). `elements` defaults to `SLAB_ELEMENTS`."""
+    elements = elements or SLAB_ELEMENTS
     if a.is_contiguous() and b.is_contiguous():
         fa, fb = a.reshape(-1), b.reshape(-1)
         for lo in range(0, fa.numel(), elements):

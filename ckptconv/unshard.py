@@ -330,6 +330,8 @@ def split_round(transfers: list[Transfer], bucket_bytes: int) -> list[list[Trans
     by_writer: dict[int, list[Transfer]] = {}
     for tr in transfers:
         by_writer.setdefault(tr.writer, []).append(tr)
+    if all(sum(tr.nbytes for tr in mine) <= bucket_bytes for mine in by_writer.values()):
+        return [transfers]
     groups: dict[int, list[list[Transfer]]] = {}
     for writer, mine in sorted(by_writer.items()):
         if sum(tr.nbytes for tr in mine) <= bucket_bytes:

@@ -10,6 +10,7 @@ released as bf16 (128 MiB): verify compares a 384 MiB pair, casting fp32 to bf16
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import _env, torchrun
 
-pytestmark = pytest.mark.slow  # a 256 MiB checkpoint, torchrun jobs
+from ckptconv import compare as compare_mod
+from ckptconv.compare import Finding, Tolerance, compare
 
 MIB = 2**20
 ROWS, COLS = 16384, 4096  # fp32: 256 MiB, two 128 MiB chunks; bf16: 128 MiB
@@ -86,6 +88,7 @@ def peak(paths: dict[str, Path], *args: str, nproc: int = 0) -> list[int]:
     return [int((paths["root"] / f"rss.{rank}").read_text()) for rank in range(max(nproc, 1))]
 
 
+@pytest.mark.slow  # a 256 MiB checkpoint, torchrun jobs
 def test_verify_holds_one_tensor_pair(ckpts: dict[str, Path]) -> None:
     """verify (exact, fp32 A cast to bf16 B; and with a tolerance) and dcp-to-hf --verify: peak RSS beyond the
     baseline <= 1.5x the pair (576 MiB). Measured on the 2-core dev VM, beyond a 301 MiB baseline: before
@@ -105,6 +108,7 @@ def test_verify_holds_one_tensor_pair(ckpts: dict[str, Path]) -> None:
     assert all(x <= 1.5 * pair / MIB for x in extra.values()), (extra, base / MIB, pair / MIB)
 
 
+@pytest.mark.slow
 def test_gather_holds_a_bucket_and_the_largest_tensor(ckpts: dict[str, Path]) -> None:
     """dcp-to-hf --read gather on 2 ranks, --bucket-size 32MB: each rank's peak RSS beyond the 2-rank
     baseline <= bucket + the largest tensor's source bytes (288 MiB). Rank 0 writes the file and receives
@@ -120,3 +124,95 @@ def test_gather_holds_a_bucket_and_the_largest_tensor(ckpts: dict[str, Path]) ->
     extra = [(p - b) / MIB for p, b in zip(peaks, bases, strict=True)]
     assert max(extra) <= (bucket + SOURCE_BYTES) / MIB, (extra, [b / MIB for b in bases])
     assert (Path(out) / "model.safetensors").read_bytes() == (ckpts["hf"] / "model.safetensors").read_bytes()
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def whole_tensor_compare(a: torch.Tensor, b: torch.Tensor, tolerance: Tolerance | None) -> tuple | None:
+    """The comparison as it was before slabs (whole-tensor temporaries): (differing, numel, max_abs_diff)."""
+    cast = a.to(b.dtype)
+    if tolerance is None:
+        if b.dtype == torch.bool:
+            differ = cast != b
+        else:
+            bits = _BITS[b.dtype.itemsize]
+            differ = cast.contiguous().view(bits) != b.contiguous().view(bits)
+    else:
+        fa, fb = cast.float(), b.float()
+        close = (fa - fb).abs() <= tolerance.atol + tolerance.rtol * fb.abs()
+        differ = ~(close | (fa == fb) | (fa.isnan() & fb.isnan()))
+    n = int(differ.sum())
+    if n == 0:
+        return None
+    gap = (a[differ].double() - b[differ].double()).abs() if differ.dim() else (a.double() - b.double()).abs()
+    return n, b.numel(), float(gap.max())
+
+
+def as_tuple(finding: Finding | None) -> tuple | None:
+    return None if finding is None else (finding.differing, finding.numel, finding.max_abs_diff)
+
+
+def same(x: tuple | None, y: tuple | None) -> bool:
+    if x is None or y is None:
+        return x is y
+    return x[:2] == y[:2] and (x[2] == y[2] or (math.isnan(x[2]) and math.isnan(y[2])))
+
+
+@pytest.mark.parametrize("slab", [1, 7, 64, 2**20])
+def test_slabs_give_the_whole_tensor_verdict(slab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slab by slab (any slab size) gives exactly the verdict, count and max abs diff of one whole-tensor
+    comparison: NaN payloads and -0.0 bit for bit, NaN differences winning the max, casts, tolerances,
+    bool / int / fp8 tensors, 0-d and non-contiguous tensors."""
+    monkeypatch.setattr(compare_mod, "SLAB_ELEMENTS", slab)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(37, 11, generator=g)
+    a[0, :4] = torch.tensor([math.nan, -0.0, math.inf, -math.inf])
+    nan2 = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)  # another NaN payload
+    b = a.clone()
+    b[0, 0], b[0, 1], b[5, 5], b[36, 10] = nan2[0], 0.0, b[5, 5] + 1e-3, math.nan
+    cases = [
+        (a, a.clone()),
+        (a, b),
+        (b, a),
+        (a, a.to(torch.bfloat16)),
+        (a, b.to(torch.bfloat16)),
+        (a.t(), b.t()),  # non-contiguous
+        (a.t(), b.t().contiguous()),
+        (a[0, 0], b[0, 0]),  # 0-d
+        (a > 0, b > 0),
+        ((a * 100).to(torch.int64), (b.nan_to_num() * 100).to(torch.int64)),
+        (a.nan_to_num(), b.nan_to_num().to(torch.float8_e4m3fn)),
+        (a[:0], b[:0]),
+    ]
+    for tol in (None, Tolerance(), Tolerance(1e-2, 0.0), Tolerance(0.0, 1e-2)):
+        for x, y in cases:
+            assert same(as_tuple(compare("k", x, y, tol)), whole_tensor_compare(x, y, tol)), (
+                x.dtype,
+                y.dtype,
+                tol,
+            )
+
+
+def test_a_round_bigger_than_the_bucket_is_cut_into_steps_of_rows() -> None:
+    """split_round: a writer's transfers over the budget become steps of whole rows, each <= the bucket,
+    covering exactly the same rows in order, each writer's k-th step together; a round within the budget
+    stays one step, as it is."""
+    from ckptconv.mapping.rules import whole
+    from ckptconv.plan import OutTensor, SourcePart
+    from ckptconv.specs import ChunkSpec, TensorSpec
+    from ckptconv.unshard import Transfer, split_round
+
+    chunks = (ChunkSpec((0, 0), (10, 8), "__0_0.distcp", 0, 1, "torch_save"),)
+    spec = TensorSpec("w", "float32", (10, 8), chunks)
+    t = OutTensor("w", (10, 8), torch.bfloat16, (SourcePart(spec, whole("w", (10, 8))),))
+    small = Transfer(t, spec, chunks[0], 0, 2, 0, 1)  # 64 bytes
+    big = Transfer(t, spec, chunks[0], 0, 10, 0, 0)  # 320 bytes, 32 a row
+    assert split_round([small, big], 320) == [[small, big]]
+    assert split_round([small, big], 100) == [
+        [Transfer(t, spec, chunks[0], 0, 3, 0, 0), small],  # writer 0's first 3 rows (96 bytes), writer 1's
+        [Transfer(t, spec, chunks[0], 3, 6, 0, 0)],
+        [Transfer(t, spec, chunks[0], 6, 9, 0, 0)],
+        [Transfer(t, spec, chunks[0], 9, 10, 0, 0)],
+    ]
+    assert split_round([big], 16) == [[Transfer(t, spec, chunks[0], r, r + 1, 0, 0)] for r in range(10)]

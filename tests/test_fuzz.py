@@ -165,7 +165,7 @@ def _lying_file(path: Path, header: dict, data: bytes = b"\0" * 64, length: int 
         ({"a": {"dtype": "F32", "shape": [40], "data_offsets": [0, 160]}}, None, "past the end"),
         ({"a": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 16]}}, None, "unknown dtype"),
         ({"a": {"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}}, None, "does not match its 16 bytes"),
-        ({"a": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, None, "does not match"),
+        ({"a": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, None, "not a list of dimensions"),
         ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 2**62, "header length"),
         ({"a": {"dtype": "F32", "shape": [4]}}, None, "malformed header entry"),
     ],
@@ -203,3 +203,90 @@ def test_metadata_shape_larger_than_the_stored_bytes_is_refused_before_allocatin
     for command in (["dcp-to-hf", str(ckpt), str(tmp_path / "out")], ["inspect", str(ckpt)]):
         code, err = run(capsys, *command)
         assert_one_line(code, err, "'model.embed.weight'", "needs 26388279066624 bytes")
+
+
+# -- safetensors headers built from the shapes that trip parsers, judged against the safetensors library ----
+
+_DIMS = st.one_of(
+    st.integers(0, 5),
+    st.sampled_from([2**31, 2**62, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -1]),
+    st.sampled_from([4.0, "4", True, None, [2]]),
+)
+_DTYPES = st.sampled_from(["F32", "BF16", "I64", "BOOL", "U8", "f32", "Q7", "", 4])
+_ITEMSIZE = {"F32": 4, "BF16": 2, "I64": 8, "BOOL": 1, "U8": 1}
+
+
+@st.composite
+def st_headers(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """(a safetensors file's bytes, whether ckptconv must refuse it even if the library accepts it).
+
+    Entries get offsets that tile the data unless a mutation moves one; then the JSON text may be spoiled:
+    a duplicate key, deep nesting, NaN / Infinity, a lone surrogate, odd whitespace or trailing bytes."""
+    import json
+    import math
+    import struct
+
+    header: dict[str, object] = {}
+    metadata = draw(st.sampled_from([None, {"format": "pt"}, {"a": 1}, [], "x", "absent"]))
+    if metadata != "absent":
+        header["__metadata__"] = metadata
+    end = 0
+    for i in range(draw(st.integers(0, 3))):
+        dtype = draw(_DTYPES)
+        shape = draw(st.lists(_DIMS, max_size=3))
+        ints = all(type(d) is int for d in shape)
+        nbytes = math.prod(shape) * _ITEMSIZE.get(str(dtype), 4) if ints else 4  # type: ignore[arg-type]
+        nbytes = nbytes if 0 <= nbytes <= 4096 else 4
+        offsets: object = [end, end + nbytes]
+        end += nbytes
+        offsets = draw(
+            st.sampled_from(
+                [offsets, offsets, offsets, [end, end + 1], [0, 4], [0, 4.0], [0, 4, 4], [4, 0], "0,4"]
+            )
+        )
+        entry = {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+        entry.update(draw(st.sampled_from([{}, {}, {"x": [1, {"y": None}]}, {"x": -1.5}])))
+        for field in draw(st.lists(st.sampled_from(["dtype", "shape", "data_offsets"]), max_size=1)):
+            del entry[field]
+        header[draw(st.sampled_from([f"t{i}", f"t{i}", "", "é", "__metadata__x"])) + str(i)] = entry
+    text = json.dumps(header, ensure_ascii=False)
+    spoil = draw(
+        st.sampled_from(["", "", "", "dup", "deep", "deeper", "nan", "inf", "surrogate", "space", "nul"])
+    )
+    duplicated = spoil == "dup" and len(header) > 0
+    if duplicated:
+        first = next(iter(header))
+        text = text[:-1] + f", {json.dumps(first)}: {json.dumps(header[first])}}}"
+    elif spoil in ("deep", "deeper") and text != "{}":
+        depth = 125 if spoil == "deep" else 126
+        text = text[:-1] + ', "z": ' + "[" * depth + "]" * depth + "}"
+    elif spoil in ("nan", "inf") and text != "{}":
+        text = text[:-1] + (', "z": NaN}' if spoil == "nan" else ', "z": -Infinity}')
+    elif spoil == "surrogate":
+        text = text[:-1] + ('"\\udc00": 1}' if text == "{}" else ', "\\udc00": 1}')
+    elif spoil == "space":
+        text = " \n" + text + "\t "
+    raw = text.encode() + (b"\0" if spoil == "nul" else b"")
+    data = b"\1" * max(0, end + draw(st.sampled_from([0, 0, 0, -1, 1, 8])))
+    return struct.pack("<Q", len(raw)) + raw + data, duplicated
+
+
+@FUZZ
+@given(case=st_headers())
+def test_fuzz_headers_against_the_safetensors_library(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: tuple[bytes, bool]
+) -> None:
+    """ckptconv accepts exactly the files `safetensors.torch.load` accepts (duplicate keys aside: refused)."""
+    from safetensors.torch import load
+
+    blob, duplicated = case
+    try:
+        load(blob)
+        accepted = not duplicated
+    except Exception:
+        accepted = False
+    path = tmp_path / "fuzzed.safetensors"
+    path.write_bytes(blob)
+    code, err = run(capsys, "inspect", str(path), "--json")
+    check(code, err)
+    assert (code == 0) == accepted, (blob[:300], err)

@@ -59,6 +59,7 @@ def kind(mode: int) -> str:
 
 
 def _not_regular(path: object, mode: int) -> CkptconvError:
+    """The one-line error for a checkpoint path that is not a regular file."""
     return CkptconvError(
         f"{path}: is {kind(mode)}, not a regular file; refusing to read it (replace it with the real file)"
     )
@@ -70,6 +71,7 @@ def stat_regular(path: Path, root: Path | None = None) -> os.stat_result:
 
 
 def _stat_regular(path: Path, real: Path) -> os.stat_result:
+    """`stat` of `real` (the resolved `path`), which must be a regular file; errors name `path`."""
     try:
         st = os.stat(real)
     except OSError as e:

@@ -102,10 +102,12 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _constant(name: str) -> Any:
+    """`NaN`, `Infinity`, `-Infinity`: Python's json reads them, JSON (and safetensors) does not."""
     raise ValueError(f"{name} is not JSON")
 
 
 def _float(text: str) -> float:
+    """A JSON number with a fraction or exponent, refused when it overflows a double (`1e400`)."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"number {text[:40]} out of range")
@@ -113,6 +115,7 @@ def _float(text: str) -> float:
 
 
 def _int(text: str) -> int:
+    """A JSON integer, refused when longer than any double (Python would read any number of digits)."""
     if len(text.lstrip("-")) > 309:  # serde_json reads it as a double, which it overflows
         raise ValueError(f"number {text[:40]}... out of range")
     return int(text)
@@ -145,6 +148,7 @@ def read_header(path: Path, root: Path | None = None) -> tuple[dict[str, StoredT
 
 
 def _fstat(fd: int, path: Path) -> os.stat_result:
+    """`os.fstat`, an OSError as a one-line error naming `path`."""
     try:
         return os.fstat(fd)
     except OSError as e:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, Literal
 
 import torch
 
@@ -21,7 +21,7 @@ from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, open_dcp
 from .formats.dcp_reader import DcpReader, RowPiece
-from .formats.hf import open_hf, write_index
+from .formats.hf import INDEX_FILE, open_hf, write_index
 from .formats.safetensors_io import Entry, RowReader, SafetensorsWriter
 from .mapping import load_config, load_mapping
 from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
@@ -31,8 +31,6 @@ from .unshard import Item, check_read_pieces, direct_rows, direct_tensors, gathe
 from .world import World, everyone, on_main
 
 ReadPath = Literal["direct", "gather"]
-P = ParamSpec("P")
-T = TypeVar("T")
 DEFAULT_BUCKET = 128 * 10**6
 
 
@@ -56,32 +54,6 @@ def _return_freed_memory() -> None:
         libc.mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: nothing to tune
-
-
-def atomically(
-    world: World,
-    out: Path,
-    write: Callable[[Path], None],
-    finish: Callable[[Path], T],
-    check: Callable[[Path], None] | None = None,
-) -> T | None:
-    """Collective: every rank `write`s into the staging directory of `out`, rank 0 `finish`es it (index,
-    stash, copied files), every rank `check`s it (verify), then rank 0 renames it into place. On any rank's
-    failure or a failed check, rank 0 removes the staging directory and every rank raises: OUT is either
-    the complete, checked result or untouched."""
-    on_main(world, outdir.prepare, out)
-    staging = outdir.staging_dir(out)
-    try:
-        everyone(world, write, staging)
-        result = on_main(world, finish, staging)
-        if check is not None:
-            check(staging)  # collective, agrees by itself
-        on_main(world, outdir.publish, staging, out)
-        return world.all_gather_object(result)[0]
-    except BaseException:
-        if world.is_main:
-            outdir.discard(out)
-        raise
 
 
 def dcp_to_hf(
@@ -109,13 +81,16 @@ def dcp_to_hf(
     start = time.perf_counter()
     _return_freed_memory()
 
-    def prepare() -> tuple[DcpCheckpoint, HfSavePlan, int, dict[str, Any]]:
+    def prepare() -> tuple[DcpCheckpoint, HfSavePlan, int, dict[str, Any], outdir.Output | None]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         shard_bytes = parse_size(max_shard_size)
         bucket = parse_size(bucket_size, "--bucket-size")
         if copy_from is not None and not copy_from.is_dir():
             raise CkptconvError(f"--copy-from {copy_from}: not a directory")
-        ckpt = open_dcp(sources.dcp_source(src))
+        located = sources.dcp_source(src)
+        inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", config), _mapping_file(mapping)]
+        target = None if dry_run else outdir.target(out, overwrite, inputs, main=world.is_main)
+        ckpt = open_dcp(located)
         key_mapping = load_mapping(mapping, hf_experts) if mapping else None
         model_config = load_config(config or (copy_from / "config.json" if copy_from else None))
         plan = plan_dcp_to_hf(
@@ -128,18 +103,18 @@ def dcp_to_hf(
             config=model_config,
             allow_unmapped=allow_unmapped,
         )
-        if not dry_run:
-            outdir.check_out(out, overwrite)
-        return ckpt, plan, bucket, model_config
+        return ckpt, plan, bucket, model_config, target
 
-    ckpt, plan, bucket, model_config = everyone(world, prepare)
+    ckpt, plan, bucket, model_config, target = everyone(world, prepare)
     for note in plan.notes:
         ui.info(note)
     for warning in plan.warnings:
         ui.warn(warning)
     result = Result(out, plan)
-    if dry_run:
+    if target is None:
         return result
+    if target.note:
+        ui.info(target.note)
 
     def source() -> verify_mod.Side:
         return verify_mod.dcp_side(
@@ -156,10 +131,10 @@ def dcp_to_hf(
         if verify:
             _check(world, ui, source, lambda _: verify_mod.hf_side("output", staging))
 
-    result.copied = (
-        atomically(world, out, write, lambda staging: _finish(plan, ckpt, staging, copy_from, ui), check)
-        or []
-    )
+    def finish(staging: Path) -> list[str]:
+        return _finish(plan, ckpt, staging, copy_from, ui)
+
+    result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
     result.seconds = time.perf_counter() - start
     result.written = True
     return result
@@ -226,10 +201,17 @@ def _finish(
 ) -> list[str]:
     """Rank 0, after every shard is written: index, stash, copied files."""
     if plan.sharded:
-        write_index(staging, plan.weight_map, plan.total_size)
+        with outdir.naming(staging / INDEX_FILE):
+            write_index(staging, plan.weight_map, plan.total_size)
     if plan.stash:
         write_stash(staging, _load_stash(plan, ckpt, ui))
     return outdir.copy_non_weights(copy_from, staging) if copy_from is not None else []
+
+
+def _mapping_file(mapping: str | None) -> tuple[str, Path | None]:
+    """A `--mapping` that names a file (not a preset), as an input OUT must keep clear of."""
+    path = Path(mapping) if mapping else None
+    return "--mapping", path if path is not None and path.exists() else None
 
 
 def _load_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, ui: Ui) -> list[StashedItem]:
@@ -269,7 +251,9 @@ def hf_to_dcp(
     located = on_main(world, sources.hf_source, src, revision)
     path: Path = world.all_gather_object(located)[0]  # rank 0 downloads; the others read what it found
 
-    def prepare() -> tuple[DcpSavePlan, dict[str, Any]]:
+    def prepare() -> tuple[DcpSavePlan, dict[str, Any], outdir.Output | None]:
+        inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
+        target = None if dry_run else outdir.target(out, overwrite, inputs, main=world.is_main)
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         hf = open_hf(path)
         stash = read_stash(path) if path.is_dir() else []
@@ -285,16 +269,16 @@ def hf_to_dcp(
             config=model_config,
             allow_unmapped=allow_unmapped,
         )
-        if not dry_run:
-            outdir.check_out(out, overwrite)
-        return plan, model_config
+        return plan, model_config, target
 
-    plan, model_config = everyone(world, prepare)
+    plan, model_config, target = everyone(world, prepare)
     for warning in plan.warnings:
         ui.warn(warning)
     result = DcpResult(out, path, plan)
-    if dry_run:
+    if target is None:
         return result
+    if target.note:
+        ui.info(target.note)
 
     def source() -> verify_mod.Side:  # the HF tensors the plan reads (keys a mapping drops are not output)
         return verify_mod.hf_side(
@@ -304,12 +288,13 @@ def hf_to_dcp(
     def output(staging: Path, hf: verify_mod.Side) -> verify_mod.Side:  # in the HF side's expert form
         return verify_mod.dcp_side("output", staging, prefix, mapping, model_config, allow_unmapped, like=hf)
 
-    atomically(
+    outdir.atomically(
         world,
-        out,
+        target,
         lambda staging: _save_dcp(plan, staging, world, ui),
         lambda staging: None,
         (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None,
+        ui.warn,
     )
     result.seconds = time.perf_counter() - start
     result.written = True

@@ -28,7 +28,7 @@ from .dtype_names import short_name
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
-from .formats.hf import open_hf, write_index
+from .formats.hf import INDEX_FILE, open_hf, write_index
 from .formats.safetensors_io import RowReader
 from .layout import tiling_problem
 from .mapping import load_mapping
@@ -184,12 +184,14 @@ def save_hf(
             mapping=load_mapping(mapping) if mapping else None,
             config=dict(config or {}),
         )
-        outdir.check_out(out, overwrite, "overwrite=True")
+        target = outdir.target(
+            out, overwrite, [("copy_from", _path(copy_from))], "overwrite=True", world.is_main
+        )
         budget = parse_size(bucket_size, "bucket_size")
         jobs, order, needs = live_jobs(plan, holding, budget)
-        return plan, jobs, order, needs, plan_rounds(jobs, budget)
+        return plan, jobs, order, needs, plan_rounds(jobs, budget), target
 
-    plan, jobs, order, needs, rounds = everyone(world, prepare)
+    plan, jobs, order, needs, rounds, target = everyone(world, prepare)
     handles = group_handles(described)
 
     def local(fqn: str) -> torch.Tensor:
@@ -197,7 +199,8 @@ def save_hf(
 
     def finish(staging: Path) -> None:
         if plan.sharded:
-            write_index(staging, plan.weight_map, plan.total_size)
+            with outdir.naming(staging / INDEX_FILE):
+                write_index(staging, plan.weight_map, plan.total_size)
         if others:
             write_stash(staging, [_stashed(p, v) for p, v in others])
         if copy_from is not None:
@@ -205,8 +208,8 @@ def save_hf(
 
     results = run_rounds(jobs, rounds, world.rank, local, TorchCollective(handles))
     items = emit(order, needs, world.rank, results, jobs)
-    convert.atomically(
-        world, out, lambda staging: convert.write_files(plan, items, staging, world, ui), finish
+    outdir.atomically(
+        world, target, lambda staging: convert.write_files(plan, items, staging, world, ui), finish
     )
     return SaveReport(
         [f.name for f in plan.files],
@@ -215,6 +218,10 @@ def save_hf(
         sum(len(r.batches) for r in rounds),
         max((sum(r.nbytes.values()) for r in rounds), default=0),
     )
+
+
+def _path(value: str | Path | None) -> Path | None:
+    return Path(value) if value is not None else None
 
 
 def _stashed(path: tuple[str, ...], value: Any) -> StashedItem:

@@ -1,23 +1,41 @@
 """Atomic output directories: write into a hidden staging directory beside OUT, rename it at the end.
 
 While a conversion runs nothing at OUT changes, so OUT never looks finished before it is; an interrupted run
-leaves only `.OUT.ckptconv-partial` beside it, which the next run replaces. Rank 0 owns every step here;
-the other ranks only write files inside `staging`.
+leaves only `.OUT.ckptconv-partial` beside it, which the next run replaces. One run writes an OUT at a time
+(`outlock`). OUT is never an input, never holds one and is never inside one; `--overwrite` replaces only a
+directory that holds a checkpoint (or nothing); a symlink at OUT is followed, and its target is written.
+Rank 0 owns every step here; the other ranks only write files inside the staging directory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
 import shutil
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+from . import outlock
 from .errors import CkptconvError
+from .outlock import write_failed
+from .world import World, everyone, on_main
 
 PARTIAL_SUFFIX = ".ckptconv-partial"
 OLD_SUFFIX = ".ckptconv-old"
+T = TypeVar("T")
+Inputs = Sequence[tuple[str, Path | None]]  # (what it is, e.g. "SRC" or "--config"; its path)
 
 
 def staging_dir(out: Path) -> Path:
     return out.parent / f".{out.name}{PARTIAL_SUFFIX}"
+
+
+def old_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}{OLD_SUFFIX}"
 
 
 def refuse_partial(path: Path) -> None:
@@ -30,16 +48,157 @@ def refuse_partial(path: Path) -> None:
             )
 
 
-def check_out(out: Path, overwrite: bool, flag_hint: str = "--overwrite") -> None:
-    """Refuse an OUT that is a file, or a non-empty directory without `overwrite`. Pure checks, no writes."""
+@dataclass(frozen=True)
+class Output:
+    """Where a conversion writes: `path` is OUT with symlinks resolved; `note` says so when OUT was one."""
+
+    path: Path
+    overwrite: bool
+    inputs: tuple[tuple[str, Path], ...] = ()
+    flag: str = "--overwrite"
+    note: str | None = None
+
+    def check(self) -> None:
+        """Refuse this OUT (see the module docstring). Pure checks, no writes; rank 0 repeats them under
+        the lock."""
+        for label, path in self.inputs:
+            _check_not_input(self.path, label, path)
+        check_out(self.path, self.overwrite, self.flag)
+
+
+def target(
+    out: Path, overwrite: bool, inputs: Inputs = (), flag: str = "--overwrite", main: bool = True
+) -> Output:
+    """The checked Output for OUT `out`; on rank 0 (`main`), also fail at once if a live run is writing it."""
+    real = _resolve_out(out)
+    note = f"{out} is a symlink: writing into its target {real}" if out.is_symlink() else None
+    result = Output(real, overwrite, tuple((label, p) for label, p in inputs if p is not None), flag, note)
+    if main:
+        outlock.peek(real)
+    result.check()
+    return result
+
+
+def _absolute(p: Path) -> Path:
+    return Path(os.path.abspath(p))
+
+
+def _resolve_out(out: Path) -> Path:
+    """OUT with every symlink resolved (parents too: one real path, so one lock, whatever the spelling)."""
+    try:
+        real = out.resolve()
+    except (OSError, RuntimeError) as e:
+        raise CkptconvError(f"{out}: cannot resolve its symlinks ({e}); choose another OUT") from None
+    if out.is_symlink() and not real.exists():
+        raise CkptconvError(
+            f"{out}: is a symlink to {real}, which does not exist; create that directory or remove the link"
+        )
+    return real
+
+
+def check_out(out: Path, overwrite: bool, flag: str = "--overwrite") -> None:
+    """Refuse an OUT that is a file, or a non-empty directory that is not a checkpoint, or one without
+    `overwrite`."""
     if out.is_file() or (out.exists() and not out.is_dir()):
         raise CkptconvError(f"{out}: exists and is not a directory; choose another OUT")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CkptconvError(f"{out}: exists and is not empty; pass {flag_hint} to replace it")
+    if not out.is_dir():
+        return
+    try:
+        names = sorted(p.name for p in out.iterdir())
+    except OSError as e:
+        raise CkptconvError(f"{out}: cannot list it ({e.strerror}); choose another OUT") from None
+    if not names:
+        return
+    foreign = _not_a_checkpoint(names)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise CkptconvError(
+            f"{out}: holds {shown}, not a checkpoint ({flag} replaces only a directory that holds "
+            "safetensors / an index / DCP files, or nothing); choose an empty or new OUT, or remove it "
+            "yourself"
+        )
+    if not overwrite:
+        raise CkptconvError(f"{out}: exists and is not empty; pass {flag} to replace it")
+
+
+_CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
+
+
+def _not_a_checkpoint(names: list[str]) -> list[str]:
+    """The names that make a non-empty directory something other than a checkpoint ckptconv may replace:
+    hidden entries (a conversion writes none but `.metadata`), or everything when nothing marks a
+    checkpoint (weights, index, stash, `.metadata`)."""
+    from .stash import STASH_FILE
+
+    hidden = [n for n in names if n.startswith(".") and n != ".metadata"]
+    if hidden:
+        return hidden
+    marked = any(n.endswith(_CHECKPOINT_SUFFIXES) or n in (STASH_FILE, ".metadata") for n in names)
+    return [] if marked else names
+
+
+def _check_not_input(out: Path, label: str, path: Path) -> None:
+    """OUT must not be `path`, contain it or be inside it (symlinks and bind mounts followed)."""
+    for what, real in ((label, path), *_linked(label, path)):
+        inside, contains = _within(out, real), _within(real, out)
+        if inside and contains:
+            raise CkptconvError(f"{out}: is {what} {path} itself; OUT must never be an input")
+        if contains:
+            raise CkptconvError(f"{out}: contains {what} {real}; choose an OUT that holds no input")
+        if inside:
+            raise CkptconvError(f"{out}: is inside {what} {real}; choose an OUT outside the inputs")
+
+
+def _linked(label: str, path: Path) -> list[tuple[str, Path]]:
+    """What an input directory points to: its symlinked entries' targets, a hub snapshot's repo folder."""
+    found: list[tuple[str, Path]] = []
+    if path.parent.name == "snapshots":  # huggingface_hub's cache: models--org--name/snapshots/<rev>
+        found.append((f"the cache folder of {label}", path.parent.parent))
+    try:
+        entries = list(path.iterdir()) if path.is_dir() else []
+        found += [(f"{label}'s link target", e.resolve()) for e in entries if e.is_symlink()]
+    except (OSError, RuntimeError):
+        pass
+    return found
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    """`inner` is `outer` or inside it, compared by device and inode along both of `inner`'s spellings."""
+    try:
+        o = os.stat(outer)
+    except OSError:
+        return False
+    lineage = [_absolute(inner), *_absolute(inner).parents]
+    with suppress(OSError, RuntimeError):
+        lineage += [inner.resolve(), *inner.resolve().parents]
+    for p in dict.fromkeys(lineage):
+        try:
+            if os.path.samestat(os.stat(p), o):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def recover(out: Path) -> None:
+    """Rank 0, holding the lock, before checking OUT: a previous OUT that a run killed while publishing had
+    moved aside (where the file system cannot swap directories) is put back, or removed if OUT is there."""
+    old = old_dir(out)
+    try:
+        if old.exists():
+            if out.exists():
+                shutil.rmtree(old)
+            else:
+                old.rename(out)
+    except OSError as e:
+        raise CkptconvError(
+            f"{e.filename or old}: cannot clean up ({e.strerror}); remove it yourself"
+        ) from None
 
 
 def prepare(out: Path) -> Path:
-    """Rank 0: an empty staging directory for `out` (a stale one from a killed run is removed)."""
+    """Rank 0, holding the lock: an empty staging directory for `out` (a stale one from a killed run is
+    removed)."""
     staging = staging_dir(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -48,29 +207,132 @@ def prepare(out: Path) -> Path:
         staging.mkdir()
     except OSError as e:
         raise CkptconvError(
-            f"{staging}: cannot create ({e.strerror}); check permissions and free space"
+            f"{e.filename or staging}: cannot create ({e.strerror}); check permissions and free space"
         ) from None
     return staging
 
 
 def publish(staging: Path, out: Path) -> None:
-    """Rank 0: move the finished `staging` to `out`, replacing what was there (checked by `check_out`)."""
-    old = out.parent / f".{out.name}{OLD_SUFFIX}"
+    """Rank 0, holding the lock: move the finished `staging` to `out`, replacing what was there.
+
+    An existing OUT is swapped with the staging directory in one step (renameat2 RENAME_EXCHANGE), so OUT
+    is always one complete result; where the file system cannot swap, OUT is moved aside and back."""
     try:
-        if old.exists():
-            shutil.rmtree(old)
-        if out.exists():
+        if not out.exists():
+            staging.rename(out)
+        elif _exchange(staging, out):
+            shutil.rmtree(staging, ignore_errors=True)  # the previous OUT
+        else:
+            old = old_dir(out)
+            if old.exists():
+                shutil.rmtree(old)
             out.rename(old)
-        staging.rename(out)
-        if old.exists():
-            shutil.rmtree(old)
+            staging.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
-        raise CkptconvError(f"{out}: cannot move the result into place ({e.strerror})") from None
+        raise CkptconvError(
+            f"{out}: cannot move the result into place ({e.strerror}); check permissions"
+        ) from None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` atomically; False where the C library or the file system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def discard(out: Path) -> None:
     """Rank 0: remove the staging directory of `out` after a failure."""
     shutil.rmtree(staging_dir(out), ignore_errors=True)
+
+
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Any OSError inside is a write error on `path` (a file written whole: index, stash)."""
+    try:
+        yield
+    except OSError as e:
+        raise write_failed(path, OSError(e.errno, e.strerror)) from None
+
+
+def writing(fn: Callable[[Path], T]) -> Callable[[Path], T]:
+    """`fn(staging)` with any OSError turned into the one-line write error naming the file."""
+
+    def run(staging: Path) -> T:
+        try:
+            return fn(staging)
+        except OSError as e:
+            raise _os_error(staging, e) from None
+
+    return run
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def _os_error(staging: Path, e: OSError) -> CkptconvError:
+    """A write error naming the file written; an error on a file outside the staging directory (and not
+    one only writing gives) is an input's, named as such. shutil names the source first, the copy second."""
+    names = [Path(os.fsdecode(n)) for n in (e.filename2, e.filename) if isinstance(n, (str, bytes))]
+    ours = [n for n in names if _absolute(n).is_relative_to(_absolute(staging))]
+    if ours or not names or e.errno in _WRITE_ERRNOS:
+        where = ours[0] if ours else (names[0] if names else staging)
+        return write_failed(where, OSError(e.errno, e.strerror))
+    cause = e.strerror or type(e).__name__
+    return CkptconvError(f"{names[-1]}: cannot read ({cause}); check that it exists and is readable")
+
+
+def atomically(
+    world: World,
+    out: Output,
+    write: Callable[[Path], None],
+    finish: Callable[[Path], T],
+    check: Callable[[Path], None] | None = None,
+    say: Callable[[str], None] = lambda message: None,
+) -> T | None:
+    """Collective: rank 0 locks OUT, checks it again and makes the staging directory; every rank `write`s
+    into it, rank 0 `finish`es it (index, stash, copied files), every rank `check`s it (verify), then rank 0
+    renames it into place and lets the lock go. On any rank's failure (an interrupt too) or a failed check,
+    rank 0 removes the staging directory and every rank raises: OUT is either the complete, checked result
+    or untouched."""
+    lock: outlock.OutLock | None = None
+
+    def begin() -> None:
+        nonlocal lock
+        lock = outlock.take(out.path)
+        note = lock.note()
+        if note:
+            say(note)
+        recover(out.path)
+        out.check()  # again, now that no other run can change OUT
+        prepare(out.path)
+
+    staging = staging_dir(out.path)
+    try:
+        on_main(world, begin)
+        everyone(world, writing(write), staging)
+        result = on_main(world, writing(finish), staging)
+        if check is not None:
+            check(staging)  # collective, agrees by itself
+        on_main(world, publish, staging, out.path)
+        return world.all_gather_object(result)[0]
+    except BaseException:
+        if lock is not None:
+            discard(out.path)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def copy_non_weights(src: Path, dst: Path) -> list[str]:
@@ -81,10 +343,17 @@ def copy_non_weights(src: Path, dst: Path) -> list[str]:
     for entry in sorted(src.iterdir()):
         if entry.name.startswith(".") or _is_weight_file(entry.name):
             continue
-        if entry.is_dir():
-            shutil.copytree(entry, dst / entry.name)
-        else:
-            shutil.copy2(entry, dst / entry.name)
+        try:
+            if entry.is_dir():
+                shutil.copytree(entry, dst / entry.name)
+            else:
+                shutil.copy2(entry, dst / entry.name)
+        except shutil.Error as e:  # copytree: a list of (src, dst, why), the first names the file
+            problems = e.args[0] if e.args and isinstance(e.args[0], list) else []
+            _, where, why = problems[0] if problems else (None, dst / entry.name, str(e))
+            raise CkptconvError(f"{where}: cannot copy from --copy-from ({why})") from None
+        except OSError as e:
+            raise _os_error(dst, e) from None
         copied.append(entry.name)
     return copied
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CkptconvError
+from .outlock import write_failed
 
 STASH_FILE = "ckptconv_state.json"
 STASH_FORMAT = "ckptconv-stash"
@@ -60,7 +61,12 @@ def to_json(items: list[StashedItem]) -> dict[str, Any]:
 
 
 def write_stash(directory: Path, items: list[StashedItem]) -> None:
-    (directory / STASH_FILE).write_text(json.dumps(to_json(items), indent=2) + "\n")
+    """`ckptconv_state.json` in `directory`; a write error (disk full, permissions) names the file."""
+    path = directory / STASH_FILE
+    try:
+        path.write_text(json.dumps(to_json(items), indent=2) + "\n")
+    except OSError as e:
+        raise write_failed(path, OSError(e.errno, e.strerror)) from None
 
 
 def read_stash(directory: Path) -> list[StashedItem]:

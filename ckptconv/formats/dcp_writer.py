@@ -60,14 +60,35 @@ def write_dcp(
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.save(state_dict, storage_writer=writer, no_dist=single)
     except BaseException as e:
-        # dcp.save wraps what write_data raised into a CheckpointException (a BaseException, with tracebacks)
-        failed = writer.failed or (e if isinstance(e, OSError) else None)
-        if failed is None:
+        error = _one_error(e, writer.failed, directory)
+        if error is None:
             raise
-        where = failed.filename or directory
-        raise CkptconvError(
-            f"{where}: cannot write ({failed.strerror}); check free space and permissions"
-        ) from None
+        raise error from None
+
+
+def _one_error(e: BaseException, failed: OSError | None, directory: Path) -> BaseException | None:
+    """The one-line error for what stopped `dcp.save` on any rank (the same on every rank), the interrupt
+    itself, or None for a bug. dcp.save wraps what `write_data` or `finish` raised, on any rank, into a
+    CheckpointException (a BaseException) that every rank raises, with each failed rank's exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    failures: list[tuple[int, BaseException]] = [(-1, failed)] if failed is not None else []
+    if isinstance(e, CheckpointException):
+        failures += [(rank, exc) for rank, (exc, _) in sorted(e.failures.items())]
+    else:
+        failures.append((-1, e))
+    for rank, exc in failures:
+        prefix = f"rank {rank}: " if rank >= 0 and dist.is_initialized() and dist.get_rank() != rank else ""
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        if isinstance(exc, CkptconvError):
+            return CkptconvError(prefix + str(exc), exit_code=exc.exit_code)
+        if isinstance(exc, OSError):
+            where = exc.filename or directory
+            return CkptconvError(
+                f"{prefix}{where}: cannot write ({exc.strerror}); check free space and permissions"
+            )
+    return None
 
 
 def _rows(item: Any) -> tuple[int, int]:
@@ -115,6 +136,15 @@ class _RecordWriter(FileSystemWriter):
         self.on_bytes = on_bytes
         self.scratch = threading.local()  # each writer thread's slab buffer
         self.failed: OSError | None = None  # the first write error, reported as such by write_dcp
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        """torch's: `.metadata` (through `.metadata.tmp`), on rank 0; a write error names the file."""
+        try:
+            super().finish(metadata, results)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = str(self.directory / ".metadata")
+            raise
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
         bins = _bins(plan.items, self.thread_count)

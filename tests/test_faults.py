@@ -57,7 +57,7 @@ def test_write_error_is_exit_2_naming_the_file_and_leaves_nothing(
         capture_output=True,
         text=True,
         env=_env(),
-        preexec_fn=_file_size_limit(300),
+        preexec_fn=_file_size_limit(1024),  # the lock file (< 1 kB) fits, no output file does
     )
     assert_one_line(proc.returncode, proc.stderr, "cannot write (File too large)", str(staging_dir(out)))
     assert _leftovers(out) == []

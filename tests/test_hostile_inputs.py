@@ -88,6 +88,20 @@ def test_fifo_shard_named_by_an_index(tmp_path: Path) -> None:
     assert_refused(ckptconv("inspect", str(hf), timeout=HANG), shard.name, "FIFO")
 
 
+def test_fifo_named_config_json(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    """config.json is read by mappings: beside the weights, or named by --config."""
+    hf = hf_dir(tmp_path / "hf")
+    os.mkfifo(hf / "config.json")
+    out = tmp_path / "out"
+    for command in (
+        ["hf-to-dcp", str(hf), str(out)],
+        ["inspect", str(hf), "--mapping", "torchtitan-llama3"],
+        ["dcp-to-hf", str(fsdp2_ckpt), str(out), "--config", str(hf / "config.json")],
+    ):
+        assert_refused(ckptconv(*command, timeout=HANG), "config.json", "FIFO")
+    assert not out.exists()
+
+
 def _point_item_at(ckpt: Path, fqn: str, rel: str, length: int | None = None) -> None:
     """Rewrite `.metadata` (with torch's own classes) so the stored bytes of `fqn` are in file `rel`."""
     import torch.distributed.checkpoint as dcp  # noqa: F401 (unpickles the real metadata classes)

@@ -29,13 +29,19 @@ _RULE_KEYS = {"runtime", "hf", "dim", "sizes", "stack", "permute", "drop", "tied
 VARIANTS = ("per_expert", "fused")
 
 
+MAX_CONFIG_BYTES = 64 * 2**20
+
+
 def load_config(path: Path | None) -> dict[str, Any]:
     """config.json as a dict ({} when there is none); mapping rules read sizes and flags from it."""
+    from ..formats.files import read_regular
+
     if path is None or not path.exists():
         return {}
+    raw = read_regular(path, limit=MAX_CONFIG_BYTES)  # a regular file only: a FIFO would block the read
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        doc = json.loads(raw)
+    except ValueError as e:
         raise CkptconvError(f"{path}: not a readable JSON config ({e})") from None
     if not isinstance(doc, dict):
         raise CkptconvError(f"{path}: not a JSON object")

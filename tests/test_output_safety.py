@@ -217,6 +217,34 @@ def test_overwrite_replaces_a_previous_output(fsdp2_ckpt: Path, hf_dir: Path, tm
         assert again[name] == first[name]
 
 
+def test_publish_without_an_atomic_swap_and_recovery_of_a_moved_aside_out(
+    fsdp2_ckpt: Path,
+    hf_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the file system cannot swap directories, OUT is moved aside and the result moved in; a run
+    killed between the two leaves `.OUT.ckptconv-old`, which the next run puts back before it checks OUT."""
+    from ckptconv import outdir
+
+    monkeypatch.setattr(outdir, "_exchange", lambda a, b: False)
+    out = tmp_path / "out"
+    shutil.copytree(hf_dir, out)
+    (out / "model.safetensors").write_bytes(b"stale")
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--overwrite", "--quiet")
+    assert code == 0, err
+    assert tree(out) == tree(hf_dir) and leftovers(out) == ["out"]
+    out.rename(outdir.old_dir(out))  # what a run killed after moving OUT aside leaves (with its staging)
+    shutil.copytree(hf_dir, staging_dir(out))
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--quiet")
+    assert_one_line(code, err, "not empty", "--overwrite")
+    assert tree(out) == tree(hf_dir) and leftovers(out) == ["out"]  # the stale staging is gone too
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--overwrite", "--quiet")
+    assert code == 0, err
+    assert tree(out) == tree(hf_dir) and leftovers(out) == ["out"]
+
+
 # --- a symlink at OUT --------------------------------------------------------------------------------------
 
 
@@ -269,6 +297,7 @@ def _wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 60) -> N
         time.sleep(0.002)
 
 
+@pytest.mark.slow
 def test_second_run_fails_at_once_naming_the_run_that_holds_out(medium_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = _popen("dcp-to-hf", str(medium_ckpt), str(out), "--bucket-size", "8MB", "--quiet")
@@ -317,6 +346,7 @@ def test_two_runs_started_together_leave_one_complete_result(
     assert leftovers(out) == ["out"]
 
 
+@pytest.mark.slow
 def test_stale_lock_of_a_killed_run_is_taken_over(medium_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = _popen("dcp-to-hf", str(medium_ckpt), str(out), "--bucket-size", "8MB", "--quiet")
@@ -419,7 +449,16 @@ def small_disk() -> Iterator[Callable[[int], Path]]:
         where.rmdir()
 
 
-@pytest.mark.parametrize("what", ["index", "stash", "copied file", "metadata", "metadata on 2 ranks"])
+@pytest.mark.parametrize(
+    "what",
+    [
+        "index",
+        "stash",
+        "copied file",
+        "metadata",
+        pytest.param("metadata on 2 ranks", marks=pytest.mark.slow),
+    ],
+)
 def test_disk_full_is_exit_2_naming_the_file(
     many_keys: Path, tmp_path: Path, small_disk: Callable[[int], Path], what: str
 ) -> None:

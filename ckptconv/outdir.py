@@ -309,6 +309,10 @@ def atomically(
 
     def begin() -> None:
         nonlocal lock
+        try:
+            out.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise write_failed(out.path.parent, e) from None
         lock = outlock.take(out.path)
         note = lock.note()
         if note:

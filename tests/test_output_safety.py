@@ -245,6 +245,13 @@ def test_publish_without_an_atomic_swap_and_recovery_of_a_moved_aside_out(
     assert tree(out) == tree(hf_dir) and leftovers(out) == ["out"]
 
 
+def test_out_in_new_directories(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "a" / "b" / "out"
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--quiet")
+    assert code == 0, err
+    assert leftovers(out) == ["out"] and (out / "model.safetensors").is_file()
+
+
 # --- a symlink at OUT --------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,9 @@ Two paths, the same output bytes:
   works), and rounds of point-to-point transfers bring the chunks to the writers. Every rank walks the same
   rounds in the same order (the unshard scheduler `schedule.plan_rounds`, shared with save_hf's all-gathers,
   with one budget per writer): each round is bounded by `bucket_bytes` of gathered (global) source bytes per
-  writer; read errors are agreed on before any transfer, so a failed read never leaves a peer waiting.
+  writer, a tensor larger than that moving in steps of rows; the writer casts what arrives into its output
+  tensors at once (memory per rank: about `bucket_bytes` plus the round's output tensors). Read errors are
+  agreed on before any transfer, so a failed read never leaves a peer waiting.
 Call order: build one `DcpReader` per rank; call `direct_tensors(...)` or `gather_tensors(...)` on every rank
 (the latter is collective) and consume the iterator to the end.
 """

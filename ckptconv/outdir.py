@@ -313,7 +313,8 @@ def atomically(
             out.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise write_failed(out.path.parent, e) from None
-        lock = outlock.take(out.path)
+        with outlock.signals_held():  # an interrupt comes after `lock` is set, so it is let go
+            lock = outlock.take(out.path)
         note = lock.note()
         if note:
             say(note)

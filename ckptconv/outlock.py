@@ -12,10 +12,13 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,20 +54,36 @@ class OutLock:
         """Remove the lock file (if it is still ours) and drop the flock. Never raises."""
         if self.fd < 0:
             return
-        try:
-            if _same_file(self.path, self.fd):
-                self.path.unlink()
-        except OSError:
-            pass  # left behind, it is stale (no flock) and the next run takes it over
-        finally:
-            os.close(self.fd)
-            self.fd = -1
+        with signals_held():
+            try:
+                if _same_file(self.path, self.fd):
+                    self.path.unlink()
+            except OSError:
+                pass  # left behind, it is stale (no flock) and the next run takes it over
+            finally:
+                os.close(self.fd)
+                self.fd = -1
 
     def note(self) -> str | None:
         """What to tell the user about a takeover, or None."""
         if self.took_over is None:
             return None
         return f"{self.path}: took over the lock of a ckptconv run that is gone ({describe(self.took_over)})"
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Delay Ctrl-C, SIGTERM and SIGHUP (their handlers raise in the main thread) until the block is done:
+    taking or letting go of the lock, and noting that it is held, happen whole or not at all."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def take(out: Path) -> OutLock:

@@ -151,14 +151,14 @@ def read_info(fd: int) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
-def _held(out: Path, path: Path, fd: int) -> CkptconvError:
+def _held(out: Path, path: Path, fd: int, sure: bool = True) -> CkptconvError:
+    """The error for a lock held by another run; `sure` is False where the file system has no flock."""
     info = read_info(fd)
     other_host = info.get("host") not in (None, socket.gethostname())
-    hint = (
-        f"; if it is gone, remove {path} on a host that shares the file system"
-        if other_host
-        else "; wait for it to finish or stop it"
-    )
+    if other_host or not sure:
+        hint = f"; wait for it to finish, or if it is gone, remove {path}"
+    else:
+        hint = "; wait for it to finish or stop it"
     return CkptconvError(f"{out}: another ckptconv run is writing it ({describe(info)}){hint}")
 
 
@@ -183,6 +183,10 @@ def _try_stale(out: Path, path: Path, last: bool) -> tuple[int, dict[str, Any]] 
             os.close(fd)
             return None  # replaced meanwhile by a run taking over a stale lock, or peeked at: look again
         error = _held(out, path, fd)
+        os.close(fd)
+        raise error from None
+    except OSError:  # no flock on this file system: the lock file alone says a run holds OUT
+        error = _held(out, path, fd, sure=False)
         os.close(fd)
         raise error from None
     if not _same_file(path, fd):  # unlinked or replaced after we opened it
@@ -234,7 +238,8 @@ def _make_tmp(path: Path) -> _Tmp:
         raise _lock_error(path, e) from None
     made = _Tmp(tmp, fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with suppress(OSError):  # no flock here: the file alone is the lock
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         data = (json.dumps(info) + "\n").encode()
         if os.write(fd, data) != len(data):
             raise OSError(28, os.strerror(28))

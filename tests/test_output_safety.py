@@ -391,6 +391,25 @@ def test_lock_in_process(fsdp2_ckpt: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_lock_without_flock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without flock: the lock file alone holds OUT, and the error says how to clear it."""
+    import errno
+
+    from ckptconv import outlock
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(outlock.fcntl, "flock", no_flock)
+    out = tmp_path / "out"
+    held = outlock.take(out)
+    with pytest.raises(CkptconvError, match=r"if it is gone, remove .*ckptconv-lock"):
+        outlock.take(out)
+    held.release()
+    outlock.take(out).release()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_hf_output_safety(tmp_path: Path) -> None:
     """save_hf (inside a training job) follows the same rules: no foreign directory, one writer per path."""
     from ckptconv import outlock, save_hf

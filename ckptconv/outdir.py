@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -251,9 +252,25 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-def discard(out: Path) -> None:
-    """Rank 0: remove the staging directory of `out` after a failure."""
-    shutil.rmtree(staging_dir(out), ignore_errors=True)
+def discard(out: Path, patience_s: float = 10.0) -> None:
+    """Rank 0: remove the staging directory of `out` after a failure. Under torchrun a signal reaches every
+    rank at once, and another rank may still be closing a file inside while this one removes it, so the
+    removal is tried again until the directory is gone (or `patience_s` has passed)."""
+    staging = staging_dir(out)
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            shutil.rmtree(staging)
+            return
+        except FileNotFoundError:
+            if not staging.exists():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        time.sleep(0.05)
 
 
 @contextmanager

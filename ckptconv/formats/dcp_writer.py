@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo  # what FileSys
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..env import env_int
 from ..errors import CkptconvError
 from .dcp_reader import byte_view
 from .torch_record import fast_path, write_tensor_record
@@ -51,7 +52,7 @@ def write_dcp(
     `fsync` flushes each file to the device before `dcp.save` writes `.metadata` (torch's default; off by
     default here, like dcp-to-hf and `cp`: the page cache keeps what a killed process wrote).
     """
-    threads = int(os.environ.get("CKPTCONV_WRITE_THREADS", "2"))
+    threads = env_int("CKPTCONV_WRITE_THREADS", 2)
     single = not (dist.is_available() and dist.is_initialized())
     writer = _RecordWriter(directory, threads, read_rows, raw_items, on_bytes)
     writer.sync_files = fsync

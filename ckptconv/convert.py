@@ -17,6 +17,7 @@ import torch
 from . import outdir, sources
 from . import verify as verify_mod
 from .compose import target_rows
+from .copy_from import copy_non_weights
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, open_dcp
@@ -175,6 +176,7 @@ def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: W
                         staging / f.name, [Entry(x.hf_key, x.dtype, x.shape) for x in f.tensors]
                     )
                 writer.write(t.hf_key, tensor)
+                del tensor  # not held while the next tensor is assembled
                 progress.advance(t.nbytes)
             if writer is not None:
                 writer.close()
@@ -205,7 +207,7 @@ def _finish(
             write_index(staging, plan.weight_map, plan.total_size)
     if plan.stash:
         write_stash(staging, _load_stash(plan, ckpt, ui))
-    return outdir.copy_non_weights(copy_from, staging) if copy_from is not None else []
+    return copy_non_weights(copy_from, staging) if copy_from is not None else []
 
 
 def _mapping_file(mapping: str | None) -> tuple[str, Path | None]:

@@ -24,6 +24,7 @@ import torch
 from . import convert, outdir
 from .allgather import TorchCollective, describe, emit, group_handles, holdings, live_jobs, run_rounds
 from .compose import is_whole, target_rows
+from .copy_from import copy_non_weights
 from .dtype_names import short_name
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
@@ -204,7 +205,7 @@ def save_hf(
         if others:
             write_stash(staging, [_stashed(p, v) for p, v in others])
         if copy_from is not None:
-            outdir.copy_non_weights(Path(copy_from), staging)
+            copy_non_weights(Path(copy_from), staging)
 
     results = run_rounds(jobs, rounds, world.rank, local, TorchCollective(handles))
     items = emit(order, needs, world.rank, results, jobs)

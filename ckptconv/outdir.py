@@ -355,37 +355,3 @@ def atomically(
     finally:
         if lock is not None:
             lock.release()
-
-
-def copy_non_weights(src: Path, dst: Path) -> list[str]:
-    """Copy config, tokenizer and other non-weight files of an HF directory; return the names copied."""
-    if not src.is_dir():
-        raise CkptconvError(f"--copy-from {src}: not a directory")
-    copied = []
-    for entry in sorted(src.iterdir()):
-        if entry.name.startswith(".") or _is_weight_file(entry.name):
-            continue
-        try:
-            if entry.is_dir():
-                shutil.copytree(entry, dst / entry.name)
-            else:
-                shutil.copy2(entry, dst / entry.name)
-        except shutil.Error as e:  # copytree: a list of (src, dst, why), the first names the file
-            problems = e.args[0] if e.args and isinstance(e.args[0], list) else []
-            _, where, why = problems[0] if problems else (None, dst / entry.name, str(e))
-            raise CkptconvError(f"{where}: cannot copy from --copy-from ({why})") from None
-        except OSError as e:
-            raise _os_error(dst, e) from None
-        copied.append(entry.name)
-    return copied
-
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp")
-
-
-def _is_weight_file(name: str) -> bool:
-    from .stash import STASH_FILE
-
-    return (
-        name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json") or name in (STASH_FILE, ".metadata")
-    )

@@ -534,3 +534,43 @@ def test_unusual_but_valid_headers_convert(
     crafted(path, *HEADERS[name])
     code, err = run(capsys, "hf-to-dcp", str(path), str(tmp_path / "out"), "--quiet")
     assert code == 0, err
+
+
+# -- --copy-from and the stash: only the source's own regular files ---------------------------------------
+
+
+def test_copy_from_refuses_a_fifo_and_a_link_leading_out(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    (base / "tokenizer").mkdir(parents=True)
+    (base / "config.json").write_text("{}")
+    (tmp_path / "secret.txt").write_text("not the model's")
+    out = tmp_path / "out"
+    os.mkfifo(base / "tokenizer" / "vocab.txt")
+    args = ("dcp-to-hf", str(fsdp2_ckpt), str(out), "--copy-from", str(base))
+    assert_refused(ckptconv(*args, timeout=HANG), "vocab.txt", "FIFO")
+    (base / "tokenizer" / "vocab.txt").unlink()
+    (base / "tokenizer" / "vocab.txt").symlink_to(tmp_path / "secret.txt")
+    assert_refused(ckptconv(*args, timeout=HANG), "vocab.txt", "outside the checkpoint directory")
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    (base / "tokenizer" / "vocab.txt").unlink()
+    (base / "tokenizer" / "vocab.txt").write_text("a\nb\n")
+    (base / "tokenizer.json").symlink_to("tokenizer/vocab.txt")  # a link inside: copied as a file
+    proc = ckptconv(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "tokenizer" / "vocab.txt").read_text() == "a\nb\n"
+    assert (out / "tokenizer.json").read_text() == "a\nb\n" and not (out / "tokenizer.json").is_symlink()
+
+
+def test_copy_from_a_hub_snapshot_follows_its_links_into_blobs(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    snapshot, _ = _hub_cache(tmp_path / "home", {"config.json": b"{}", "tokenizer.json": b'{"v": 1}'})
+    out = tmp_path / "out"
+    proc = ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(out), "--copy-from", str(snapshot))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "tokenizer.json").read_bytes() == b'{"v": 1}' and not (out / "tokenizer.json").is_symlink()
+
+
+def test_fifo_named_like_the_stash(tmp_path: Path) -> None:
+    hf = hf_dir(tmp_path / "hf")
+    os.mkfifo(hf / "ckptconv_state.json")
+    assert_refused(ckptconv("hf-to-dcp", str(hf), str(tmp_path / "out"), timeout=HANG), "ckptconv_state.json")
+    assert not (tmp_path / "out").exists()

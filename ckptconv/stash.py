@@ -71,11 +71,15 @@ def write_stash(directory: Path, items: list[StashedItem]) -> None:
 
 def read_stash(directory: Path) -> list[StashedItem]:
     """The items stashed in `directory`, [] when there is no stash file."""
+    from .formats.files import read_regular
+    from .formats.hf import checkpoint_root
+
     path = directory / STASH_FILE
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return []
+    raw = read_regular(path, checkpoint_root(directory))  # a FIFO or a link out of the checkpoint: refused
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(raw)
         if doc.get("format") != STASH_FORMAT or doc.get("version") != STASH_VERSION:
             raise ValueError("unknown format or version")
         return [
@@ -89,5 +93,5 @@ def read_stash(directory: Path) -> list[StashedItem]:
             )
             for e in doc["items"]
         ]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CkptconvError(f"{path}: not a readable ckptconv stash ({e}); delete or fix it") from None

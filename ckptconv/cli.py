@@ -1,9 +1,6 @@
 """The `ckptconv` command: parse flags, call the library, render results.
 
-This is the one place errors become exit codes.
-
-Exit codes: 0 success, 1 verify mismatch, 2 bad input (one line on stderr, no traceback; set CKPTCONV_DEBUG=1
-for one), 130 interrupted.
+Errors become exit codes in `exits.py`.
 """
 
 from __future__ import annotations
@@ -14,9 +11,30 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
+
+from .cli_options import (
+    AllowUnmappedOpt,
+    BucketOpt,
+    ConfigOpt,
+    CopyFromOpt,
+    DryRunOpt,
+    DtypeOpt,
+    Fp32Opt,
+    JsonOpt,
+    MappingOpt,
+    MaxShardOpt,
+    OverwriteOpt,
+    PrefixOpt,
+    ProgressOpt,
+    QuietOpt,
+    ReadOpt,
+    RevisionOpt,
+    TrustOpt,
+    VerifyOpt,
+)
 
 app = typer.Typer(
     name="ckptconv",
@@ -26,76 +44,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-DtypeOpt = Annotated[
-    str,
-    typer.Option(
-        "--dtype", help="bf16, fp16, fp32 or keep: dtype of floating tensors (int/bool never change)."
-    ),
-]
-Fp32Opt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--fp32", help="Regex (re.search on the output key) of tensors kept fp32; repeatable; beats --dtype."
-    ),
-]
-MaxShardOpt = Annotated[
-    str, typer.Option("--max-shard-size", help="Largest output file, HF notation ('500MB', '5GB') or bytes.")
-]
-PrefixOpt = Annotated[
-    str | None, typer.Option("--prefix", help="Convert only keys under this prefix, and strip it ('model.').")
-]
-CopyFromOpt = Annotated[
-    Path | None,
-    typer.Option("--copy-from", help="HF directory whose config, tokenizer and other files to copy."),
-]
-OverwriteOpt = Annotated[
-    bool, typer.Option("--overwrite", help="Replace a non-empty OUT (atomically, at the end).")
-]
-DryRunOpt = Annotated[
-    bool, typer.Option("--dry-run", help="Print the plan (files, keys, dtypes, bytes, ranks).")
-]
-BucketOpt = Annotated[
-    str, typer.Option("--bucket-size", help="Bytes in flight per rank while reading or gathering ('128MB').")
-]
-ReadOpt = Annotated[
-    str, typer.Option("--read", help="direct: writers read chunks from storage; gather: ranks read and send.")
-]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Only warnings and errors on stderr.")]
-ProgressOpt = Annotated[
-    bool | None,
-    typer.Option(
-        "--progress/--no-progress",
-        help="Progress bar (default: on a terminal; log lines every 10 s otherwise).",
-    ),
-]
-RevisionOpt = Annotated[
-    str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit) of a repo id.")
-]
-MappingOpt = Annotated[
-    str | None,
-    typer.Option("--mapping", help="Key mapping: a preset name (see README) or a TOML file of rules."),
-]
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option("--config", help="config.json the mapping reads sizes from (heads, tied embeddings)."),
-]
-AllowUnmappedOpt = Annotated[
-    bool, typer.Option("--allow-unmapped", help="Pass keys no mapping rule covers through unchanged.")
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (rank 0).")]
-TrustOpt = Annotated[
-    bool,
-    typer.Option(
-        "--trust-pickle",
-        help="Load pickled objects outside DCP's own classes (in .metadata or non-tensor items) with a full "
-        "unpickler. This runs code from the checkpoint: only for checkpoints you trust.",
-    ),
-]
-VerifyOpt = Annotated[
-    bool,
-    typer.Option("--verify", help="Re-read the output and compare it with the source before publishing OUT."),
-]
 
 
 def _version(value: bool) -> None:
@@ -120,7 +68,9 @@ def _options(
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK", "0") or 0)
+    from .exits import rank
+
+    return rank()
 
 
 @contextmanager
@@ -419,69 +369,11 @@ def inspect_cmd(
         render_mapped(info["mapped"], console)
 
 
-def _typer_errors() -> tuple[type[Exception], type[Exception]]:
-    """typer's usage-error class and the base of the errors it shows to users, found from its public
-    `typer.BadParameter`: typer < 0.29 re-exports click's classes, typer 0.29 vendors its own copy of click,
-    so neither `click.UsageError` nor a typer-internal module path can be relied on."""
-    ancestors = {cls.__name__: cls for cls in typer.BadParameter.__mro__}
-    usage = ancestors.get("UsageError", typer.BadParameter)
-    shown = ancestors.get("ClickException", usage)
-    return usage, shown
-
-
-def _usage_line(error: Exception, argv: list[str]) -> str:
-    """One line: typer's message and where to look (`see 'ckptconv dcp-to-hf --help'`)."""
-    ctx = getattr(error, "ctx", None)
-    path = getattr(ctx, "command_path", None) or "ckptconv"
-    if path == "ckptconv":  # raised while parsing a command's options, before its context existed
-        command = next((a for a in argv if not a.startswith("-")), None)
-        if command in typer.main.get_command(app).commands:  # type: ignore[attr-defined]
-            path = f"ckptconv {command}"
-    message = error.format_message() if hasattr(error, "format_message") else str(error)
-    return f"ckptconv: error: {' '.join(message.split()).rstrip('.')}; see '{path} --help'"
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = (sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `ckptconv`: the help, exit 0
-    from .errors import CkptconvError
-    from .signals import as_interrupts
+    """Run the `ckptconv` command on `argv` and exit with its code (see `exits`)."""
+    from .exits import call
 
-    usage_error, shown_error = _typer_errors()
-    try:
-        with as_interrupts():
-            code = app(args=args, prog_name="ckptconv", standalone_mode=False)
-        if isinstance(code, int) and code:  # some typer versions turn Ctrl-C into 130 and return it
-            if code == 130:
-                _exit_interrupted()
-            sys.exit(code)
-    except typer.Exit as e:
-        if e.exit_code == 130:
-            _exit_interrupted()
-        sys.exit(e.exit_code)
-    except usage_error as e:
-        sys.stderr.write(_usage_line(e, args) + "\n")
-        sys.exit(2)
-    except (KeyboardInterrupt, typer.Abort):
-        _exit_interrupted()
-    except CkptconvError as e:
-        if os.environ.get("CKPTCONV_DEBUG"):
-            raise
-        if not (e.agreed and _rank() != 0):
-            sys.stderr.write(f"ckptconv: error: {' '.join(str(e).split())}\n")
-        sys.exit(e.exit_code)
-    except shown_error as e:  # any other error typer shows to users (a file it cannot open, ...)
-        sys.stderr.write(_usage_line(e, args) + "\n")
-        sys.exit(2)
-
-
-def _exit_interrupted() -> NoReturn:
-    """Exit 128 + the signal that stopped the run, with one line for the whole job: under torchrun every rank
-    is signalled, rank 0 says so."""
-    from .signals import exit_code
-
-    if _rank() == 0:
-        sys.stderr.write("ckptconv: interrupted\n")
-    sys.exit(exit_code())
+    call(app, argv)
 
 
 def run() -> None:

@@ -1,0 +1,83 @@
+"""The options the `ckptconv` commands share, as typer annotations (one definition, one help text)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype", help="bf16, fp16, fp32 or keep: dtype of floating tensors (int/bool never change)."
+    ),
+]
+Fp32Opt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--fp32", help="Regex (re.search on the output key) of tensors kept fp32; repeatable; beats --dtype."
+    ),
+]
+MaxShardOpt = Annotated[
+    str, typer.Option("--max-shard-size", help="Largest output file, HF notation ('500MB', '5GB') or bytes.")
+]
+PrefixOpt = Annotated[
+    str | None, typer.Option("--prefix", help="Convert only keys under this prefix, and strip it ('model.').")
+]
+CopyFromOpt = Annotated[
+    Path | None,
+    typer.Option("--copy-from", help="HF directory whose config, tokenizer and other files to copy."),
+]
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Replace an OUT that holds a checkpoint (atomically, at the end); other directories "
+        "are refused.",
+    ),
+]
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Print the plan (files, keys, dtypes, bytes, ranks).")
+]
+BucketOpt = Annotated[
+    str, typer.Option("--bucket-size", help="Bytes in flight per rank while reading or gathering ('128MB').")
+]
+ReadOpt = Annotated[
+    str, typer.Option("--read", help="direct: writers read chunks from storage; gather: ranks read and send.")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Only warnings and errors on stderr.")]
+ProgressOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--progress/--no-progress",
+        help="Progress bar (default: on a terminal; log lines every 10 s otherwise).",
+    ),
+]
+RevisionOpt = Annotated[
+    str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit) of a repo id.")
+]
+MappingOpt = Annotated[
+    str | None,
+    typer.Option("--mapping", help="Key mapping: a preset name (see README) or a TOML file of rules."),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", help="config.json the mapping reads sizes from (heads, tied embeddings)."),
+]
+AllowUnmappedOpt = Annotated[
+    bool, typer.Option("--allow-unmapped", help="Pass keys no mapping rule covers through unchanged.")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout (rank 0).")]
+TrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Load pickled objects outside DCP's own classes (in .metadata or non-tensor items) with a full "
+        "unpickler. This runs code from the checkpoint: only for checkpoints you trust.",
+    ),
+]
+VerifyOpt = Annotated[
+    bool,
+    typer.Option("--verify", help="Re-read the output and compare it with the source before publishing OUT."),
+]

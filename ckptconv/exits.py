@@ -1,0 +1,83 @@
+"""Where a command's outcome becomes an exit code: usage errors, ckptconv's errors, interrupts.
+
+Exit codes: 0 success, 1 verify mismatch, 2 bad input or usage (one line on stderr, no traceback; set
+CKPTCONV_DEBUG=1 for one), 128 + the signal when interrupted (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+import typer
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _typer_errors() -> tuple[type[Exception], type[Exception]]:
+    """typer's usage-error class and the base of the errors it shows to users, found from its public
+    `typer.BadParameter`: typer < 0.29 re-exports click's classes, typer 0.29 vendors its own copy of click,
+    so neither `click.UsageError` nor a typer-internal module path can be relied on."""
+    ancestors = {cls.__name__: cls for cls in typer.BadParameter.__mro__}
+    usage = ancestors.get("UsageError", typer.BadParameter)
+    shown = ancestors.get("ClickException", usage)
+    return usage, shown
+
+
+def _usage_line(app: typer.Typer, error: Exception, argv: list[str]) -> str:
+    """One line: typer's message and where to look (`see 'ckptconv dcp-to-hf --help'`)."""
+    ctx = getattr(error, "ctx", None)
+    path = getattr(ctx, "command_path", None) or "ckptconv"
+    if path == "ckptconv":  # raised while parsing a command's options, before its context existed
+        command = next((a for a in argv if not a.startswith("-")), None)
+        if command in typer.main.get_command(app).commands:  # type: ignore[attr-defined]
+            path = f"ckptconv {command}"
+    message = error.format_message() if hasattr(error, "format_message") else str(error)
+    return f"ckptconv: error: {' '.join(message.split()).rstrip('.')}; see '{path} --help'"
+
+
+def call(app: typer.Typer, argv: list[str] | None = None) -> None:
+    """Run `app` on `argv` (the process's arguments by default) and exit with the outcome's code."""
+    args = (sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `ckptconv`: the help, exit 0
+    from .errors import CkptconvError
+    from .signals import as_interrupts
+
+    usage_error, shown_error = _typer_errors()
+    try:
+        with as_interrupts():
+            code = app(args=args, prog_name="ckptconv", standalone_mode=False)
+        if isinstance(code, int) and code:  # some typer versions turn Ctrl-C into 130 and return it
+            if code == 130:
+                _exit_interrupted()
+            sys.exit(code)
+    except typer.Exit as e:
+        if e.exit_code == 130:
+            _exit_interrupted()
+        sys.exit(e.exit_code)
+    except usage_error as e:
+        sys.stderr.write(_usage_line(app, e, args) + "\n")
+        sys.exit(2)
+    except (KeyboardInterrupt, typer.Abort):
+        _exit_interrupted()
+    except CkptconvError as e:
+        if os.environ.get("CKPTCONV_DEBUG"):
+            raise
+        if not (e.agreed and rank() != 0):
+            sys.stderr.write(f"ckptconv: error: {' '.join(str(e).split())}\n")
+        sys.exit(e.exit_code)
+    except shown_error as e:  # any other error typer shows to users (a file it cannot open, ...)
+        sys.stderr.write(_usage_line(app, e, args) + "\n")
+        sys.exit(2)
+
+
+def _exit_interrupted() -> NoReturn:
+    """Exit 128 + the signal that stopped the run, with one line for the whole job: under torchrun every rank
+    is signalled, rank 0 says so."""
+    from .signals import exit_code
+
+    if rank() == 0:
+        sys.stderr.write("ckptconv: interrupted\n")
+    sys.exit(exit_code())

@@ -123,13 +123,17 @@ def mesh2d_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_dcp(tmp_path_factory.mktemp("mesh2d") / "ckpt", 4, "mesh2d", "safetensors")
 
 
-@pytest.fixture(scope="session")
-def slow_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~400 MB of fp32 in 8 tensors, saved by dcp.save in one process: a conversion slow enough to signal."""
+def random_dcp(path: Path, tensors: int, seed: int = 0) -> Path:
+    """`tensors` fp32 tensors of 3000 x 4096 (47 MiB each) saved by dcp.save in one process."""
     import torch.distributed.checkpoint as dcp
 
-    path = tmp_path_factory.mktemp("slow") / "ckpt"
-    g = torch.Generator().manual_seed(0)
-    state = {"model": {f"layers.{i}.w": torch.randn(3000, 4096, generator=g) for i in range(8)}}
+    g = torch.Generator().manual_seed(seed)
+    state = {"model": {f"layers.{i}.w": torch.randn(3000, 4096, generator=g) for i in range(tensors)}}
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def slow_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~400 MB of fp32 in 8 tensors: a conversion slow enough to signal or kill midway."""
+    return random_dcp(tmp_path_factory.mktemp("slow") / "ckpt", 8)

@@ -168,12 +168,13 @@ def test_a_stalled_rank_is_one_line_per_rank_naming_the_collective(slow_ckpt: Pa
     _wait_for_work(parent, agent)
     workers = sorted(psutil.Process(agent.pid).children(), key=lambda p: p.pid)
     stalled = next(w for w in workers if w.environ().get("RANK") == "1")
+    waiting = next(w for w in workers if w is not stalled)
     stalled.suspend()
     try:
-        _, err = agent.communicate(timeout=120)
+        waiting.wait(timeout=120)  # rank 0 gives up after CKPTCONV_TIMEOUT_S
     finally:
-        if stalled.is_running():
-            stalled.kill()
+        stalled.resume()  # so that torchrun's SIGTERM ends it at once rather than after its grace period
+    _, err = agent.communicate(timeout=120)
     assert agent.returncode != 0
     ours = [line for line in err.splitlines() if line.startswith("ckptconv:")]
     assert len(ours) == 1, err

@@ -13,22 +13,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
 from conftest import _env, ckptconv, tree_sha256
 from test_bad_input import assert_one_line
 
 from ckptconv.outdir import staging_dir
-
-
-@pytest.fixture(scope="module")
-def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~400 MB of fp32 in 8 tensors, saved by dcp.save in one process: slow enough to interrupt."""
-    path = tmp_path_factory.mktemp("big") / "ckpt"
-    g = torch.Generator().manual_seed(0)
-    state = {"model": {f"layers.{i}.w": torch.randn(3000, 4096, generator=g) for i in range(8)}}
-    dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    return path
 
 
 def _file_size_limit(limit: int):  # type: ignore[no-untyped-def]
@@ -71,10 +59,10 @@ def _wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 60) -> N
         time.sleep(0.005)
 
 
-def test_ctrl_c_removes_the_staging_directory(big_ckpt: Path, tmp_path: Path) -> None:
+def test_ctrl_c_removes_the_staging_directory(slow_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptconv", "dcp-to-hf", str(big_ckpt), str(out), "--bucket-size", "8MB"],
+        [sys.executable, "-m", "ckptconv", "dcp-to-hf", str(slow_ckpt), str(out), "--bucket-size", "8MB"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -90,11 +78,13 @@ def test_ctrl_c_removes_the_staging_directory(big_ckpt: Path, tmp_path: Path) ->
     assert _leftovers(out) == []
 
 
-def test_killed_rank_fails_the_job_in_bounded_time_then_a_rerun_works(big_ckpt: Path, tmp_path: Path) -> None:
+def test_killed_rank_fails_the_job_in_bounded_time_then_a_rerun_works(
+    slow_ckpt: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "ckptconv"]
-    args = ["dcp-to-hf", str(big_ckpt), str(out), "--max-shard-size", "100MB", "--bucket-size", "8MB"]
+    args = ["dcp-to-hf", str(slow_ckpt), str(out), "--max-shard-size", "100MB", "--bucket-size", "8MB"]
     env = {**_env(), "CKPTCONV_TIMEOUT_S": "30"}
     pipe = subprocess.PIPE
     agent = subprocess.Popen([*cmd, *args], stdout=pipe, stderr=pipe, text=True, env=env)
@@ -109,7 +99,7 @@ def test_killed_rank_fails_the_job_in_bounded_time_then_a_rerun_works(big_ckpt: 
     rerun = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     single = tmp_path / "single"
-    proc = ckptconv("dcp-to-hf", str(big_ckpt), str(single), "--max-shard-size", "100MB")
+    proc = ckptconv("dcp-to-hf", str(slow_ckpt), str(single), "--max-shard-size", "100MB")
     assert proc.returncode == 0, proc.stderr
     assert tree_sha256(out) == tree_sha256(single) and _leftovers(out) == ["out"]
 

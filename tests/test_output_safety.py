@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import _env, ckptconv
+from conftest import _env, ckptconv, random_dcp
 from test_bad_input import assert_one_line, run
 
 from ckptconv.errors import CkptconvError
@@ -64,11 +64,7 @@ def hf_dir(fsdp2_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def medium_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~100 MB of fp32 in 2 tensors: its conversion lasts long enough to be caught holding its lock."""
-    path = tmp_path_factory.mktemp("medium") / "ckpt"
-    g = torch.Generator().manual_seed(1)
-    state = {"model": {f"layers.{i}.w": torch.randn(3000, 4096, generator=g) for i in range(2)}}
-    dcp.save(state, checkpoint_id=str(path), no_dist=True)
-    return path
+    return random_dcp(tmp_path_factory.mktemp("medium") / "ckpt", 2, seed=1)
 
 
 # --- OUT is never an input ---------------------------------------------------------------------------------

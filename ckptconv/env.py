@@ -17,8 +17,8 @@ VARIABLES = {
 }
 
 
-def env_int(name: str, default: int, minimum: int = 1) -> int:
-    """The whole number in `name` (>= `minimum`), or `default` when unset or empty."""
+def env_int(name: str, default: int, minimum: int = 1, maximum: int = 10**9) -> int:
+    """The whole number in `name` (from `minimum` to `maximum`), or `default` when unset or empty."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -26,8 +26,10 @@ def env_int(name: str, default: int, minimum: int = 1) -> int:
         value = int(raw)
     except ValueError:
         value = minimum - 1
-    if value < minimum:
-        raise CkptconvError(f"{name}={raw!r}: must be a whole number >= {minimum}; fix or unset it")
+    if not minimum <= value <= maximum:
+        raise CkptconvError(
+            f"{name}={raw!r}: must be a whole number from {minimum} to {maximum}; fix or unset it"
+        )
     return value
 
 
@@ -47,6 +49,6 @@ def env_float(name: str, default: float, minimum: float = 0.0) -> float:
 
 def check_all() -> None:
     """Validate every variable a command may read, before any work: a bad one fails at once, on every rank."""
-    env_int("CKPTCONV_TIMEOUT_S", 600)
-    env_int("CKPTCONV_WRITE_THREADS", 2)
+    env_int("CKPTCONV_TIMEOUT_S", 600, maximum=10**7)
+    env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
     env_float("CKPTCONV_LOG_EVERY_S", 10.0)

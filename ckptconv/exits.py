@@ -14,7 +14,9 @@ import typer
 
 
 def rank() -> int:
-    return int(os.environ.get("RANK", "0") or 0)
+    """This process's rank under torchrun (0 outside it, or when RANK is not a number)."""
+    raw = os.environ.get("RANK", "0").strip()
+    return int(raw) if raw.isdigit() else 0
 
 
 def _typer_errors() -> tuple[type[Exception], type[Exception]]:
@@ -68,6 +70,13 @@ def call(app: typer.Typer, argv: list[str] | None = None) -> None:
         if not (e.agreed and rank() != 0):
             sys.stderr.write(f"ckptconv: error: {' '.join(str(e).split())}\n")
         sys.exit(e.exit_code)
+    except OSError as e:  # an environment problem no check named more precisely (EACCES on a parent, ...)
+        if os.environ.get("CKPTCONV_DEBUG"):
+            raise
+        where = f"{os.fsdecode(e.filename)}: " if e.filename is not None else ""
+        cause = e.strerror or type(e).__name__
+        sys.stderr.write(f"ckptconv: error: {where}{cause}; check the path, its permissions and storage\n")
+        sys.exit(2)
     except shown_error as e:  # any other error typer shows to users (a file it cannot open, ...)
         sys.stderr.write(_usage_line(app, e, args) + "\n")
         sys.exit(2)

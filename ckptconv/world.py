@@ -121,7 +121,7 @@ def world_from_env(timeout_s: int | None = None) -> Iterator[World]:
     import torch
     import torch.distributed as dist
 
-    timeout = timeout_s if timeout_s is not None else env_int("CKPTCONV_TIMEOUT_S", 600)
+    timeout = timeout_s if timeout_s is not None else env_int("CKPTCONV_TIMEOUT_S", 600, maximum=10**7)
     owned = not dist.is_initialized()
     if owned:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"

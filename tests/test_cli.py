@@ -182,3 +182,23 @@ def test_a_stalled_rank_is_one_line_per_rank_naming_the_collective(slow_ckpt: Pa
     assert "CKPTCONV_TIMEOUT_S=5s" in ours[0]
     assert "RuntimeError" not in err
     assert not (parent / "out").exists()
+
+
+def test_out_of_range_timeout_and_bad_rank_are_one_line(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    for env in ({"CKPTCONV_TIMEOUT_S": str(10**14)}, {"CKPTCONV_WRITE_THREADS": "100000"}):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptconv", "dcp-to-hf", str(fsdp2_ckpt), str(tmp_path / "out")],
+            capture_output=True,
+            text=True,
+            env={**_env(), **env},
+            stdin=subprocess.DEVNULL,
+        )
+        assert_one_line(proc.returncode, proc.stderr, next(iter(env)), "from 1 to")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptconv", "inspect", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        env={**_env(), "RANK": "x"},
+        stdin=subprocess.DEVNULL,
+    )
+    assert_one_line(proc.returncode, proc.stderr, "missing")

@@ -574,3 +574,55 @@ def test_fifo_named_like_the_stash(tmp_path: Path) -> None:
     os.mkfifo(hf / "ckptconv_state.json")
     assert_refused(ckptconv("hf-to-dcp", str(hf), str(tmp_path / "out"), timeout=HANG), "ckptconv_state.json")
     assert not (tmp_path / "out").exists()
+
+
+# -- review findings: parse time, NUL bytes, deep JSON, unreachable paths -----------------------------------
+
+
+def test_an_unterminated_header_string_of_escapes_is_refused_at_once(tmp_path: Path) -> None:
+    """A header of `"` then 500,000 `\\"`: a regex skipping strings backtracked quadratically (hours)."""
+    body = b'"' + b'\\"' * 500_000
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(body).to_bytes(8, "little") + body)
+    assert_refused(ckptconv("inspect", str(path), timeout=HANG), "model.safetensors", "not valid JSON")
+
+
+def test_an_index_naming_a_file_with_a_nul_byte(tmp_path: Path) -> None:
+    hf = hf_dir(tmp_path / "hf", sharded=True)
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = "a\u0000.safetensors"
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_refused(ckptconv("inspect", str(hf)), "NUL byte")
+
+
+def test_deeply_nested_config_and_mapping_files_are_one_line(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text("[" * 100_000)
+    out = tmp_path / "out"
+    proc = ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(out), "--config", str(config))
+    assert_refused(proc, "config.json", "not a readable JSON config")
+    mapping = tmp_path / "m.toml"
+    mapping.write_text("a = " + "[" * 100_000)
+    inspect = ("inspect", str(fsdp2_ckpt), "--mapping", str(mapping))
+    assert_refused(ckptconv(*inspect), "m.toml", "not valid TOML")
+    mapping.write_bytes(b"\xff\xfe")
+    assert_refused(ckptconv(*inspect), "m.toml", "not UTF-8")
+    mapping.unlink()
+    os.mkfifo(mapping)
+    assert_refused(ckptconv(*inspect, timeout=HANG), "FIFO")
+    assert not out.exists()
+
+
+def test_paths_under_an_unreachable_directory_are_one_line(fsdp2_ckpt: Path, shared_dir: Path) -> None:
+    """pathlib's exists()/is_dir() raise PermissionError for a path under a directory without x."""
+    _require_modes_enforced(shared_dir)
+    closed = shared_dir / "closed"
+    closed.mkdir()
+    closed.chmod(0)
+    for args in (
+        ("dcp-to-hf", str(fsdp2_ckpt), str(closed / "out")),
+        ("dcp-to-hf", str(fsdp2_ckpt), str(shared_dir / "out"), "--config", str(closed / "config.json")),
+        ("verify", str(fsdp2_ckpt), str(closed / "hf")),
+    ):
+        proc = unprivileged(*args)
+        assert_refused(proc, "closed", "Permission denied")

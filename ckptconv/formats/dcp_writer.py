@@ -52,7 +52,7 @@ def write_dcp(
     `fsync` flushes each file to the device before `dcp.save` writes `.metadata` (torch's default; off by
     default here, like dcp-to-hf and `cp`: the page cache keeps what a killed process wrote).
     """
-    threads = env_int("CKPTCONV_WRITE_THREADS", 2)
+    threads = env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
     single = not (dist.is_available() and dist.is_initialized())
     writer = _RecordWriter(directory, threads, read_rows, raw_items, on_bytes)
     writer.sync_files = fsync

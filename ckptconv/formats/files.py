@@ -39,8 +39,16 @@ def read_error(path: object, e: OSError) -> CkptconvError:
     return CkptconvError(f"{path}: cannot read ({cause}); check the file's permissions and storage")
 
 
+def no_nul(path: object) -> None:
+    """A path with a NUL byte (from an index or `.metadata`) names no file: refused before any OS call,
+    which would raise ValueError."""
+    if "\0" in os.fsdecode(str(path)):
+        raise CkptconvError(f"{str(path)!r}: a path with a NUL byte; the checkpoint's file names are corrupt")
+
+
 def inside(path: Path, root: Path) -> Path:
     """The real path of `path` (symlinks resolved), which must lie in the real directory `root`."""
+    no_nul(path)
     try:
         real, base = Path(os.path.realpath(path)), Path(os.path.realpath(root))
     except OSError as e:  # a symlink loop (Python 3.13 raises it even without strict=True)
@@ -72,6 +80,7 @@ def stat_regular(path: Path, root: Path | None = None) -> os.stat_result:
 
 def _stat_regular(path: Path, real: Path) -> os.stat_result:
     """`stat` of `real` (the resolved `path`), which must be a regular file; errors name `path`."""
+    no_nul(real)
     try:
         st = os.stat(real)
     except OSError as e:
@@ -170,6 +179,7 @@ def read_regular(path: Path, root: Path | None = None, limit: int | None = None)
 def mode_of(path: Path) -> int | None:
     """The st_mode of what `path` leads to (symlinks followed), None when nothing is there (a dangling
     symlink included); any other error (EACCES on a parent directory, ELOOP) is a CkptconvError naming it."""
+    no_nul(path)
     try:
         return os.stat(path).st_mode
     except OSError as e:

@@ -6,7 +6,6 @@ Reading and writing tensor bytes is `safetensors_io`.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -56,16 +55,15 @@ def parse_header(raw: bytes, path: object) -> dict[str, Any]:
     parses it (UTF-8, at most 127 levels of nesting, no duplicate keys, no NaN / Infinity, no number out of
     range); `path` names the file in the error."""
     try:
-        text = raw.decode("utf-8")
-        if _depth(text) > MAX_DEPTH:
-            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
         header = json.loads(
-            text,
+            raw.decode("utf-8"),
             object_pairs_hook=_object,
             parse_constant=_constant,
             parse_float=_float,
             parse_int=_int,
         )
+        if _depth(header) > MAX_DEPTH:
+            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         why = "too deeply nested" if isinstance(e, RecursionError) else str(e).split("\n")[0][:200]
         raise CkptconvError(
@@ -77,14 +75,18 @@ def parse_header(raw: bytes, path: object) -> dict[str, Any]:
 
 
 MAX_DEPTH = 127  # serde_json's recursion limit, as the safetensors library parses a header
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKET = re.compile(r"[\[\]{}]")
 
 
-def _depth(text: str) -> int:
-    """How deeply the JSON in `text` nests (strings skipped), without recursing."""
-    steps = (1 if b in "[{" else -1 for b in _BRACKET.findall(_STRING.sub("", text)))
-    return max(itertools.accumulate(steps, initial=0))
+def _depth(value: Any) -> int:
+    """How deeply a parsed JSON value nests (an object or array is one level), in linear time and without
+    recursing (json.loads itself stops at Python's recursion limit with a RecursionError)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, level = todo.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -34,15 +34,16 @@ MAX_CONFIG_BYTES = 64 * 2**20
 
 def load_config(path: Path | None) -> dict[str, Any]:
     """config.json as a dict ({} when there is none); mapping rules read sizes and flags from it."""
-    from ..formats.files import read_regular
+    from ..formats.files import exists, read_regular
 
-    if path is None or not path.exists():
+    if path is None or not exists(path):
         return {}
     raw = read_regular(path, limit=MAX_CONFIG_BYTES)  # a regular file only: a FIFO would block the read
     try:
         doc = json.loads(raw)
-    except ValueError as e:
-        raise CkptconvError(f"{path}: not a readable JSON config ({e})") from None
+    except (ValueError, RecursionError) as e:
+        why = str(e)[:200] or "too deeply nested"
+        raise CkptconvError(f"{path}: not a readable JSON config ({why})") from None
     if not isinstance(doc, dict):
         raise CkptconvError(f"{path}: not a JSON object")
     return doc
@@ -62,16 +63,23 @@ def load_mapping(spec: str, hf_experts: str | None = None) -> KeyMapping:
         text = resources.files(__package__).joinpath("presets", spec + ".toml").read_text()
         where = f"--mapping {spec}"
     else:
+        from ..formats.files import exists, read_regular
+
         path = Path(spec)
-        if not path.is_file():
+        if not exists(path):
             raise CkptconvError(
                 f"--mapping {spec!r}: neither a preset ({', '.join(presets())}) nor a TOML file"
             )
-        text, where = path.read_text(), f"--mapping {path}"
+        where = f"--mapping {path}"
+        raw = read_regular(path, limit=MAX_CONFIG_BYTES)  # a regular file only: a FIFO would block the read
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CkptconvError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise CkptconvError(f"{where}: not valid TOML ({e})") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as e:
+        raise CkptconvError(f"{where}: not valid TOML ({str(e)[:200] or 'too deeply nested'})") from None
     return _parse(doc, where, hf_experts)
 
 

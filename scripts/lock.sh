@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "${PYTHON:-python3}" -m venv "$tmp/venv"
-"$tmp/venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-"$tmp/venv/bin/python" -m pip install -q "torch==2.13.0" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's own status still fails the script
+quiet "$tmp/venv/bin/python" -m pip install -q --upgrade pip
+quiet "$tmp/venv/bin/python" -m pip install -q "torch==2.13.0" -e ".[test]"
 {
   echo "# The lock: every package scripts/setup.sh installs, at the versions tested. Made by scripts/lock.sh."
   "$tmp/venv/bin/python" -m pip freeze --all --exclude-editable | sed 's/^torch==\(.*\)+cpu$/torch==\1/'

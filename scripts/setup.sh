@@ -14,7 +14,7 @@ esac
 if [ ! -x "$venv/bin/python" ]; then
   "$PYTHON" -m venv "$venv"
 fi
-quiet() { "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's own status still fails the script
 # pip and the build backend first, from the same pins: the editable install is built with them
 quiet "$venv/bin/python" -m pip install -q "${pins[@]}" pip setuptools
 PYTHONWARNINGS=ignore quiet "$venv/bin/python" -m pip install -q "${pins[@]}" --no-build-isolation "torch==2.13.0" -e ".[test]"

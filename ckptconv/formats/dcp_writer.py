@@ -78,16 +78,19 @@ def _one_error(e: BaseException, failed: OSError | None, directory: Path) -> Bas
         failures += [(rank, exc) for rank, (exc, _) in sorted(e.failures.items())]
     else:
         failures.append((-1, e))
+    # every rank raises the same CheckpointException: rank 0 alone prints it
+    agreed = isinstance(e, CheckpointException) and dist.is_initialized()
     for rank, exc in failures:
         prefix = f"rank {rank}: " if rank >= 0 and dist.is_initialized() and dist.get_rank() != rank else ""
         if isinstance(exc, KeyboardInterrupt):
             return exc
         if isinstance(exc, CkptconvError):
-            return CkptconvError(prefix + str(exc), exit_code=exc.exit_code)
+            return CkptconvError(prefix + str(exc), exit_code=exc.exit_code, agreed=agreed)
         if isinstance(exc, OSError):
             where = exc.filename or directory
             return CkptconvError(
-                f"{prefix}{where}: cannot write ({exc.strerror}); check free space and permissions"
+                f"{prefix}{where}: cannot write ({exc.strerror}); check free space and permissions",
+                agreed=agreed,
             )
     return None
 

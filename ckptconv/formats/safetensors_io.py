@@ -108,7 +108,6 @@ class RowReader:
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self.bytes_read = 0
-        self.error: CkptconvError | None = None  # the first read error, raised again by close()
 
     def rows(self, t: StoredTensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [lo, hi) of `t` (a 0-d `t` whole), read into `out` if given (contiguous, right shape)."""
@@ -143,28 +142,21 @@ class RowReader:
     def _pread(self, t: StoredTensor, start: int, view: memoryview) -> None:
         """Read `view` from `t.file` at `start`: a regular file, the one whose header was read (same inode,
         size and mtime), which must still hold every byte; otherwise a CkptconvError naming it."""
-        try:
-            fd = self._fds.get(t.file)
-            if fd is None:
-                fd = open_regular(t.file)
-                try:
-                    check_unchanged(t.file, fd, t.stamp)
-                except CkptconvError:
-                    os.close(fd)
-                    raise
-                self._fds[t.file] = fd
-            pread_exact(fd, t.file, start, view, shrank=True)
-        except CkptconvError as e:
-            self.error = self.error or e
-            raise
+        fd = self._fds.get(t.file)
+        if fd is None:
+            fd = open_regular(t.file)
+            try:
+                check_unchanged(t.file, fd, t.stamp)
+            except CkptconvError:
+                os.close(fd)
+                raise
+            self._fds[t.file] = fd
+        pread_exact(fd, t.file, start, view, shrank=True)
         self.bytes_read += len(view)
 
     def close(self) -> None:
-        """Close the files; raise the first read error again, in case a caller lost it (dcp.save wraps
-        errors its writer threads raise into a CheckpointException, with tracebacks)."""
+        """Close the files (a read error was raised where it happened: `dcp_writer` finds it inside torch's
+        CheckpointException)."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        error, self.error = self.error, None
-        if error is not None:
-            raise error

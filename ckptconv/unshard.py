@@ -135,12 +135,20 @@ def place(out: torch.Tensor, sp: SourcePart, box: Box, data: torch.Tensor) -> No
 
 
 def direct_rows(reader: DcpReader) -> RowsFn:
-    """Rows of a stored chunk read straight from its file (only those rows' bytes)."""
+    """Rows of a stored chunk read straight from its file (only those rows' bytes). A chunk whose bytes
+    cannot be located (a compressed or non-contiguous record) is loaded whole once, then kept while its
+    slabs are read (`loaded`: the last such chunk; each call works on its own reference to it)."""
+    loaded: list[tuple[tuple[str, tuple[int, ...]], torch.Tensor]] = []
 
     def rows(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
         where = reader.locate(spec, chunk)
         if where is None:
-            whole = reader.torch_load_chunk(spec, chunk)
+            key = (spec.fqn, tuple(chunk.offsets))
+            entry = loaded[0] if loaded else None
+            if entry is None or entry[0] != key:
+                entry = (key, reader.torch_load_chunk(spec, chunk))
+                loaded[:] = [entry]
+            whole = entry[1]
             return whole.narrow(0, r0, r1 - r0) if chunk.sizes else whole
         out = torch.empty((r1 - r0, *chunk.sizes[1:]) if chunk.sizes else (), dtype=spec.dtype)
         row_bytes = math.prod(chunk.sizes[1:]) * spec.dtype.itemsize

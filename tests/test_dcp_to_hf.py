@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import ckptconv, make_dcp, reference, tree_sha256
 from safetensors import safe_open
@@ -167,3 +168,27 @@ def test_one_rank_failing_stops_every_rank_once(fsdp2_ckpt: Path, tmp_path: Path
     # torchrun's launcher prints its own ChildFailedError summary; the workers print no traceback
     assert "ckptconv/" not in proc.stderr.replace(str(tmp_path), "")
     assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_chunk_that_cannot_be_located_is_loaded_once_for_all_its_slabs(
+    fsdp2_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record whose bytes cannot be located in its file is loaded whole (torch.load), once, however many
+    slabs of rows are then cut from it."""
+    from ckptconv.formats.dcp import open_dcp
+    from ckptconv.formats.dcp_reader import DcpReader
+    from ckptconv.unshard import direct_rows
+
+    ckpt = open_dcp(fsdp2_ckpt)
+    spec = max((s for s in ckpt.tensors.values() if len(s.shape) == 2), key=lambda s: s.nbytes)
+    chunk = spec.chunks[0]
+    with DcpReader(ckpt) as reader:
+        expected = direct_rows(reader)(spec, chunk, 0, chunk.sizes[0]).clone()
+        loads: list[str] = []
+        real = reader.torch_load_chunk
+        monkeypatch.setattr(reader, "locate", lambda s, c: None)
+        monkeypatch.setattr(reader, "torch_load_chunk", lambda s, c: loads.append(s.fqn) or real(s, c))
+        rows = direct_rows(reader)
+        slabs = [rows(spec, chunk, r, r + 1).clone() for r in range(chunk.sizes[0])]
+    assert chunk.sizes[0] > 1 and torch.equal(torch.cat(slabs), expected)
+    assert loads == [spec.fqn]

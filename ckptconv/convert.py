@@ -24,11 +24,12 @@ from .formats.dcp import DcpCheckpoint, open_dcp
 from .formats.dcp_reader import DcpReader, RowPiece
 from .formats.hf import INDEX_FILE, open_hf, write_index
 from .formats.safetensors_io import Entry, RowReader, SafetensorsWriter
+from .gather import gather_tensors
 from .mapping import load_config, load_mapping
 from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .stash import StashedItem, json_exact, read_stash, write_stash
 from .ui import Ui
-from .unshard import Item, check_read_pieces, direct_rows, direct_tensors, gather_tensors
+from .unshard import Item, check_read_pieces, direct_rows, direct_tensors
 from .world import World, everyone, on_main
 
 ReadPath = Literal["direct", "gather"]

@@ -3,7 +3,7 @@
 A *job* brings one block of a global tensor (the whole tensor, or a slab of rows of a stacked / fused one) to
 the ranks that need it, by a chain of *steps*. On the live path (`allgather`) a step is one all-gather over
 one mesh dimension's process group that undoes that dimension's sharding; its pieces are concatenated on a
-tensor dim. On the stored-chunk path (`unshard.gather_tensors`) a job is one output tensor whose single step
+tensor dim. On the stored-chunk path (`gather.gather_tensors`) a job is one output tensor whose single step
 is a batch of point-to-point transfers to its writer.
 
 `plan_rounds` is the scheduler both paths share: each round takes the ready step of every started job, admits

@@ -3,27 +3,20 @@
 Two paths, the same output bytes:
 - direct (default): the writing rank reads each chunk it needs straight from storage, a few tensors ahead
   in threads (bounded by `bucket_bytes`), and casts it into place. Needs every rank to see every file.
-- gather: each chunk is read by one rank (the rank that wrote it modulo the world size, so node-local storage
-  works), and rounds of point-to-point transfers bring the chunks to the writers. Every rank walks the same
-  rounds in the same order (the unshard scheduler `schedule.plan_rounds`, shared with save_hf's all-gathers,
-  with one budget per writer): each round is bounded by `bucket_bytes` of gathered (global) source bytes per
-  writer, a tensor larger than that moving in steps of rows; the writer casts what arrives into its output
-  tensors at once (memory per rank: about `bucket_bytes` plus the round's output tensors). Read errors are
-  agreed on before any transfer, so a failed read never leaves a peer waiting.
-Call order: build one `DcpReader` per rank; call `direct_tensors(...)` or `gather_tensors(...)` on every rank
-(the latter is collective) and consume the iterator to the end.
+- gather: each chunk is read by one rank and rounds of point-to-point transfers bring the chunks to the
+  writers (`gather.py`).
+Call order: build one `DcpReader` per rank; call `direct_tensors(...)` or `gather.gather_tensors(...)` on
+every rank (the latter is collective) and consume the iterator to the end.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import threading
 import zlib
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,7 +24,6 @@ from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
 from .layout import Box, intersect
 from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
-from .schedule import plan_rounds
 from .specs import ChunkSpec, TensorSpec
 from .world import World, on_main
 
@@ -74,8 +66,8 @@ def assemble(t: OutTensor, rows: RowsFn, reader: DcpReader | None = None) -> tor
             _fill_whole(reader, sp.spec, out)
             continue
         for chunk, r0, r1 in _part_rows(sp):
-            for lo, hi in _row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
-                place(out, sp, _rows_box(chunk, lo, hi), rows(sp.spec, chunk, lo, hi))
+            for lo, hi in row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
+                place(out, sp, rows_box(chunk, lo, hi), rows(sp.spec, chunk, lo, hi))
     return out
 
 
@@ -92,7 +84,7 @@ def _part_rows(sp: SourcePart) -> list[tuple[ChunkSpec, int, int]]:
     return out
 
 
-def _row_slabs(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int, limit: int) -> list[tuple[int, int]]:
+def row_slabs(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int, limit: int) -> list[tuple[int, int]]:
     """Rows [r0, r1) of a chunk cut into runs of at most `limit` bytes (at least one row each)."""
     if not chunk.sizes:
         return [(r0, r1)]
@@ -100,7 +92,7 @@ def _row_slabs(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int, limit: int)
     return [(lo, min(lo + step, r1)) for lo in range(r0, r1, step)]
 
 
-def _rows_box(chunk: ChunkSpec, r0: int, r1: int) -> Box:
+def rows_box(chunk: ChunkSpec, r0: int, r1: int) -> Box:
     """The block (global coordinates) that rows [r0, r1) of `chunk` cover."""
     if not chunk.sizes:
         return chunk.offsets, chunk.sizes
@@ -214,7 +206,7 @@ def _unique_chunks(spec: TensorSpec) -> list[ChunkSpec]:
     return list(seen.values())
 
 
-def _needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec, int, int]]:
+def needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec, int, int]]:
     """The stored chunks `t` reads from (those intersecting one of its parts' blocks), each with the row
     range [r0, r1) of the chunk those blocks need: a part that is one expert of a stacked tensor needs one
     expert's rows of the chunk, not the chunk."""
@@ -238,7 +230,7 @@ def _needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec, int, int]]
     return list(out.values())
 
 
-def _stream(plan: HfSavePlan, rank: int) -> list[tuple[OutFile, OutTensor]]:
+def write_order(plan: HfSavePlan, rank: int) -> list[tuple[OutFile, OutTensor]]:
     return [(f, t) for f in plan.files_of(rank) for t in f.tensors]
 
 
@@ -248,7 +240,7 @@ def direct_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_byt
     in_flight = 0
     rows = direct_rows(reader)
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptconv-read") as pool:
-        for f, t in _stream(plan, world.rank):
+        for f, t in write_order(plan, world.rank):
             while pending and in_flight + t.nbytes > bucket_bytes:
                 done_f, done_t, future = pending.popleft()
                 in_flight -= done_t.nbytes
@@ -258,158 +250,3 @@ def direct_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_byt
         while pending:
             done_f, done_t, future = pending.popleft()
             yield done_f, done_t, future.result()
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
-
-
-def reader_rank(file: str, world_size: int) -> int:
-    """The rank that reads chunks stored in `file` on the gather path: the saving rank modulo world size."""
-    match = _RANK_FILE.search(file)
-    return (int(match.group(1)) if match else zlib.crc32(file.encode())) % world_size
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Rows [r0, r1) of a stored chunk, read by `reader` and needed by `writer` for `tensor`."""
-
-    tensor: OutTensor
-    spec: TensorSpec
-    chunk: ChunkSpec
-    r0: int
-    r1: int
-    reader: int
-    writer: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.r1 - self.r0, *self.chunk.sizes[1:]) if self.chunk.sizes else ()
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.spec.dtype.itemsize
-
-
-def round_transfers(
-    round_: list[tuple[int, list[tuple[OutFile, OutTensor]]]], world_size: int
-) -> list[Transfer]:
-    """Pure: every block that moves (or is read locally) in one round, in the same order on every rank."""
-    return [
-        Transfer(t, spec, chunk, r0, r1, reader_rank(chunk.file, world_size), writer)
-        for writer, bucket in round_
-        for _, t in bucket
-        for spec, chunk, r0, r1 in _needed_chunks(t)
-    ]
-
-
-@dataclass(frozen=True)
-class _Fetch:
-    """A gather-path job for the scheduler: one output tensor brought to its writer by one p2p batch."""
-
-    account: int  # the writer: the gathered bytes land in its memory
-    nbytes: int
-    keys: tuple[Hashable, ...] = (("p2p", torch.uint8),)
-
-
-def gather_rounds(
-    plan: HfSavePlan, bucket_bytes: int
-) -> list[list[tuple[int, list[tuple[OutFile, OutTensor]]]]]:
-    """Pure: the shared scheduler's rounds (`schedule.plan_rounds`) with one budget per writer: round k holds
-    the k-th bucket of every writer's stream (each <= bucket_bytes of source bytes, or one larger tensor)."""
-    stream = [(rank, f, t) for rank in range(plan.world_size) for f, t in _stream(plan, rank)]
-    rounds = plan_rounds([_Fetch(rank, t.src_nbytes) for rank, _, t in stream], bucket_bytes)
-    out = []
-    for r in rounds:
-        buckets: dict[int, list[tuple[OutFile, OutTensor]]] = {}
-        for j in r.started:
-            rank, f, t = stream[j]
-            buckets.setdefault(rank, []).append((f, t))
-        out.append(sorted(buckets.items()))
-    return out
-
-
-def split_round(transfers: list[Transfer], bucket_bytes: int) -> list[list[Transfer]]:
-    """Pure: one round's transfers as steps each bringing at most `bucket_bytes` to every writer. A round
-    within the budget is one step, as it is; a writer's larger round (one tensor bigger than the budget) is
-    cut into runs of rows of at most `bucket_bytes` (a single larger row alone), its k-th group of them in
-    step k. The same steps, in the same order, on every rank."""
-    by_writer: dict[int, list[Transfer]] = {}
-    for tr in transfers:
-        by_writer.setdefault(tr.writer, []).append(tr)
-    if all(sum(tr.nbytes for tr in mine) <= bucket_bytes for mine in by_writer.values()):
-        return [transfers]
-    groups: dict[int, list[list[Transfer]]] = {}
-    for writer, mine in sorted(by_writer.items()):
-        if sum(tr.nbytes for tr in mine) <= bucket_bytes:
-            groups[writer] = [mine]
-            continue
-        steps: list[list[Transfer]] = [[]]
-        used = 0
-        for tr in mine:
-            for lo, hi in _row_slabs(tr.spec, tr.chunk, tr.r0, tr.r1, bucket_bytes):
-                piece = replace(tr, r0=lo, r1=hi)
-                if used and used + piece.nbytes > bucket_bytes:
-                    steps.append([])
-                    used = 0
-                steps[-1].append(piece)
-                used += piece.nbytes
-        groups[writer] = steps
-    depth = max((len(g) for g in groups.values()), default=0)
-    return [[tr for _, g in sorted(groups.items()) if k < len(g) for tr in g[k]] for k in range(depth)]
-
-
-def gather_tensors(plan: HfSavePlan, world: World, source: RowsFn, bucket_bytes: int) -> Iterator[Item]:
-    """Collective: this rank's output tensors in file order. The rows each tensor needs of each chunk are read
-    by the chunk's reader rank (`source`: rows of a stored chunk, from storage or from memory) and sent to the
-    writer in rounds of at most `bucket_bytes` of gathered bytes per writer (`gather_rounds`; a tensor larger
-    than that in steps of rows, `split_round`), one batch of p2p ops a step. The writer casts each received
-    block into its output tensors as it arrives, so it holds one step's blocks (<= `bucket_bytes`, or one
-    larger row) beside the round's output tensors, never a source-dtype copy of a tensor."""
-    for round_ in gather_rounds(plan, bucket_bytes):
-        mine = dict(round_).get(world.rank, [])
-        outs = {t.hf_key: torch.empty(t.shape, dtype=t.dtype) for _, t in mine}
-        for step in split_round(round_transfers(round_, world.size), bucket_bytes):
-            for tr, data in _exchange(step, world, source):
-                for sp in tr.tensor.parts:
-                    if sp.spec.fqn == tr.spec.fqn:
-                        place(outs[tr.tensor.hf_key], sp, _rows_box(tr.chunk, tr.r0, tr.r1), data)
-        for f, t in mine:
-            yield f, t, outs.pop(t.hf_key)
-
-
-def _exchange(step: list[Transfer], world: World, source: RowsFn) -> Iterator[tuple[Transfer, torch.Tensor]]:
-    """Collective: read this rank's blocks of `step`, agree on read errors, run one batch of p2p ops; then
-    the blocks this rank is the writer of, each dropped once the caller has used it."""
-    import torch.distributed as dist
-
-    local: dict[int, torch.Tensor] = {}
-    error: BaseException | None = None
-    try:
-        for i, tr in enumerate(step):
-            if tr.reader == world.rank:
-                local[i] = source(tr.spec, tr.chunk, tr.r0, tr.r1).contiguous()
-    except Exception as e:
-        error = e
-    world.agree(error)
-    ops = []
-    for i, tr in enumerate(step):
-        if tr.reader == tr.writer:
-            continue
-        if tr.reader == world.rank:  # sent as bytes: gloo moves any dtype that way (bool, fp8, bf16)
-            ops.append(dist.P2POp(dist.isend, _as_bytes(local[i]), tr.writer))
-        elif tr.writer == world.rank:
-            local[i] = torch.empty(tr.shape, dtype=tr.spec.dtype)
-            ops.append(dist.P2POp(dist.irecv, _as_bytes(local[i]), tr.reader))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for i, tr in enumerate(step):
-        if tr.writer != world.rank:
-            local.pop(i, None)  # sent: free it before casting what arrived
-    for i, tr in enumerate(step):
-        if tr.writer == world.rank:
-            yield tr, local.pop(i)

@@ -198,10 +198,10 @@ def test_a_round_bigger_than_the_bucket_is_cut_into_steps_of_rows() -> None:
     """split_round: a writer's transfers over the budget become steps of whole rows, each <= the bucket,
     covering exactly the same rows in order, each writer's k-th step together; a round within the budget
     stays one step, as it is."""
+    from ckptconv.gather import Transfer, split_round
     from ckptconv.mapping.rules import whole
     from ckptconv.plan import OutTensor, SourcePart
     from ckptconv.specs import ChunkSpec, TensorSpec
-    from ckptconv.unshard import Transfer, split_round
 
     chunks = (ChunkSpec((0, 0), (10, 8), "__0_0.distcp", 0, 1, "torch_save"),)
     spec = TensorSpec("w", "float32", (10, 8), chunks)

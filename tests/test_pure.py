@@ -16,10 +16,10 @@ from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import DcpCheckpoint
 from ckptconv.formats.hf import read_header
 from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter, header_bytes
+from ckptconv.gather import gather_rounds, reader_rank
 from ckptconv.layout import tiling_problem
 from ckptconv.plan import assign_owners, parse_size, plan_dcp_to_hf
 from ckptconv.specs import ChunkSpec, TensorSpec
-from ckptconv.unshard import gather_rounds, reader_rank
 
 
 @pytest.mark.parametrize(
@@ -233,8 +233,8 @@ def test_gather_moves_one_experts_rows_per_output_within_the_budget(tmp_path: Pa
     """A stacked [E, F, D] expert tensor sharded over 2 ranks, written per expert: every output tensor moves
     only its expert's rows of one chunk (not the chunk), rounds stay within the budget of gathered bytes, and
     the transfers are the same list on every rank."""
+    from ckptconv.gather import round_transfers
     from ckptconv.mapping import load_mapping
-    from ckptconv.unshard import round_transfers
 
     (tmp_path / "m.toml").write_text(
         '[mapping]\nname = "t"\n[[rule]]\nruntime = "w1"\nhf = "experts.{expert}.gate_proj.weight"\n'

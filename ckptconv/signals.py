@@ -3,7 +3,9 @@ then the command exits 128 + the signal's number with one line.
 
 A batch scheduler's cancel (SIGTERM), a closed terminal or ssh session (SIGHUP) and Ctrl-C (SIGINT) all arrive
 as `Interrupted`, a KeyboardInterrupt, so every `finally` and `except BaseException` that cleans up after
-Ctrl-C cleans up after them too. Python runs the handler in the main thread, between bytecodes.
+Ctrl-C cleans up after them too. Python runs the handler in the main thread, between bytecodes. The first
+signal decides the exit code; the ones after it (torchrun's SIGTERM after a Ctrl-C, a second Ctrl-C) are
+ignored while the run unwinds, so they cannot interrupt its cleanup.
 """
 
 from __future__ import annotations
@@ -35,16 +37,25 @@ def exit_code() -> int:
 
 def _raise(signum: int, frame: FrameType | None) -> None:
     _received.append(signum)
-    for sig in HANDLED:  # a second signal while unwinding must not interrupt the cleanup
-        signal.signal(sig, signal.SIG_IGN)
+    for sig in (*HANDLED, signal.SIGINT):  # a second signal while unwinding must not interrupt the cleanup
+        if signal.getsignal(sig) is _raise:
+            signal.signal(sig, signal.SIG_IGN)
     raise Interrupted(signum)
+
+
+def _routed() -> tuple[int, ...]:
+    """The signals `as_interrupts` handles: SIGTERM and SIGHUP, and SIGINT where Python's own handler has it
+    (not where it is ignored, as in a job started in the background, or an embedding program's)."""
+    ctrl_c = (signal.SIGINT,) if signal.getsignal(signal.SIGINT) is signal.default_int_handler else ()
+    return (*HANDLED, *ctrl_c)
 
 
 @contextmanager
 def as_interrupts() -> Iterator[None]:
-    """Inside: SIGTERM and SIGHUP raise `Interrupted` in the main thread. Outside: the handlers before."""
-    before = {sig: signal.getsignal(sig) for sig in HANDLED}
-    for sig in HANDLED:
+    """Inside: SIGTERM, SIGHUP and Ctrl-C raise `Interrupted` in the main thread. Outside: the handlers
+    before."""
+    before = {sig: signal.getsignal(sig) for sig in _routed()}
+    for sig in before:
         if before[sig] != signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
             signal.signal(sig, _raise)
     try:

@@ -202,3 +202,67 @@ def test_out_of_range_timeout_and_bad_rank_are_one_line(fsdp2_ckpt: Path, tmp_pa
         stdin=subprocess.DEVNULL,
     )
     assert_one_line(proc.returncode, proc.stderr, "missing")
+
+
+def test_the_first_signal_decides_and_later_ones_do_not_interrupt_the_cleanup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C goes through the same handler as SIGTERM: torchrun's SIGTERM (or a second Ctrl-C) arriving
+    while the run unwinds is ignored, and the exit code stays 130."""
+    from ckptconv import signals
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler here")
+    monkeypatch.setattr(signals, "_received", [])
+    cleaned = False
+    with pytest.raises(signals.Interrupted) as caught, signals.as_interrupts():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            cleaned = True
+    assert cleaned and caught.value.signum == signal.SIGINT and signals.exit_code() == 130
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+OLD_TYPER = ("typer==0.15.4", "click==8.1.8")
+
+
+@pytest.mark.slow
+def test_usage_errors_with_a_typer_built_on_the_click_package(tmp_path: Path) -> None:
+    """typer < 0.29 re-exports the `click` package's exceptions, typer 0.29 vendors its own click: the same
+    one-line errors on both (the lock pins the newer one; this runs the older one from PyPI)."""
+    target = tmp_path / "site"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *OLD_TYPER],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if pip.returncode != 0:
+        pytest.skip(f"cannot install typer 0.15.4 from the package index: {pip.stderr.strip()[-200:]}")
+    env = {**_env(), "PYTHONPATH": f"{target}{os.pathsep}{_env()['PYTHONPATH']}"}
+    version = subprocess.run(
+        [sys.executable, "-c", "import typer, click; print(typer.__version__, click.__version__)"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert version.stdout.split() == ["0.15.4", "8.1.8"], version
+    for args, needles in USAGE_ERRORS[1:]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptconv", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
+        line = proc.stderr.strip()
+        assert "\n" not in line and line.startswith("ckptconv: error: "), (args, proc.stderr)
+        assert needles[-1].removeprefix("see ").strip("'") in line, (args, line)  # the right --help
+    bare = subprocess.run([sys.executable, "-m", "ckptconv"], capture_output=True, text=True, env=env)
+    assert bare.returncode == 0 and bare.stdout.startswith("Usage: ckptconv")

@@ -49,6 +49,18 @@ def refuse_partial(path: Path) -> None:
             )
 
 
+def refuse_reserved(out: Path) -> None:
+    """An OUT named like what ckptconv keeps beside an OUT (`.X.ckptconv-partial`, `-old`, `-lock`), or
+    inside one, would be removed by a later run to X: refused."""
+    reserved = (PARTIAL_SUFFIX, OLD_SUFFIX, outlock.LOCK_SUFFIX)
+    for part in dict.fromkeys((out, *out.parents)):
+        if part.name.endswith(reserved if part == out else (PARTIAL_SUFFIX, OLD_SUFFIX)):
+            raise CkptconvError(
+                f"{out}: {part.name} is a name ckptconv keeps for its own files beside an output, which a "
+                "later run removes; choose another OUT"
+            )
+
+
 @dataclass(frozen=True)
 class Output:
     """Where a conversion writes: `path` is OUT with symlinks resolved; `note` says so when OUT was one."""
@@ -71,7 +83,9 @@ def target(
     out: Path, overwrite: bool, inputs: Inputs = (), flag: str = "--overwrite", main: bool = True
 ) -> Output:
     """The checked Output for OUT `out`; on rank 0 (`main`), also fail at once if a live run is writing it."""
+    refuse_reserved(_absolute(out))
     real = _resolve_out(out)
+    refuse_reserved(real)
     note = f"{out} is a symlink: writing into its target {real}" if out.is_symlink() else None
     result = Output(real, overwrite, tuple((label, p) for label, p in inputs if p is not None), flag, note)
     if main:
@@ -105,37 +119,55 @@ def check_out(out: Path, overwrite: bool, flag: str = "--overwrite") -> None:
     if not out.is_dir():
         return
     try:
-        names = sorted(p.name for p in out.iterdir())
+        with os.scandir(out) as it:
+            entries = sorted(it, key=lambda e: e.name)
     except OSError as e:
         raise CkptconvError(f"{out}: cannot list it ({e.strerror}); choose another OUT") from None
-    if not names:
+    if not entries:
         return
-    foreign = _not_a_checkpoint(names)
+    foreign = _not_a_checkpoint(entries)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise CkptconvError(
-            f"{out}: holds {shown}, not a checkpoint ({flag} replaces only a directory that holds "
-            "safetensors / an index / DCP files, or nothing); choose an empty or new OUT, or remove it "
-            "yourself"
+            f"{out}: holds {shown}, not a checkpoint ({flag} replaces only a directory of regular files "
+            "that holds safetensors / an index / DCP files and otherwise only an HF model's config and "
+            "tokenizer files, or nothing); choose an empty or new OUT, or remove it yourself"
         )
     if not overwrite:
         raise CkptconvError(f"{out}: exists and is not empty; pass {flag} to replace it")
 
 
 _CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
+# what `--copy-from` copies out of an HF model directory: config, generation config, tokenizer, card
+_MODEL_FILE_SUFFIXES = (".json", ".txt", ".model", ".md", ".jinja", ".tiktoken")
+_MODEL_FILE_NAMES = ("LICENSE", "NOTICE")
 
 
-def _not_a_checkpoint(names: list[str]) -> list[str]:
+def _not_a_checkpoint(entries: list[os.DirEntry[str]]) -> list[str]:
     """The names that make a non-empty directory something other than a checkpoint ckptconv may replace:
-    hidden entries (a conversion writes none but `.metadata`), or everything when nothing marks a
-    checkpoint (weights, index, stash, `.metadata`)."""
+    everything when nothing marks a checkpoint (weights, index, stash, `.metadata`); otherwise any entry
+    that is not a regular file (a subdirectory, a link: `name/`, `name@`) or not one a checkpoint or an HF
+    model directory holds (hidden ones but `.metadata`, code, logs)."""
     from .stash import STASH_FILE
 
-    hidden = [n for n in names if n.startswith(".") and n != ".metadata"]
-    if hidden:
-        return hidden
-    marked = any(n.endswith(_CHECKPOINT_SUFFIXES) or n in (STASH_FILE, ".metadata") for n in names)
-    return [] if marked else names
+    def ours(name: str) -> bool:
+        return name.endswith(_CHECKPOINT_SUFFIXES) or name in (STASH_FILE, ".metadata")
+
+    def shown(e: os.DirEntry[str]) -> str:
+        return e.name + ("@" if e.is_symlink() else "/" if e.is_dir() else "")
+
+    if not any(ours(e.name) for e in entries):
+        return [shown(e) for e in entries]
+    return [
+        shown(e)
+        for e in entries
+        if not (ours(e.name) or _model_file(e.name)) or not e.is_file(follow_symlinks=False)
+    ]
+
+
+def _model_file(name: str) -> bool:
+    """A non-weight file of an HF model directory (`--copy-from` copies it into OUT)."""
+    return not name.startswith(".") and (name.endswith(_MODEL_FILE_SUFFIXES) or name in _MODEL_FILE_NAMES)
 
 
 def _check_not_input(out: Path, label: str, path: Path) -> None:
@@ -183,17 +215,22 @@ def _within(inner: Path, outer: Path) -> bool:
 
 def recover(out: Path) -> None:
     """Rank 0, holding the lock, before checking OUT: a previous OUT that a run killed while publishing had
-    moved aside (where the file system cannot swap directories) is put back, or removed if OUT is there."""
+    moved aside (where the file system cannot swap directories) is put back when OUT is missing or an empty
+    directory, and removed only when OUT holds something (the result that run moved into place)."""
     old = old_dir(out)
     try:
-        if old.exists():
-            if out.exists():
-                shutil.rmtree(old)
-            else:
-                old.rename(out)
+        if not old.exists():
+            return
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if out.exists():
+            shutil.rmtree(old)
+        else:
+            old.rename(out)
     except OSError as e:
         raise CkptconvError(
-            f"{e.filename or old}: cannot clean up ({e.strerror}); remove it yourself"
+            f"{e.filename or old}: cannot clean up ({e.strerror}); move {old} back to {out} or remove it "
+            "yourself"
         ) from None
 
 
@@ -217,23 +254,43 @@ def publish(staging: Path, out: Path) -> None:
     """Rank 0, holding the lock: move the finished `staging` to `out`, replacing what was there.
 
     An existing OUT is swapped with the staging directory in one step (renameat2 RENAME_EXCHANGE), so OUT
-    is always one complete result; where the file system cannot swap, OUT is moved aside and back."""
+    is always one complete result; where the file system cannot swap, OUT is moved aside and the result
+    moved in, with signals held in between (a failure puts OUT back). The previous OUT is removed after."""
+    previous: Path | None = None
     try:
-        if not out.exists():
-            staging.rename(out)
-        elif _exchange(staging, out):
-            shutil.rmtree(staging, ignore_errors=True)  # the previous OUT
-        else:
-            old = old_dir(out)
-            if old.exists():
-                shutil.rmtree(old)
-            out.rename(old)
-            staging.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
+        with outlock.signals_held():
+            if not out.exists():
+                staging.rename(out)
+            elif _exchange(staging, out):
+                previous = staging
+            else:
+                previous = _swap_by_moving(staging, out)
     except OSError as e:
         raise CkptconvError(
             f"{out}: cannot move the result into place ({e.strerror}); check permissions"
         ) from None
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def _swap_by_moving(staging: Path, out: Path) -> Path:
+    """Move `out` aside to its old name and `staging` in its place; the old name, to remove. Where the second
+    move fails, OUT is moved back (or the error says where it is)."""
+    old = old_dir(out)
+    if old.exists():
+        shutil.rmtree(old)
+    out.rename(old)
+    try:
+        staging.rename(out)
+    except OSError as e:
+        try:
+            old.rename(out)
+            where = "the previous OUT is back; check permissions"
+        except OSError:
+            where = f"nor the previous OUT back: move {old} back to {out} yourself"
+        cause = f"cannot move the result {staging} into place ({e.strerror})"
+        raise CkptconvError(f"{out}: {cause}; {where}") from None
+    return old
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -256,7 +313,12 @@ def discard(out: Path, patience_s: float = 10.0) -> None:
     """Rank 0: remove the staging directory of `out` after a failure. Under torchrun a signal reaches every
     rank at once, and another rank may still be closing a file inside while this one removes it, so the
     removal is tried again until the directory is gone (or `patience_s` has passed)."""
-    staging = staging_dir(out)
+    with outlock.signals_held():  # torchrun's SIGTERM after a Ctrl-C must not leave it half removed
+        _remove_patiently(staging_dir(out), patience_s)
+
+
+def _remove_patiently(staging: Path, patience_s: float) -> None:
+    """Remove `staging`, again and again while another rank may still write into it."""
     deadline = time.monotonic() + patience_s
     while True:
         try:

@@ -3,17 +3,21 @@
 `.OUT.ckptconv-lock` holds JSON naming its run (pid, host, start time, command). It is made complete and
 flocked under a temporary name first, then hard-linked into place, which fails if the name exists: so a lock
 file is never seen half-written, and one that exists but whose flock is free belongs to a dead process (the
-kernel releases a flock when its holder dies) and is taken over. Only rank 0 takes it; it covers preparing
-the staging directory, the rename into place (and `--overwrite`'s removal of the old OUT), and the cleanup.
+kernel releases a flock when its holder dies) and is taken over, provided it names this host and a process
+that is gone (with NFS `local_lock=flock` a flock is not seen from other hosts). Only rank 0 takes it; it
+covers preparing the staging directory, the rename into place (and `--overwrite`'s removal of the old OUT),
+and the cleanup.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -87,40 +91,53 @@ def signals_held() -> Iterator[None]:
 
 
 def take(out: Path) -> OutLock:
-    """Lock `out` for this run, or raise a CkptconvError naming the live run that holds it."""
+    """Lock `out` for this run, or raise a CkptconvError naming the live run that holds it. Interrupted
+    (a signal another thread let through `signals_held`) once the file is in place, it is removed again."""
     path = lock_path(out)
     mine = _make_tmp(path)
     try:
-        for attempt in range(_ATTEMPTS):
-            try:
-                os.link(mine.tmp, path)
-                return OutLock(path, mine.release_tmp())
-            except FileExistsError:
-                pass
-            except OSError as e:
-                raise _lock_error(path, e) from None
-            stale = _try_stale(out, path, last=attempt >= _HELD_ATTEMPTS)
-            if stale is not None:  # we hold the dead run's flock: put ours in its place
-                try:
-                    os.replace(mine.tmp, path)
-                except OSError as e:
-                    raise _lock_error(path, e) from None
-                finally:
-                    os.close(stale[0])
-                return OutLock(path, mine.release_tmp(), stale[1])
-            time.sleep(0.01)
-        raise CkptconvError(f"{path}: could not take the lock of {out}; other runs keep taking it, retry")
+        return _place(out, path, mine)
+    except BaseException:
+        if mine.fd >= 0 and _same_file(path, mine.fd):
+            with suppress(OSError):
+                path.unlink()
+        raise
     finally:
         mine.discard()
+
+
+def _place(out: Path, path: Path, mine: _Tmp) -> OutLock:
+    """Put the complete lock file `mine` at `path`: a new name, or over a dead run's lock."""
+    for attempt in range(_ATTEMPTS):
+        try:
+            os.link(mine.tmp, path)
+            return mine.hand_over(path, None)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise _lock_error(path, e) from None
+        stale = _try_stale(out, path, last=attempt >= _HELD_ATTEMPTS)
+        if stale is not None:  # we hold the dead run's flock: put ours in its place
+            try:
+                os.replace(mine.tmp, path)
+            except OSError as e:
+                raise _lock_error(path, e) from None
+            finally:
+                os.close(stale[0])
+            return mine.hand_over(path, stale[1])
+        time.sleep(0.01)
+    raise CkptconvError(f"{path}: could not take the lock of {out}; other runs keep taking it, retry")
 
 
 def peek(out: Path) -> None:
     """Raise at once if a live run holds the lock of `out` (before any planning); takes nothing."""
     path = lock_path(out)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_lock(path, os.O_RDONLY)
     except OSError:
-        return  # no lock, or not ours to read: `take` says why
+        return  # not ours to read: `take` says why
+    if fd is None:
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -129,6 +146,30 @@ def peek(out: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _open_lock(path: Path, flags: int) -> int | None:
+    """An fd on the lock file at `path`, None if there is none; a FIFO, link, directory or device there is
+    refused (opening never blocks, links are not followed)."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        fd = -1
+    try:
+        regular = fd >= 0 and stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        if fd >= 0:
+            os.close(fd)
+        raise CkptconvError(
+            f"{path}: is not a lock file ckptconv made (not a regular file); remove it, then run again"
+        )
+    return fd
 
 
 def describe(info: dict[str, Any]) -> str:
@@ -146,7 +187,7 @@ def read_info(fd: int) -> dict[str, Any]:
     try:
         raw = os.pread(fd, 65536, 0)
         info = json.loads(raw)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return info if isinstance(info, dict) else {}
 
@@ -169,13 +210,10 @@ def _lock_error(path: Path, e: OSError) -> CkptconvError:
 
 def _try_stale(out: Path, path: Path, last: bool) -> tuple[int, dict[str, Any]] | None:
     """(fd with the flock, its JSON) when the lock at `path` belongs to a dead run; raise when it is live
-    (on the `last` look); None when it changed under us or is held for now (look again)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    (on the `last` look) or may be; None when it changed under us or is held for now (look again)."""
+    fd = _open_for_flock(path)
+    if fd is None:
         return None
-    except OSError as e:
-        raise _lock_error(path, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -192,7 +230,53 @@ def _try_stale(out: Path, path: Path, last: bool) -> tuple[int, dict[str, Any]] 
     if not _same_file(path, fd):  # unlinked or replaced after we opened it
         os.close(fd)
         return None
-    return fd, read_info(fd)
+    info = read_info(fd)
+    refusal = _maybe_alive(out, path, info)
+    if refusal is not None:
+        os.close(fd)
+        raise refusal
+    return fd, info
+
+
+def _open_for_flock(path: Path) -> int | None:
+    """The lock file opened read-write (NFS emulates flock with byte-range locks, which need write access),
+    read-only where we may not write it; None if it is gone."""
+    try:
+        try:
+            return _open_lock(path, os.O_RDWR)
+        except PermissionError:
+            return _open_lock(path, os.O_RDONLY)
+    except OSError as e:
+        raise _lock_error(path, e) from None
+
+
+def _maybe_alive(out: Path, path: Path, info: dict[str, Any]) -> CkptconvError | None:
+    """The error when a lock whose flock is free may still belong to a live run: one on another host (with
+    NFS `local_lock=flock` a flock is only seen on its own host), or one whose process is still there."""
+    host, pid = info.get("host"), info.get("pid")
+    if isinstance(host, str) and host != socket.gethostname():
+        return CkptconvError(
+            f"{out}: the lock {path} belongs to a ckptconv run on host {host} (pid {pid}), which this host "
+            f"cannot check; wait for it to finish, or once it is gone, remove {path}"
+        )
+    # this process's own leftover (a failed unlink) is stale: its flock is free, so no lock of ours holds it
+    if isinstance(pid, int) and pid > 0 and pid != os.getpid() and _alive(pid):
+        return CkptconvError(
+            f"{out}: the lock {path} names a run whose process is still there ({describe(info)}); wait for "
+            f"it to finish, or if that process is not ckptconv, remove {path}"
+        )
+    return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _same_file(path: Path, fd: int) -> bool:
@@ -208,12 +292,13 @@ class _Tmp:
     tmp: Path
     fd: int
 
-    def release_tmp(self) -> int:
-        """The fd, now the lock's: the temporary name is removed, the file stays under the lock's name."""
-        fd, self.fd = self.fd, -1
+    def hand_over(self, path: Path, took_over: dict[str, Any] | None) -> OutLock:
+        """The lock, now placed at `path`: the temporary name is removed, the fd becomes the lock's last."""
         with suppress(OSError):
             self.tmp.unlink()
-        return fd
+        lock = OutLock(path, self.fd, took_over)
+        self.fd = -1
+        return lock
 
     def discard(self) -> None:
         if self.fd >= 0:

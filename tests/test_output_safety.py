@@ -560,3 +560,177 @@ def test_unwritable_parent_is_exit_2_naming_the_lock(fsdp2_ckpt: Path, tmp_path:
         assert list(parent.iterdir()) == []
     finally:
         parent.chmod(0o755)
+
+
+# --- review fixes: what --overwrite replaces, reserved names, the lock file, moving OUT aside ---------------
+
+
+def test_overwrite_refuses_a_work_directory_holding_weights(
+    fsdp2_ckpt: Path, hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One `*.safetensors` (or `.metadata`) beside code and a subdirectory does not make a checkpoint."""
+    work = tmp_path / "work"
+    (work / "runs").mkdir(parents=True)
+    (work / "runs" / "log.txt").write_text("loss 1.0")
+    (work / "model.safetensors").write_bytes(b"x")
+    (work / "train.py").write_text("print('mine')")
+    dcp_like = tmp_path / "dcp"
+    dcp_like.mkdir()
+    (dcp_like / ".metadata").write_bytes(b"x")
+    (dcp_like / "config.json").symlink_to(work / "train.py")
+    before = tree(tmp_path)
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(work), "--overwrite", "--quiet")
+    assert_one_line(code, err, str(work), "not a checkpoint", "runs/", "train.py")
+    assert "model.safetensors" not in err
+    code, err = run(capsys, "hf-to-dcp", str(hf_dir), str(dcp_like), "--overwrite", "--quiet")
+    assert_one_line(code, err, str(dcp_like), "not a checkpoint", "config.json@")
+    assert tree(tmp_path) == before
+
+
+def test_overwrite_replaces_an_output_with_copied_model_files(
+    fsdp2_ckpt: Path, hf_dir: Path, tmp_path: Path
+) -> None:
+    """A previous output made with `--copy-from` of a transformers `save_pretrained` directory."""
+    base = tmp_path / "base"
+    base.mkdir()
+    names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    names += ["special_tokens_map.json", "tokenizer.model", "merges.txt", "chat_template.jinja", "README.md"]
+    for name in names:
+        (base / name).write_text("{}" if name.endswith(".json") else name)
+    out = tmp_path / "out"
+    for _ in range(2):
+        proc = ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(out), "--copy-from", str(base), "--overwrite", "-q")
+        assert proc.returncode == 0, proc.stderr
+    assert set(names) <= set(tree(out)) and leftovers(out) == ["out"]
+
+
+@pytest.mark.parametrize("suffix", [".ckptconv-old", ".ckptconv-partial", ".ckptconv-lock"])
+def test_out_named_like_a_file_ckptconv_keeps_is_refused(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str
+) -> None:
+    """`.X.ckptconv-old` as OUT would be removed by a later run to X; so would anything inside it."""
+    for out in (tmp_path / f".x{suffix}", tmp_path / ".y.ckptconv-partial" / "out"):
+        code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--quiet")
+        assert_one_line(code, err, str(out), "ckptconv keeps for its own files", "choose another OUT")
+    link = tmp_path / "release"
+    link.symlink_to(tmp_path / f".x{suffix}")
+    (tmp_path / f".x{suffix}").mkdir()
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(link), "--quiet")
+    assert_one_line(code, err, "ckptconv keeps for its own files")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".x{suffix}", "release"])
+
+
+def test_a_fifo_at_the_lock_path_is_refused_at_once(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    os.mkfifo(lock_path(out))
+    proc = ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(out), timeout=60)
+    assert_one_line(proc.returncode, proc.stderr, str(lock_path(out)), "not a regular file", "remove it")
+    from ckptconv import outlock
+
+    with pytest.raises(CkptconvError, match="not a regular file"):
+        outlock.take(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lock_path(out).name]
+
+
+def _foreign_lock(out: Path, **info: object) -> None:
+    """A lock file no process flocks, naming the run `info`."""
+    lock_path(out).write_text(json.dumps({"started": time.time(), "command": "ckptconv x", **info}))
+
+
+def test_a_lock_of_another_host_is_never_taken_over_on_flock_alone(tmp_path: Path) -> None:
+    """With NFS `local_lock=flock` a flock is only seen on its host: a free flock says nothing there."""
+    from ckptconv import outlock
+
+    out = tmp_path / "out"
+    _foreign_lock(out, pid=4242, host="node-b.example")
+    with pytest.raises(CkptconvError, match=r"host node-b\.example \(pid 4242\).*remove .*ckptconv-lock"):
+        outlock.take(out)
+    proc = ckptconv("dcp-to-hf", "missing-src", str(out))
+    assert_one_line(proc.returncode, proc.stderr)
+    assert [p.name for p in tmp_path.iterdir()] == [lock_path(out).name]
+
+
+def test_a_lock_of_a_live_process_on_this_host_is_not_taken_over(tmp_path: Path) -> None:
+    """A free flock and a live pid (a lock file left by hand, or on a file system that lost its flock)."""
+    import socket
+
+    from ckptconv import outlock
+
+    out = tmp_path / "out"
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        _foreign_lock(out, pid=sleeper.pid, host=socket.gethostname())
+        with pytest.raises(CkptconvError, match=f"process is still there \\(pid {sleeper.pid} "):
+            outlock.take(out)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    taken = outlock.take(out)  # its process is gone now
+    assert taken.note() is not None and f"pid {sleeper.pid}" in taken.note()
+    taken.release()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_deeply_nested_lock_file_is_taken_over(tmp_path: Path) -> None:
+    from ckptconv import outlock
+
+    out = tmp_path / "out"
+    lock_path(out).write_text("[" * 200000)
+    outlock.take(out).release()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_once_the_lock_is_in_place_removes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal let through by another thread, between placing the lock file and returning it."""
+    from ckptconv import outlock
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outlock, "OutLock", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        outlock.take(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_move_into_place_puts_out_back(
+    fsdp2_ckpt: Path,
+    hf_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without an atomic swap: OUT moved aside, then moving the result in fails: OUT is moved back."""
+    from ckptconv import outdir
+
+    monkeypatch.setattr(outdir, "_exchange", lambda a, b: False)
+    out = tmp_path / "out"
+    shutil.copytree(hf_dir, out)
+    before = tree(out)
+    rename = Path.rename
+
+    def failing(self: Path, target: str | Path) -> Path:
+        if self == staging_dir(out):
+            raise OSError(13, "Permission denied", str(self))
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--overwrite", "--quiet")
+    assert_one_line(code, err, str(out), str(staging_dir(out)), "previous OUT is back")
+    assert tree(out) == before and leftovers(out) == ["out"]
+
+
+def test_an_empty_out_beside_a_moved_aside_one_gets_it_back(
+    fsdp2_ckpt: Path, hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run killed after moving OUT aside, then `mkdir OUT`: the next run must not remove the only copy."""
+    from ckptconv import outdir
+
+    out = tmp_path / "out"
+    shutil.copytree(hf_dir, outdir.old_dir(out))
+    out.mkdir()
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--quiet")
+    assert_one_line(code, err, "not empty", "--overwrite")
+    assert tree(out) == tree(hf_dir) and leftovers(out) == ["out"]

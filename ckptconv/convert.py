@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import outdir, sources
+from . import outcheck, outdir, sources
 from . import verify as verify_mod
 from .compose import target_rows
 from .copy_from import copy_non_weights
@@ -83,7 +83,7 @@ def dcp_to_hf(
     start = time.perf_counter()
     _return_freed_memory()
 
-    def prepare() -> tuple[DcpCheckpoint, HfSavePlan, int, dict[str, Any], outdir.Output | None]:
+    def prepare() -> tuple[DcpCheckpoint, HfSavePlan, int, dict[str, Any], outcheck.Output | None]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         shard_bytes = parse_size(max_shard_size)
         bucket = parse_size(bucket_size, "--bucket-size")
@@ -91,7 +91,7 @@ def dcp_to_hf(
             raise CkptconvError(f"--copy-from {copy_from}: not a directory")
         located = sources.dcp_source(src)
         inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", config), _mapping_file(mapping)]
-        target = None if dry_run else outdir.target(out, overwrite, inputs, main=world.is_main)
+        target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
         ckpt = open_dcp(located)
         key_mapping = load_mapping(mapping, hf_experts) if mapping else None
         model_config = load_config(config or (copy_from / "config.json" if copy_from else None))
@@ -254,9 +254,9 @@ def hf_to_dcp(
     located = on_main(world, sources.hf_source, src, revision)
     path: Path = world.all_gather_object(located)[0]  # rank 0 downloads; the others read what it found
 
-    def prepare() -> tuple[DcpSavePlan, dict[str, Any], outdir.Output | None]:
+    def prepare() -> tuple[DcpSavePlan, dict[str, Any], outcheck.Output | None]:
         inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
-        target = None if dry_run else outdir.target(out, overwrite, inputs, main=world.is_main)
+        target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         hf = open_hf(path)
         stash = read_stash(path) if path.is_dir() else []

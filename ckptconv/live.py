@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import convert, outdir
+from . import convert, outcheck, outdir
 from .allgather import TorchCollective, describe, emit, group_handles, holdings, live_jobs, run_rounds
 from .compose import is_whole, target_rows
 from .copy_from import copy_non_weights
@@ -185,7 +185,7 @@ def save_hf(
             mapping=load_mapping(mapping) if mapping else None,
             config=dict(config or {}),
         )
-        target = outdir.target(
+        target = outcheck.target(
             out, overwrite, [("copy_from", _path(copy_from))], "overwrite=True", world.is_main
         )
         budget = parse_size(bucket_size, "bucket_size")

@@ -2,9 +2,7 @@
 
 While a conversion runs nothing at OUT changes, so OUT never looks finished before it is; an interrupted run
 leaves only `.OUT.ckptconv-partial` beside it, which the next run replaces. One run writes an OUT at a time
-(`outlock`). OUT is never an input, never holds one and is never inside one; `--overwrite` replaces only a
-directory that holds a checkpoint (or nothing); a symlink at OUT is followed, and its target is written.
-Rank 0 owns every step here; the other ranks only write files inside the staging directory.
+(`outlock`); what OUT may be is `outcheck`'s. Rank 0 owns every step here; the other ranks only write files inside the staging directory.
 """
 
 from __future__ import annotations
@@ -14,21 +12,18 @@ import errno
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 from . import outlock
 from .errors import CkptconvError
+from .outcheck import OLD_SUFFIX, PARTIAL_SUFFIX, Output, absolute
 from .outlock import write_failed
 from .world import World, everyone, on_main
 
-PARTIAL_SUFFIX = ".ckptconv-partial"
-OLD_SUFFIX = ".ckptconv-old"
 T = TypeVar("T")
-Inputs = Sequence[tuple[str, Path | None]]  # (what it is, e.g. "SRC" or "--config"; its path)
 
 
 def staging_dir(out: Path) -> Path:
@@ -37,180 +32,6 @@ def staging_dir(out: Path) -> Path:
 
 def old_dir(out: Path) -> Path:
     return out.parent / f".{out.name}{OLD_SUFFIX}"
-
-
-def refuse_partial(path: Path) -> None:
-    """A directory an interrupted ckptconv run left behind is not a checkpoint, whatever it holds."""
-    for part in (path, *path.parents):
-        if part.name.endswith((PARTIAL_SUFFIX, OLD_SUFFIX)):
-            raise CkptconvError(
-                f"{path}: is the unfinished output of an interrupted ckptconv run ({part.name}), not a "
-                "checkpoint; rerun the conversion that made it"
-            )
-
-
-def refuse_reserved(out: Path) -> None:
-    """An OUT named like what ckptconv keeps beside an OUT (`.X.ckptconv-partial`, `-old`, `-lock`), or
-    inside one, would be removed by a later run to X: refused."""
-    reserved = (PARTIAL_SUFFIX, OLD_SUFFIX, outlock.LOCK_SUFFIX)
-    for part in dict.fromkeys((out, *out.parents)):
-        if part.name.endswith(reserved if part == out else (PARTIAL_SUFFIX, OLD_SUFFIX)):
-            raise CkptconvError(
-                f"{out}: {part.name} is a name ckptconv keeps for its own files beside an output, which a "
-                "later run removes; choose another OUT"
-            )
-
-
-@dataclass(frozen=True)
-class Output:
-    """Where a conversion writes: `path` is OUT with symlinks resolved; `note` says so when OUT was one."""
-
-    path: Path
-    overwrite: bool
-    inputs: tuple[tuple[str, Path], ...] = ()
-    flag: str = "--overwrite"
-    note: str | None = None
-
-    def check(self) -> None:
-        """Refuse this OUT (see the module docstring). Pure checks, no writes; rank 0 repeats them under
-        the lock."""
-        for label, path in self.inputs:
-            _check_not_input(self.path, label, path)
-        check_out(self.path, self.overwrite, self.flag)
-
-
-def target(
-    out: Path, overwrite: bool, inputs: Inputs = (), flag: str = "--overwrite", main: bool = True
-) -> Output:
-    """The checked Output for OUT `out`; on rank 0 (`main`), also fail at once if a live run is writing it."""
-    refuse_reserved(_absolute(out))
-    real = _resolve_out(out)
-    refuse_reserved(real)
-    note = f"{out} is a symlink: writing into its target {real}" if out.is_symlink() else None
-    result = Output(real, overwrite, tuple((label, p) for label, p in inputs if p is not None), flag, note)
-    if main:
-        outlock.peek(real)
-    result.check()
-    return result
-
-
-def _absolute(p: Path) -> Path:
-    return Path(os.path.abspath(p))
-
-
-def _resolve_out(out: Path) -> Path:
-    """OUT with every symlink resolved (parents too: one real path, so one lock, whatever the spelling)."""
-    try:
-        real = out.resolve()
-    except (OSError, RuntimeError) as e:
-        raise CkptconvError(f"{out}: cannot resolve its symlinks ({e}); choose another OUT") from None
-    if out.is_symlink() and not real.exists():
-        raise CkptconvError(
-            f"{out}: is a symlink to {real}, which does not exist; create that directory or remove the link"
-        )
-    return real
-
-
-def check_out(out: Path, overwrite: bool, flag: str = "--overwrite") -> None:
-    """Refuse an OUT that is a file, or a non-empty directory that is not a checkpoint, or one without
-    `overwrite`."""
-    if out.is_file() or (out.exists() and not out.is_dir()):
-        raise CkptconvError(f"{out}: exists and is not a directory; choose another OUT")
-    if not out.is_dir():
-        return
-    try:
-        with os.scandir(out) as it:
-            entries = sorted(it, key=lambda e: e.name)
-    except OSError as e:
-        raise CkptconvError(f"{out}: cannot list it ({e.strerror}); choose another OUT") from None
-    if not entries:
-        return
-    foreign = _not_a_checkpoint(entries)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise CkptconvError(
-            f"{out}: holds {shown}, not a checkpoint ({flag} replaces only a directory of regular files "
-            "that holds safetensors / an index / DCP files and otherwise only an HF model's config and "
-            "tokenizer files, or nothing); choose an empty or new OUT, or remove it yourself"
-        )
-    if not overwrite:
-        raise CkptconvError(f"{out}: exists and is not empty; pass {flag} to replace it")
-
-
-_CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
-# what `--copy-from` copies out of an HF model directory: config, generation config, tokenizer, card
-_MODEL_FILE_SUFFIXES = (".json", ".txt", ".model", ".md", ".jinja", ".tiktoken")
-_MODEL_FILE_NAMES = ("LICENSE", "NOTICE")
-
-
-def _not_a_checkpoint(entries: list[os.DirEntry[str]]) -> list[str]:
-    """The names that make a non-empty directory something other than a checkpoint ckptconv may replace:
-    everything when nothing marks a checkpoint (weights, index, stash, `.metadata`); otherwise any entry
-    that is not a regular file (a subdirectory, a link: `name/`, `name@`) or not one a checkpoint or an HF
-    model directory holds (hidden ones but `.metadata`, code, logs)."""
-    from .stash import STASH_FILE
-
-    def ours(name: str) -> bool:
-        return name.endswith(_CHECKPOINT_SUFFIXES) or name in (STASH_FILE, ".metadata")
-
-    def shown(e: os.DirEntry[str]) -> str:
-        return e.name + ("@" if e.is_symlink() else "/" if e.is_dir() else "")
-
-    if not any(ours(e.name) for e in entries):
-        return [shown(e) for e in entries]
-    return [
-        shown(e)
-        for e in entries
-        if not (ours(e.name) or _model_file(e.name)) or not e.is_file(follow_symlinks=False)
-    ]
-
-
-def _model_file(name: str) -> bool:
-    """A non-weight file of an HF model directory (`--copy-from` copies it into OUT)."""
-    return not name.startswith(".") and (name.endswith(_MODEL_FILE_SUFFIXES) or name in _MODEL_FILE_NAMES)
-
-
-def _check_not_input(out: Path, label: str, path: Path) -> None:
-    """OUT must not be `path`, contain it or be inside it (symlinks and bind mounts followed)."""
-    for what, real in ((label, path), *_linked(label, path)):
-        inside, contains = _within(out, real), _within(real, out)
-        if inside and contains:
-            raise CkptconvError(f"{out}: is {what} {path} itself; OUT must never be an input")
-        if contains:
-            raise CkptconvError(f"{out}: contains {what} {real}; choose an OUT that holds no input")
-        if inside:
-            raise CkptconvError(f"{out}: is inside {what} {real}; choose an OUT outside the inputs")
-
-
-def _linked(label: str, path: Path) -> list[tuple[str, Path]]:
-    """What an input directory points to: its symlinked entries' targets, a hub snapshot's repo folder."""
-    found: list[tuple[str, Path]] = []
-    if path.parent.name == "snapshots":  # huggingface_hub's cache: models--org--name/snapshots/<rev>
-        found.append((f"the cache folder of {label}", path.parent.parent))
-    try:
-        entries = list(path.iterdir()) if path.is_dir() else []
-        found += [(f"{label}'s link target", e.resolve()) for e in entries if e.is_symlink()]
-    except (OSError, RuntimeError):
-        pass
-    return found
-
-
-def _within(inner: Path, outer: Path) -> bool:
-    """`inner` is `outer` or inside it, compared by device and inode along both of `inner`'s spellings."""
-    try:
-        o = os.stat(outer)
-    except OSError:
-        return False
-    lineage = [_absolute(inner), *_absolute(inner).parents]
-    with suppress(OSError, RuntimeError):
-        lineage += [inner.resolve(), *inner.resolve().parents]
-    for p in dict.fromkeys(lineage):
-        try:
-            if os.path.samestat(os.stat(p), o):
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def recover(out: Path) -> None:
@@ -363,7 +184,7 @@ def _os_error(staging: Path, e: OSError) -> CkptconvError:
     """A write error naming the file written; an error on a file outside the staging directory (and not
     one only writing gives) is an input's, named as such. shutil names the source first, the copy second."""
     names = [Path(os.fsdecode(n)) for n in (e.filename2, e.filename) if isinstance(n, (str, bytes))]
-    ours = [n for n in names if _absolute(n).is_relative_to(_absolute(staging))]
+    ours = [n for n in names if absolute(n).is_relative_to(absolute(staging))]
     if ours or not names or e.errno in _WRITE_ERRNOS:
         where = ours[0] if ours else (names[0] if names else staging)
         return write_failed(where, OSError(e.errno, e.strerror))

@@ -10,7 +10,7 @@ from .errors import CkptconvError
 from .formats.dcp import is_dcp_dir
 from .formats.files import exists, is_directory, is_regular
 from .formats.hf import download, is_hf_dir, looks_like_repo_id
-from .outdir import refuse_partial
+from .outcheck import refuse_partial
 
 
 def dcp_source(src: Path) -> Path:

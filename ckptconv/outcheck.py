@@ -1,0 +1,193 @@
+"""What OUT may be, checked before any work and again under the lock: never an input, never holding one
+or inside one, never a name ckptconv keeps for itself; with `--overwrite`, only a directory that holds a
+checkpoint (or nothing); a symlink at OUT is followed and its target written. Pure checks, no writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import outlock
+from .errors import CkptconvError
+
+PARTIAL_SUFFIX = ".ckptconv-partial"
+OLD_SUFFIX = ".ckptconv-old"
+Inputs = Sequence[tuple[str, Path | None]]  # (what it is, e.g. "SRC" or "--config"; its path)
+
+
+def refuse_partial(path: Path) -> None:
+    """A directory an interrupted ckptconv run left behind is not a checkpoint, whatever it holds."""
+    for part in (path, *path.parents):
+        if part.name.endswith((PARTIAL_SUFFIX, OLD_SUFFIX)):
+            raise CkptconvError(
+                f"{path}: is the unfinished output of an interrupted ckptconv run ({part.name}), not a "
+                "checkpoint; rerun the conversion that made it"
+            )
+
+
+def refuse_reserved(out: Path) -> None:
+    """An OUT named like what ckptconv keeps beside an OUT (`.X.ckptconv-partial`, `-old`, `-lock`), or
+    inside one, would be removed by a later run to X: refused."""
+    reserved = (PARTIAL_SUFFIX, OLD_SUFFIX, outlock.LOCK_SUFFIX)
+    for part in dict.fromkeys((out, *out.parents)):
+        if part.name.endswith(reserved if part == out else (PARTIAL_SUFFIX, OLD_SUFFIX)):
+            raise CkptconvError(
+                f"{out}: {part.name} is a name ckptconv keeps for its own files beside an output, which a "
+                "later run removes; choose another OUT"
+            )
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where a conversion writes: `path` is OUT with symlinks resolved; `note` says so when OUT was one."""
+
+    path: Path
+    overwrite: bool
+    inputs: tuple[tuple[str, Path], ...] = ()
+    flag: str = "--overwrite"
+    note: str | None = None
+
+    def check(self) -> None:
+        """Refuse this OUT (see the module docstring). Pure checks, no writes; rank 0 repeats them under
+        the lock."""
+        for label, path in self.inputs:
+            _check_not_input(self.path, label, path)
+        check_out(self.path, self.overwrite, self.flag)
+
+
+def target(
+    out: Path, overwrite: bool, inputs: Inputs = (), flag: str = "--overwrite", main: bool = True
+) -> Output:
+    """The checked Output for OUT `out`; on rank 0 (`main`), also fail at once if a live run is writing it."""
+    refuse_reserved(absolute(out))
+    real = _resolve_out(out)
+    refuse_reserved(real)
+    note = f"{out} is a symlink: writing into its target {real}" if out.is_symlink() else None
+    result = Output(real, overwrite, tuple((label, p) for label, p in inputs if p is not None), flag, note)
+    if main:
+        outlock.peek(real)
+    result.check()
+    return result
+
+
+def absolute(p: Path) -> Path:
+    return Path(os.path.abspath(p))
+
+
+def _resolve_out(out: Path) -> Path:
+    """OUT with every symlink resolved (parents too: one real path, so one lock, whatever the spelling)."""
+    try:
+        real = out.resolve()
+    except (OSError, RuntimeError) as e:
+        raise CkptconvError(f"{out}: cannot resolve its symlinks ({e}); choose another OUT") from None
+    if out.is_symlink() and not real.exists():
+        raise CkptconvError(
+            f"{out}: is a symlink to {real}, which does not exist; create that directory or remove the link"
+        )
+    return real
+
+
+def check_out(out: Path, overwrite: bool, flag: str = "--overwrite") -> None:
+    """Refuse an OUT that is a file, or a non-empty directory that is not a checkpoint, or one without
+    `overwrite`."""
+    if out.is_file() or (out.exists() and not out.is_dir()):
+        raise CkptconvError(f"{out}: exists and is not a directory; choose another OUT")
+    if not out.is_dir():
+        return
+    try:
+        with os.scandir(out) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as e:
+        raise CkptconvError(f"{out}: cannot list it ({e.strerror}); choose another OUT") from None
+    if not entries:
+        return
+    foreign = _not_a_checkpoint(entries)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise CkptconvError(
+            f"{out}: holds {shown}, not a checkpoint ({flag} replaces only a directory of regular files "
+            "that holds safetensors / an index / DCP files and otherwise only an HF model's config and "
+            "tokenizer files, or nothing); choose an empty or new OUT, or remove it yourself"
+        )
+    if not overwrite:
+        raise CkptconvError(f"{out}: exists and is not empty; pass {flag} to replace it")
+
+
+_CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
+# what `--copy-from` copies out of an HF model directory: config, generation config, tokenizer, card
+_MODEL_FILE_SUFFIXES = (".json", ".txt", ".model", ".md", ".jinja", ".tiktoken")
+_MODEL_FILE_NAMES = ("LICENSE", "NOTICE")
+
+
+def _not_a_checkpoint(entries: list[os.DirEntry[str]]) -> list[str]:
+    """The names that make a non-empty directory something other than a checkpoint ckptconv may replace:
+    everything when nothing marks a checkpoint (weights, index, stash, `.metadata`); otherwise any entry
+    that is not a regular file (a subdirectory, a link: `name/`, `name@`) or not one a checkpoint or an HF
+    model directory holds (hidden ones but `.metadata`, code, logs)."""
+    from .stash import STASH_FILE
+
+    def ours(name: str) -> bool:
+        return name.endswith(_CHECKPOINT_SUFFIXES) or name in (STASH_FILE, ".metadata")
+
+    def shown(e: os.DirEntry[str]) -> str:
+        return e.name + ("@" if e.is_symlink() else "/" if e.is_dir() else "")
+
+    if not any(ours(e.name) for e in entries):
+        return [shown(e) for e in entries]
+    return [
+        shown(e)
+        for e in entries
+        if not (ours(e.name) or _model_file(e.name)) or not e.is_file(follow_symlinks=False)
+    ]
+
+
+def _model_file(name: str) -> bool:
+    """A non-weight file of an HF model directory (`--copy-from` copies it into OUT)."""
+    return not name.startswith(".") and (name.endswith(_MODEL_FILE_SUFFIXES) or name in _MODEL_FILE_NAMES)
+
+
+def _check_not_input(out: Path, label: str, path: Path) -> None:
+    """OUT must not be `path`, contain it or be inside it (symlinks and bind mounts followed)."""
+    for what, real in ((label, path), *_linked(label, path)):
+        inside, contains = _within(out, real), _within(real, out)
+        if inside and contains:
+            raise CkptconvError(f"{out}: is {what} {path} itself; OUT must never be an input")
+        if contains:
+            raise CkptconvError(f"{out}: contains {what} {real}; choose an OUT that holds no input")
+        if inside:
+            raise CkptconvError(f"{out}: is inside {what} {real}; choose an OUT outside the inputs")
+
+
+def _linked(label: str, path: Path) -> list[tuple[str, Path]]:
+    """What an input directory points to: its symlinked entries' targets, a hub snapshot's repo folder."""
+    found: list[tuple[str, Path]] = []
+    if path.parent.name == "snapshots":  # huggingface_hub's cache: models--org--name/snapshots/<rev>
+        found.append((f"the cache folder of {label}", path.parent.parent))
+    try:
+        entries = list(path.iterdir()) if path.is_dir() else []
+        found += [(f"{label}'s link target", e.resolve()) for e in entries if e.is_symlink()]
+    except (OSError, RuntimeError):
+        pass
+    return found
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    """`inner` is `outer` or inside it, compared by device and inode along both of `inner`'s spellings."""
+    try:
+        o = os.stat(outer)
+    except OSError:
+        return False
+    lineage = [absolute(inner), *absolute(inner).parents]
+    with suppress(OSError, RuntimeError):
+        lineage += [inner.resolve(), *inner.resolve().parents]
+    for p in dict.fromkeys(lineage):
+        try:
+            if os.path.samestat(os.stat(p), o):
+                return True
+        except OSError:
+            continue
+    return False

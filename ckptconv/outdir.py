@@ -2,7 +2,8 @@
 
 While a conversion runs nothing at OUT changes, so OUT never looks finished before it is; an interrupted run
 leaves only `.OUT.ckptconv-partial` beside it, which the next run replaces. One run writes an OUT at a time
-(`outlock`); what OUT may be is `outcheck`'s. Rank 0 owns every step here; the other ranks only write files inside the staging directory.
+(`outlock`); what OUT may be is `outcheck`'s. Rank 0 owns every step here; the other ranks only write files
+inside the staging directory.
 """
 
 from __future__ import annotations

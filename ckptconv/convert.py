@@ -22,10 +22,11 @@ from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, open_dcp
 from .formats.dcp_reader import DcpReader, RowPiece
+from .formats.files import exists, read_regular
 from .formats.hf import INDEX_FILE, open_hf, write_index
 from .formats.safetensors_io import Entry, RowReader, SafetensorsWriter
 from .gather import gather_tensors
-from .mapping import load_config, load_mapping
+from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .stash import StashedItem, json_exact, read_stash, write_stash
 from .ui import Ui
@@ -94,7 +95,7 @@ def dcp_to_hf(
         target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
         ckpt = open_dcp(located)
         key_mapping = load_mapping(mapping, hf_experts) if mapping else None
-        model_config = load_config(config or (copy_from / "config.json" if copy_from else None))
+        model_config = load_config(config or _first_file(copy_from, located))
         plan = plan_dcp_to_hf(
             ckpt,
             policy,
@@ -254,6 +255,8 @@ def hf_to_dcp(
     located = on_main(world, sources.hf_source, src, revision)
     path: Path = world.all_gather_object(located)[0]  # rank 0 downloads; the others read what it found
 
+    config_file = config or (_first_file(path) if path.is_dir() else None)
+
     def prepare() -> tuple[DcpSavePlan, dict[str, Any], outcheck.Output | None]:
         inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
         target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
@@ -261,7 +264,7 @@ def hf_to_dcp(
         hf = open_hf(path)
         stash = read_stash(path) if path.is_dir() else []
         key_mapping = load_mapping(mapping) if mapping else None
-        model_config = load_config(config or (path / "config.json" if path.is_dir() else None))
+        model_config = load_config(config_file)
         plan = plan_hf_to_dcp(
             hf,
             policy,
@@ -295,13 +298,29 @@ def hf_to_dcp(
         world,
         target,
         lambda staging: _save_dcp(plan, staging, world, ui),
-        lambda staging: None,
+        lambda staging: _keep_config(staging, config_file if mapping else None),
         (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None,
         ui.warn,
     )
     result.seconds = time.perf_counter() - start
     result.written = True
     return result
+
+
+def _first_file(*directories: Path | None) -> Path | None:
+    """The config.json of the first of `directories` that has one (--copy-from's, then the DCP's own)."""
+    found = (d / CONFIG_FILE for d in directories if d is not None)
+    return next((p for p in found if exists(p)), None)
+
+
+def _keep_config(staging: Path, config_file: Path | None) -> None:
+    """Rank 0, hf-to-dcp with a mapping: the config.json the mapping read, kept beside `.metadata` (where
+    dcp.load ignores it), so dcp-to-hf, verify and inspect of this checkpoint map it back without --config."""
+    if config_file is None or not exists(config_file):
+        return
+    raw = read_regular(config_file, limit=MAX_CONFIG_BYTES)
+    with outdir.naming(staging / CONFIG_FILE):
+        (staging / CONFIG_FILE).write_bytes(raw)
 
 
 @dataclass

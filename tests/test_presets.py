@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import WORKERS, ckptconv, torchrun, tree_sha256
+from safetensors.torch import load_file
 from test_dcp_to_hf import load_dir, same_bits
 from test_hf_to_dcp import TINY, load_plain, tiny
 from test_mapping import titan_permute
@@ -204,3 +205,25 @@ def test_torchtitan_deepseek_v3(tmp_path: Path) -> None:
             runtime["layers.1.moe.routed_experts.inner_experts.w1_EFD"][e],
         )
     round_trip("torchtitan-deepseek-v3", out, runtime, tmp_path)
+
+
+def test_a_mapped_dcp_keeps_its_config_and_maps_back_without_config(tmp_path: Path) -> None:
+    """hf-to-dcp --mapping keeps the config.json it read beside `.metadata` (dcp.load ignores it), so
+    dcp-to-hf / verify / inspect of that checkpoint map it back with no --config, as a new user tries it."""
+    hf_dir = tiny("llama", tmp_path / "hf")
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    proc = ckptconv("hf-to-dcp", str(hf_dir), str(ckpt), "--mapping", "torchtitan-llama3")
+    assert proc.returncode == 0, proc.stderr
+    assert (ckpt / "config.json").read_bytes() == (hf_dir / "config.json").read_bytes()
+    proc = ckptconv("dcp-to-hf", str(ckpt), str(back), "--mapping", "torchtitan-llama3", "--dtype", "keep")
+    assert proc.returncode == 0, proc.stderr
+    want = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    got = {k: v for f in sorted(back.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert want.keys() == got.keys() and all(same_bits(want[k], got[k]) for k in want)
+    proc = ckptconv("verify", str(ckpt), str(hf_dir), "--mapping", "torchtitan-llama3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = ckptconv("inspect", str(ckpt), "--mapping", "torchtitan-llama3", "--json")
+    assert proc.returncode == 0 and "model.layers.0.self_attn.q_proj.weight" in proc.stdout, proc.stderr
+    plain = tmp_path / "plain"  # without a mapping nothing is added beside .metadata
+    assert ckptconv("hf-to-dcp", str(hf_dir), str(plain)).returncode == 0
+    assert not (plain / "config.json").exists()

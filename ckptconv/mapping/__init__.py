@@ -30,6 +30,7 @@ VARIANTS = ("per_expert", "fused")
 
 
 MAX_CONFIG_BYTES = 64 * 2**20
+CONFIG_FILE = "config.json"  # beside an HF model's weights, and beside `.metadata` of a DCP hf-to-dcp mapped
 
 
 def load_config(path: Path | None) -> dict[str, Any]:

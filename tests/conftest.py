@@ -45,6 +45,30 @@ def ckptconv(*args: str, nproc: int = 0, timeout: int = 300) -> subprocess.Compl
     )
 
 
+def start(argv: list[str], env: dict[str, str] | None = None, **kwargs: object) -> subprocess.Popen[str]:
+    """`argv` started in the background (stdout and stderr piped, no stdin); `ckptconv` for the CLI itself."""
+    return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or _env(),
+        stdin=subprocess.DEVNULL,
+        **kwargs,
+    )
+
+
+def wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 60) -> None:
+    """Until `path` exists (a run's staging directory: it is writing); fails if `proc` ends first."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.002)
+
+
 def two_nodes(*args: str, timeout: int = 300) -> list[subprocess.CompletedProcess[str]]:
     """`torchrun --nnodes 2 --nproc-per-node 1 -m ckptconv ARGS` started twice, as two "nodes" of one machine
     meeting through torchrun's c10d rendezvous on 127.0.0.1 (the first hosts the store)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import _env, ckptconv
+from conftest import _env, ckptconv, start
 from test_bad_input import assert_one_line
 
 import ckptconv as package
@@ -85,18 +85,6 @@ def test_bad_environment_variable_is_one_line_naming_it(
     assert list(tmp_path.iterdir()) == []
 
 
-def _start(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
-    return subprocess.Popen(  # type: ignore[call-overload,no-any-return]
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-        **kwargs,
-    )
-
-
 def _wait_for_work(parent: Path, proc: subprocess.Popen[str], seconds: float = 120) -> None:
     """Until the run has created something beside OUT (its staging directory): it is writing."""
     deadline = time.monotonic() + seconds
@@ -113,7 +101,7 @@ def test_sigterm_and_sighup_unwind_like_ctrl_c(slow_ckpt: Path, tmp_path: Path, 
     parent.mkdir()
     out = parent / "out"
     args = ["dcp-to-hf", str(slow_ckpt), str(out), "--bucket-size", "8MB"]
-    proc = _start([sys.executable, "-m", "ckptconv", *args])
+    proc = start([sys.executable, "-m", "ckptconv", *args])
     _wait_for_work(parent, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -132,7 +120,7 @@ def test_a_signal_to_a_torchrun_job_prints_one_line_and_leaves_nothing(
     out = parent / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
     cmd += ["ckptconv", "dcp-to-hf", str(slow_ckpt), str(out), "--bucket-size", "8MB"]
-    agent = _start(cmd, start_new_session=True)
+    agent = start(cmd, start_new_session=True)
     _wait_for_work(parent, agent)
     workers = psutil.Process(agent.pid).children()
     assert len(workers) == 2

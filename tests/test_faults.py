@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import _env, ckptconv, tree_sha256
+from conftest import _env, ckptconv, tree_sha256, wait_for
 from test_bad_input import assert_one_line
 
 from ckptconv.outdir import staging_dir
@@ -51,14 +51,6 @@ def test_write_error_is_exit_2_naming_the_file_and_leaves_nothing(
     assert _leftovers(out) == []
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.005)
-
-
 def test_ctrl_c_removes_the_staging_directory(slow_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.Popen(
@@ -70,7 +62,7 @@ def test_ctrl_c_removes_the_staging_directory(slow_ckpt: Path, tmp_path: Path) -
         # a job started in the background inherits SIGINT ignored, and Python then keeps ignoring it
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    _wait_for(staging_dir(out), proc)
+    wait_for(staging_dir(out), proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -88,7 +80,7 @@ def test_killed_rank_fails_the_job_in_bounded_time_then_a_rerun_works(
     env = {**_env(), "CKPTCONV_TIMEOUT_S": "30"}
     pipe = subprocess.PIPE
     agent = subprocess.Popen([*cmd, *args], stdout=pipe, stderr=pipe, text=True, env=env)
-    _wait_for(staging_dir(out), agent)
+    wait_for(staging_dir(out), agent)
     workers = psutil.Process(agent.pid).children()
     assert len(workers) == 2
     start = time.monotonic()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import _env, ckptconv, random_dcp
+from conftest import _env, ckptconv, random_dcp, start, wait_for
 from test_bad_input import assert_one_line, run
 
 from ckptconv.errors import CkptconvError
@@ -282,34 +282,19 @@ def test_dangling_symlink_at_out_is_refused(fsdp2_ckpt: Path, tmp_path: Path) ->
 
 
 def _popen(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ckptconv", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def _wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.002)
+    return start([sys.executable, "-m", "ckptconv", *args])
 
 
 @pytest.mark.slow
 def test_second_run_fails_at_once_naming_the_run_that_holds_out(medium_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = _popen("dcp-to-hf", str(medium_ckpt), str(out), "--bucket-size", "8MB", "--quiet")
-    _wait_for(staging_dir(out), first)
+    wait_for(staging_dir(out), first)
     os.kill(first.pid, signal.SIGSTOP)  # caught writing, for as long as the second run takes
     try:
-        start = time.monotonic()
+        t0 = time.monotonic()
         second = ckptconv("dcp-to-hf", str(medium_ckpt), str(out), "--overwrite", "--quiet")
-        assert time.monotonic() - start < 30
+        assert time.monotonic() - t0 < 30
         assert_one_line(
             second.returncode, second.stderr, str(out), "another ckptconv run", f"pid {first.pid}"
         )
@@ -353,7 +338,7 @@ def test_two_runs_started_together_leave_one_complete_result(
 def test_stale_lock_of_a_killed_run_is_taken_over(medium_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     first = _popen("dcp-to-hf", str(medium_ckpt), str(out), "--bucket-size", "8MB", "--quiet")
-    _wait_for(staging_dir(out), first)
+    wait_for(staging_dir(out), first)
     first.kill()
     first.communicate(timeout=60)
     assert lock_path(out).exists() and not out.exists()  # what SIGKILL leaves: the lock and the staging

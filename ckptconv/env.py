@@ -5,7 +5,9 @@ A bad value is bad input like a bad flag: one line naming the variable and what 
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 
 from .errors import CkptconvError
 
@@ -19,32 +21,33 @@ VARIABLES = {
 
 def env_int(name: str, default: int, minimum: int = 1, maximum: int = 10**9) -> int:
     """The whole number in `name` (from `minimum` to `maximum`), or `default` when unset or empty."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if not minimum <= value <= maximum:
-        raise CkptconvError(
-            f"{name}={raw!r}: must be a whole number from {minimum} to {maximum}; fix or unset it"
-        )
-    return value
+    return int(_number(name, default, int, minimum, maximum, "a whole number"))
 
 
 def env_float(name: str, default: float, minimum: float = 0.0) -> float:
     """The finite number in `name` (>= `minimum`), or `default` when unset or empty."""
+    return _number(name, default, float, minimum, math.inf, "a number")
+
+
+def _number(
+    name: str, default: float, parse: Callable[[str], float], minimum: float, maximum: float, what: str
+) -> float:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = float(raw)
+        value = parse(raw)
     except ValueError:
-        value = float("nan")
-    if not minimum <= value < float("inf"):
-        raise CkptconvError(f"{name}={raw!r}: must be a number >= {minimum:g}; fix or unset it")
+        value = math.nan
+    if not minimum <= value <= maximum or math.isinf(value):
+        low = _show(minimum)
+        bound = f"from {low} to {_show(maximum)}" if math.isfinite(maximum) else f">= {low}"
+        raise CkptconvError(f"{name}={raw!r}: must be {what} {bound}; fix or unset it")
     return value
+
+
+def _show(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def check_all() -> None:

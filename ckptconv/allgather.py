@@ -141,7 +141,8 @@ def live_jobs(
             for sp in t.parts:
                 rows = ranges.setdefault(sp.spec.fqn, [])
                 if sp.part.src_sizes:
-                    rows.append((sp.part.src_offsets[0], sp.part.src_offsets[0] + sp.part.src_sizes[0]))
+                    offsets, sizes = sp.part.src_box()
+                    rows.append((offsets[0], offsets[0] + sizes[0]))
     specs: dict[str, TensorSpec] = {}
     for fqn, rows in ranges.items():
         h = holding[fqn]
@@ -180,7 +181,7 @@ def _repoint(t: OutTensor, specs: Mapping[str, TensorSpec]) -> OutTensor:
 
 def _touched(sp: SourcePart) -> list[ChunkSpec]:
     """The job blocks (chunks of the re-pointed spec) that a part reads."""
-    box = (sp.part.src_offsets, sp.part.src_sizes)
+    box = sp.part.src_box()
     return [c for c in sp.spec.chunks if not c.sizes or intersect((c.offsets, c.sizes), box) is not None]
 
 

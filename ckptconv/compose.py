@@ -2,25 +2,23 @@
 
 DCP asks for each rank's `Shard(0)` rows of a tensor; every part whose target block meets those rows
 reads only the source rows it needs (a stacked expert its one HF tensor, a split its row range, a
-permuted tensor the rows of the heads involved) and copies them into place, casting as torch does.
+permuted tensor the rows of the heads involved; a part transposing dim 0 all rows of its block), a slab at a
+time, and places them (`blocks.place`), casting as torch does.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .blocks import place
 from .formats.hf import StoredTensor
 from .formats.safetensors_io import RowReader
-from .mapping.rules import Part
+from .mapping.parts import Part, src_rows
 from .plan import DcpOutTensor
 
-
-def _narrow(
-    t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...], first: int = 0
-) -> torch.Tensor:
-    for dim in range(first, len(sizes)):
-        t = t.narrow(dim, offsets[dim], sizes[dim])
-    return t
+SLAB_BYTES = 32 * 2**20  # source rows are read and placed this many bytes at a time
 
 
 def target_rows(
@@ -42,14 +40,30 @@ def target_rows(
         return reader.rows(stored, lo, hi).to(t.dtype)
     out = _within(scratch, shape, t.dtype)
     out = torch.empty(shape, dtype=t.dtype) if out is None else out
+    if t.padded:
+        out.zero_()
+    view = out.view(hi - lo, *t.layout[1:]) if t.layout else out
     for stored, part in t.parts:
-        a, b = max(lo, part.dst_offsets[0]), min(hi, part.dst_offsets[0] + part.dst_sizes[0])
-        if a >= b:
+        needed = src_rows(part, lo, hi)
+        if needed is None:
             continue
-        values = _source_rows(stored, part, a - part.dst_offsets[0], b - part.dst_offsets[0], reader)
-        dst = _narrow(out.narrow(0, a - lo, b - a), part.dst_offsets, part.dst_sizes, first=1)
-        dst.copy_(values)
+        for a, b in _slabs(stored, *needed):
+            box = (
+                ((a, *(0,) * (len(stored.shape) - 1)), (b - a, *stored.shape[1:]))
+                if stored.shape
+                else ((), ())
+            )
+            place(view, part, box, reader.rows(stored, a, b), window=lo)
     return out
+
+
+def _slabs(stored: StoredTensor, r0: int, r1: int) -> list[tuple[int, int]]:
+    """Rows [r0, r1) of a stored tensor in runs of at most SLAB_BYTES (one row at least)."""
+    if not stored.shape:
+        return [(0, 1)]
+    row = math.prod(stored.shape[1:]) * stored.dtype.itemsize
+    step = max(1, SLAB_BYTES // max(row, 1))
+    return [(a, min(a + step, r1)) for a in range(r0, r1, step)]
 
 
 def _within(scratch: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -60,25 +74,5 @@ def _within(scratch: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.d
 
 
 def is_whole(stored: StoredTensor, part: Part, shape: tuple[int, ...]) -> bool:
-    """All of the stored tensor, unpermuted, is all of the target."""
-    return part.perm is None and stored.shape == part.src_sizes == part.dst_sizes == shape
-
-
-def _source_rows(stored: StoredTensor, part: Part, ra: int, rb: int, reader: RowReader) -> torch.Tensor:
-    """Target block rows [ra, rb) of `part`, shaped like them."""
-    off, sizes = part.src_offsets, part.src_sizes
-    if len(sizes) != len(part.dst_sizes) and part.dst_sizes[0] == 1:
-        # stacked along dim 0: the target row is the whole source block
-        block = (
-            _narrow(reader.rows(stored, off[0], off[0] + sizes[0]), off, sizes, first=1)
-            if sizes
-            else (reader.rows(stored, 0, 1))
-        )
-        return block.reshape(part.dst_sizes)
-    if part.perm is None:
-        block = _narrow(reader.rows(stored, off[0] + ra, off[0] + rb), off, sizes, first=1)
-        return block.reshape((rb - ra, *part.dst_sizes[1:]))
-    wanted = part.perm[ra:rb]
-    r0, r1 = min(wanted), max(wanted) + 1
-    block = _narrow(reader.rows(stored, off[0] + r0, off[0] + r1), off, sizes, first=1)
-    return block[[r - r0 for r in wanted]].reshape((rb - ra, *part.dst_sizes[1:]))
+    """All of the stored tensor, as it is, is all of the target."""
+    return part.plain and stored.shape == part.src_sizes == part.dst_sizes == shape

@@ -17,13 +17,14 @@ import torch
 from . import outcheck, outdir, sources
 from . import verify as verify_mod
 from .compose import target_rows
+from .copies import check_copies
 from .copy_from import copy_non_weights
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, open_dcp
 from .formats.dcp_reader import DcpReader, RowPiece
 from .formats.files import exists, read_regular
-from .formats.hf import INDEX_FILE, open_hf, write_index
+from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
 from .formats.safetensors_io import Entry, RowReader, SafetensorsWriter
 from .gather import gather_tensors
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
@@ -257,7 +258,7 @@ def hf_to_dcp(
 
     config_file = config or (_first_file(path) if path.is_dir() else None)
 
-    def prepare() -> tuple[DcpSavePlan, dict[str, Any], outcheck.Output | None]:
+    def prepare() -> tuple[DcpSavePlan, dict[str, Any], outcheck.Output | None, HfCheckpoint]:
         inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
         target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
@@ -275,9 +276,11 @@ def hf_to_dcp(
             config=model_config,
             allow_unmapped=allow_unmapped,
         )
-        return plan, model_config, target
+        return plan, model_config, target, hf
 
-    plan, model_config, target = everyone(world, prepare)
+    plan, model_config, target, hf = everyone(world, prepare)
+    if plan.same and not dry_run:
+        check_copies(world, hf, plan.same)
     for warning in plan.warnings:
         ui.warn(warning)
     result = DcpResult(out, path, plan)

@@ -20,7 +20,7 @@ import torch
 from .plan import HfSavePlan, OutFile, OutTensor
 from .schedule import plan_rounds
 from .specs import ChunkSpec, TensorSpec
-from .unshard import Item, RowsFn, needed_chunks, place, row_slabs, rows_box, write_order
+from .unshard import Item, RowsFn, laid_out, needed_chunks, new_out, place, row_slabs, rows_box, write_order
 from .world import World
 
 
@@ -135,12 +135,13 @@ def gather_tensors(plan: HfSavePlan, world: World, source: RowsFn, bucket_bytes:
     larger row) beside the round's output tensors, never a source-dtype copy of a tensor."""
     for round_ in gather_rounds(plan, bucket_bytes):
         mine = dict(round_).get(world.rank, [])
-        outs = {t.hf_key: torch.empty(t.shape, dtype=t.dtype) for _, t in mine}
+        outs = {t.hf_key: new_out(t) for _, t in mine}
         for step in split_round(round_transfers(round_, world.size), bucket_bytes):
             for tr, data in _exchange(step, world, source):
                 for sp in tr.tensor.parts:
                     if sp.spec.fqn == tr.spec.fqn:
-                        place(outs[tr.tensor.hf_key], sp, rows_box(tr.chunk, tr.r0, tr.r1), data)
+                        view = laid_out(outs[tr.tensor.hf_key], tr.tensor)
+                        place(view, sp, rows_box(tr.chunk, tr.r0, tr.r1), data)
         for f, t in mine:
             yield f, t, outs.pop(t.hf_key)
 

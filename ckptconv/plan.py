@@ -62,7 +62,7 @@ class SourcePart:
     def whole(self) -> bool:
         """The whole stored tensor, unpermuted, lands at the origin of the output (alone, if shapes match)."""
         p = self.part
-        return p.perm is None and p.src_sizes == self.spec.shape == p.dst_sizes and not any(p.dst_offsets)
+        return p.plain and p.src_sizes == self.spec.shape == p.dst_sizes and not any(p.dst_offsets)
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +76,8 @@ class OutTensor:
     dtype: torch.dtype
     parts: tuple[SourcePart, ...]
     op: str = "rename"
+    layout: tuple[int, ...] | None = None  # the shape the parts address (a reshape), when not `shape`
+    padded: bool = False  # some elements come from no part: zeros
 
     @property
     def src(self) -> TensorSpec:
@@ -217,7 +219,8 @@ def _out_tensors(
         ]
         unmapped: list[str] = []
     else:
-        targets, unmapped = map_keys(mapping, "to_hf", shapes, config, allow_unmapped=allow_unmapped)
+        mapped = map_keys(mapping, "to_hf", shapes, config, allow_unmapped=allow_unmapped)
+        targets, unmapped = mapped.targets, mapped.unmapped
     outs = []
     for target in targets:
         parts = tuple(SourcePart(ckpt.tensors[fqn_of[p.src]], p) for p in target.parts)
@@ -225,7 +228,9 @@ def _out_tensors(
         if len(dtypes) > 1:
             raise CkptconvError(f"{target.key!r} would combine tensors of dtypes {sorted(map(str, dtypes))}")
         dtype = policy.resolve(target.key, parts[0].spec.dtype)
-        outs.append(OutTensor(target.key, target.shape, dtype, parts, target.op))
+        outs.append(
+            OutTensor(target.key, target.shape, dtype, parts, target.op, target.layout, target.padded)
+        )
     return outs, unmapped
 
 
@@ -304,6 +309,8 @@ class DcpOutTensor:
     dtype: torch.dtype
     parts: tuple[tuple[StoredTensor, Part], ...]
     op: str = "rename"
+    layout: tuple[int, ...] | None = None  # the shape the parts address (a reshape), when not `shape`
+    padded: bool = False  # some elements come from no part: zeros
 
     @property
     def src(self) -> StoredTensor:
@@ -324,6 +331,7 @@ class DcpSavePlan:
     stash: tuple[StashedItem, ...]
     warnings: tuple[str, ...]
     world_size: int
+    same: tuple[tuple[str, str], ...] = ()  # (copy, primary) HF tensors that must hold equal values
 
     @property
     def total_size(self) -> int:
@@ -364,9 +372,11 @@ def plan_hf_to_dcp(
     lead = "".join(part + "." for part in nesting)
     shapes = {key: stored.shape for key, stored in hf.tensors.items()}
     if mapping is None:
+        same: tuple[tuple[str, str], ...] = ()
         targets = [Target(k, s, (_whole(k, s),), "rename") for k, s in shapes.items()]
     else:
-        targets, _ = map_keys(mapping, "to_runtime", shapes, config or {}, allow_unmapped=allow_unmapped)
+        mapped = map_keys(mapping, "to_runtime", shapes, config or {}, allow_unmapped=allow_unmapped)
+        targets, same = mapped.targets, tuple(mapped.same)
     tensors = []
     for target in sorted(targets, key=lambda t: natural_key(t.key)):
         parts = tuple((hf.tensors[p.src], p) for p in target.parts)
@@ -374,11 +384,11 @@ def plan_hf_to_dcp(
             raise CkptconvError(f"{target.key!r} would combine tensors of different dtypes")
         key = lead + target.key
         dtype = policy.resolve(key, parts[0][0].dtype)
-        tensors.append(DcpOutTensor(key, target.shape, dtype, parts, target.op))
+        tensors.append(DcpOutTensor(key, target.shape, dtype, parts, target.op, target.layout, target.padded))
     for item in stash:
         for t in tensors:
             if item.key == t.key or t.key.startswith(item.key + ".") or item.key.startswith(t.key + "."):
                 raise CkptconvError(
                     f"{hf.path}: stashed item {item.key!r} collides with tensor {t.key!r}; pass --prefix"
                 )
-    return DcpSavePlan(tuple(tensors), nesting, tuple(stash), tuple(policy.warnings()), world_size)
+    return DcpSavePlan(tuple(tensors), nesting, tuple(stash), tuple(policy.warnings()), world_size, same)

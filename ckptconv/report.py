@@ -93,8 +93,8 @@ def mapped_view(
     if direction == "to_hf":  # the model group, as dcp-to-hf takes it
         grouped = {k.removeprefix("model."): v for k, v in shapes.items() if k.startswith("model.")}
         shapes = grouped or shapes
-    targets, _ = map_keys(load_mapping(mapping), direction, shapes, config, allow_unmapped=allow_unmapped)
-    return [{"key": t.key, "op": t.op, "sources": t.sources, "shape": list(t.shape)} for t in targets]
+    mapped = map_keys(load_mapping(mapping), direction, shapes, config, allow_unmapped=allow_unmapped)
+    return [{"key": t.key, "op": t.op, "sources": t.sources, "shape": list(t.shape)} for t in mapped.targets]
 
 
 def render_mapped(view: list[dict], console: Console) -> None:

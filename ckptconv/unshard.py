@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from . import blocks
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
 from .layout import Box, intersect
@@ -60,23 +61,33 @@ def assemble(t: OutTensor, rows: RowsFn, reader: DcpReader | None = None) -> tor
     intersect its block, at most `SLAB_BYTES` at a time, each cast into its place in the output as it comes:
     besides the output, this holds one slab of rows (never a source-dtype copy of the part).
     """
-    out = torch.empty(t.shape, dtype=t.dtype)
+    out = new_out(t)
+    view = laid_out(out, t)
     for sp in t.parts:
         if sp.whole and sp.spec.shape == t.shape and reader is not None:
             _fill_whole(reader, sp.spec, out)
             continue
         for chunk, r0, r1 in _part_rows(sp):
             for lo, hi in row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
-                place(out, sp, rows_box(chunk, lo, hi), rows(sp.spec, chunk, lo, hi))
+                place(view, sp, rows_box(chunk, lo, hi), rows(sp.spec, chunk, lo, hi))
     return out
+
+
+def new_out(t: OutTensor) -> torch.Tensor:
+    """The output tensor to fill: zeros where no part lands (padding), else uninitialised."""
+    return (torch.zeros if t.padded else torch.empty)(t.shape, dtype=t.dtype)
+
+
+def laid_out(out: torch.Tensor, t: OutTensor) -> torch.Tensor:
+    """`out` in the shape its parts address (a reshaped tensor's other shape; same storage)."""
+    return out.view(t.layout) if t.layout else out
 
 
 def _part_rows(sp: SourcePart) -> list[tuple[ChunkSpec, int, int]]:
     """The stored chunks of `sp`'s tensor that intersect its block, each with the rows [r0, r1) it needs."""
-    p = sp.part
     out = []
     for chunk in _unique_chunks(sp.spec):
-        inter = intersect((chunk.offsets, chunk.sizes), (p.src_offsets, p.src_sizes))
+        inter = intersect((chunk.offsets, chunk.sizes), sp.part.src_box())
         if inter is None:
             continue
         r0 = inter[0][0] - chunk.offsets[0] if chunk.sizes else 0
@@ -100,30 +111,9 @@ def rows_box(chunk: ChunkSpec, r0: int, r1: int) -> Box:
 
 
 def place(out: torch.Tensor, sp: SourcePart, box: Box, data: torch.Tensor) -> None:
-    """Cast the part of `data` (the block `box` of `sp`'s stored tensor) that `sp` reads into its place in
-    `out`: source blocks map onto target blocks across size-1 dims; a permuted part's rows land where `perm`
-    sends them. Holds nothing beyond `data` (a permuted piece: its rows gathered once, in `out`'s dtype)."""
-    p = sp.part
-    inter = intersect(box, (p.src_offsets, p.src_sizes))
-    if inter is None or not math.prod(p.src_sizes):
-        return
-    values = narrow(data, [o - b for o, b in zip(inter[0], box[0], strict=True)], inter[1])
-    rel = [o - s for o, s in zip(inter[0], p.src_offsets, strict=True)]
-    src_dims = [d for d, n in enumerate(p.src_sizes) if n != 1]
-    dst_dims = [d for d, n in enumerate(p.dst_sizes) if n != 1]
-    offsets, sizes = [0] * len(p.dst_sizes), [1] * len(p.dst_sizes)
-    for s, d in zip(src_dims, dst_dims, strict=True):
-        offsets[d], sizes[d] = rel[s], inter[1][s]
-    values = values.reshape(sizes)
-    target = narrow(out, p.dst_offsets, p.dst_sizes)
-    if p.perm is None:
-        narrow(target, offsets, sizes).copy_(values)
-        return
-    lo, n = offsets[0], sizes[0]  # target row r of the block is (reshaped) source row perm[r]
-    dst_rows = [r for r, src in enumerate(p.perm) if lo <= src < lo + n]
-    src_rows = torch.tensor([p.perm[r] - lo for r in dst_rows], dtype=torch.long)
-    target = narrow(target, [0, *offsets[1:]], [target.shape[0], *sizes[1:]])
-    target.index_copy_(0, torch.tensor(dst_rows, dtype=torch.long), values[src_rows].to(out.dtype))
+    """Cast what `data` (the block `box` of `sp`'s stored tensor) holds of `sp` into its place in `out` (the
+    output tensor as `laid_out` gives it); see `blocks.place`."""
+    blocks.place(out, sp.part, box, data)
 
 
 def direct_rows(reader: DcpReader) -> RowsFn:
@@ -212,7 +202,7 @@ def needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec, int, int]]:
     expert's rows of the chunk, not the chunk."""
     out: dict[tuple[str, tuple[int, ...]], tuple[TensorSpec, ChunkSpec, int, int]] = {}
     for sp in t.parts:
-        box = (sp.part.src_offsets, sp.part.src_sizes)
+        box = sp.part.src_box()
         for chunk in _unique_chunks(sp.spec):
             if not chunk.sizes:
                 out.setdefault((sp.spec.fqn, chunk.offsets), (sp.spec, chunk, 0, 1))

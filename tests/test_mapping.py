@@ -294,9 +294,8 @@ def test_strict_errors(runtime_ckpt, direction, shapes, message) -> None:
 
 def test_allow_unmapped_and_produced_twice(runtime_ckpt, tmp_path: Path) -> None:
     mapping = load_mapping(str(runtime_ckpt[1]))
-    targets, unmapped = map_keys(
-        mapping, "to_hf", {"mystery": (2,), "norm.x": (3,)}, CONFIG, allow_unmapped=True
-    )
+    mapped = map_keys(mapping, "to_hf", {"mystery": (2,), "norm.x": (3,)}, CONFIG, allow_unmapped=True)
+    targets, unmapped = mapped.targets, mapped.unmapped
     assert unmapped == ["mystery", "norm.x"] and [t.key for t in targets] == ["mystery", "norm.x"]
     twice = tmp_path / "twice.toml"
     twice.write_text('[mapping]\n[[rule]]\nruntime = "a.{i}"\nhf = "x"\n')
@@ -307,11 +306,11 @@ def test_allow_unmapped_and_produced_twice(runtime_ckpt, tmp_path: Path) -> None
 def test_tied_embeddings(runtime_ckpt) -> None:
     mapping = load_mapping(str(runtime_ckpt[1]))
     tied = {**CONFIG, "tie_word_embeddings": True}
-    targets, _ = map_keys(
+    targets = map_keys(
         mapping, "to_hf", {"tok_embeddings.weight": (10, 8), "output.weight": (10, 8)}, tied
-    )
+    ).targets
     assert [t.key for t in targets] == ["model.embed_tokens.weight"]
-    targets, _ = map_keys(mapping, "to_runtime", {"model.embed_tokens.weight": (10, 8)}, tied)
+    targets = map_keys(mapping, "to_runtime", {"model.embed_tokens.weight": (10, 8)}, tied).targets
     assert sorted(t.key for t in targets) == ["output.weight", "tok_embeddings.weight"]
 
 
@@ -386,7 +385,7 @@ def test_one_expert_reads_only_its_rows(shard_dim: int) -> None:
         chunks.append(ChunkSpec(offsets, step, f"__{i}_0.distcp", 0, 1, "torch_save"))
     spec = TensorSpec("w1", "float32", (E, F, D), tuple(chunks))
     mapping = load_mapping_text(MAPPING)
-    targets, _ = map_keys(mapping, "to_hf", {"layers.1.moe.experts.w1": (E, F, D)}, CONFIG)
+    targets = map_keys(mapping, "to_hf", {"layers.1.moe.experts.w1": (E, F, D)}, CONFIG).targets
     requests: list[tuple[tuple[int, ...], int, int]] = []
 
     def rows(s: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
@@ -424,9 +423,9 @@ def test_fused_qkv_with_gqa_sizes_from_config(tmp_path: Path) -> None:
         '"num_key_value_heads * head_dim"]\n'
     )
     config = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 3}
-    targets, _ = map_keys(
+    targets = map_keys(
         load_mapping(str(path)), "to_hf", {"layers.0.attention.wqkv.weight": (24, 5)}, config
-    )
+    ).targets
     assert [(t.key, t.shape, t.parts[0].src_offsets) for t in targets] == [
         ("layers.0.q.weight", (12, 5), (0, 0)),
         ("layers.0.k.weight", (6, 5), (12, 0)),

@@ -21,7 +21,7 @@ def runtime_spec(preset: str, hf_dir: Path) -> dict[str, list]:
     """Runtime keys and shapes the preset gives the HF model, sharded like FSDP2 (3-D experts on dim 1)."""
     config = json.loads((hf_dir / "config.json").read_text())
     shapes = {k: tuple(v.shape) for k, v in load_dir(hf_dir).items()}
-    targets, _ = map_keys(load_mapping(preset), "to_runtime", shapes, config)
+    targets = map_keys(load_mapping(preset), "to_runtime", shapes, config).targets
     spec = {}
     for t in targets:
         placement = "shard1" if len(t.shape) == 3 else "shard0" if t.shape and t.shape[0] > 1 else "replicate"

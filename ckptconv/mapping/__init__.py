@@ -1,6 +1,6 @@
 """Key mappings from TOML data: `load_mapping(name or path)`, and the rule engine in `rules.py`.
 
-File format (documented in the README):
+File format (every field and operation: docs/mapping.md):
 
     [mapping]
     name = "my-model"
@@ -23,11 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptconvError
-from .rules import KeyMapping, Rule
-
-_RULE_KEYS = {"runtime", "hf", "dim", "sizes", "stack", "permute", "drop", "tied", "when"}
-VARIANTS = ("per_expert", "fused")
-
+from .parse import VARIANTS, parse
+from .types import KeyMapping
 
 MAX_CONFIG_BYTES = 64 * 2**20
 CONFIG_FILE = "config.json"  # beside an HF model's weights, and beside `.metadata` of a DCP hf-to-dcp mapped
@@ -81,61 +78,15 @@ def load_mapping(spec: str, hf_experts: str | None = None) -> KeyMapping:
         doc = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, RecursionError) as e:
         raise CkptconvError(f"{where}: not valid TOML ({str(e)[:200] or 'too deeply nested'})") from None
-    return _parse(doc, where, hf_experts)
+    return parse(doc, where, hf_experts)
 
 
-def _parse(doc: dict[str, Any], where: str, hf_experts: str | None) -> KeyMapping:
-    head = doc.get("mapping", {})
-    rules_doc = doc.get("rule", [])
-    if not isinstance(head, dict) or not isinstance(rules_doc, list) or not rules_doc:
-        raise CkptconvError(f"{where}: needs a [mapping] table and at least one [[rule]]")
-    form = hf_experts or head.get("hf_experts", "per_expert")
-    if form not in VARIANTS:
-        raise CkptconvError(f"{where}: hf_experts {form!r} is not one of {', '.join(VARIANTS)}")
-    rules = []
-    for i, r in enumerate(rules_doc, 1):
-        rules.append(_rule(r, f"{where} rule {i}"))
-    variants = tuple(sorted({r.when for r in rules if r.when}))
-    return KeyMapping(str(head.get("name", where)), tuple(rules), form, variants)
-
-
-def _names(value: Any, field: str, where: str) -> tuple[str, ...]:
-    names = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else ()
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise CkptconvError(f"{where}: {field!r} must be a key pattern or a list of them")
-    return names
-
-
-def _rule(r: Any, where: str) -> Rule:
-    if not isinstance(r, dict):
-        raise CkptconvError(f"{where}: not a table")
-    unknown = set(r) - _RULE_KEYS
-    if unknown:
-        raise CkptconvError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-    drop = bool(r.get("drop", False))
-    if drop and ("runtime" in r) == ("hf" in r):
-        raise CkptconvError(f"{where}: a drop rule names either runtime or hf keys, not both")
-    runtime = () if drop and "runtime" not in r else _names(r.get("runtime"), "runtime", where)
-    hf = () if drop and "hf" not in r else _names(r.get("hf"), "hf", where)
-    rule = Rule(
-        runtime=runtime,
-        hf=hf,
-        dim=int(r.get("dim", 0)),
-        sizes=tuple(r.get("sizes", ())),
-        stack=r.get("stack"),
-        permute=r.get("permute"),
-        drop=drop,
-        tied=r.get("tied"),
-        when=r.get("when"),
-    )
-    if rule.when is not None and rule.when not in VARIANTS:
-        raise CkptconvError(f"{where}: when {rule.when!r} is not one of {', '.join(VARIANTS)}")
-    if rule.permute not in (None, "q", "k"):
-        raise CkptconvError(f"{where}: permute must be 'q' or 'k'")
-    if rule.stack and (len(runtime) != 1 or len(hf) != 1 or f"{{{rule.stack}}}" not in hf[0]):
-        raise CkptconvError(
-            f"{where}: stack {rule.stack!r} needs one runtime key and one hf key with {{{rule.stack}}}"
-        )
-    if len(runtime) > 1 and len(hf) > 1:
-        raise CkptconvError(f"{where}: lists on both sides; one side of a split/concat is a single key")
-    return rule
+__all__ = [
+    "CONFIG_FILE",
+    "MAX_CONFIG_BYTES",
+    "VARIANTS",
+    "KeyMapping",
+    "load_config",
+    "load_mapping",
+    "presets",
+]

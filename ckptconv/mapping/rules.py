@@ -1,149 +1,42 @@
 """Key mapping rules from data: runtime (trainer / DCP) names <-> HF names. Pure: no tensors, no I/O.
 
-A mapping is a list of rules. Each rule names runtime key pattern(s) and HF key pattern(s) with named
-placeholders (`layers.{layer}.attention.wq.weight`), and one operation, read in both directions:
+A mapping is a list of rules. Each rule names runtime key pattern(s) and HF key pattern(s) with placeholders
+(`layers.{layer}.attention.wq.weight`, see `patterns.py`) and how their tensors relate, read in both
+directions (every operation, with the shapes on both sides, in docs/mapping.md):
 
-- rename (one runtime key, one HF key), optionally with `permute = "q"` / `"k"`: the rotary row
-  permutation torchtitan's Llama adapter applies (heads from config.json);
-- `stack = "expert"` (one runtime key, one HF key holding `{expert}`): the runtime tensor stacks the HF
-  tensors over `{expert}` along `dim` (default 0), e.g. `[E, F, D]` <-> E keys of `[F, D]`;
-- split / concat (one side a list): the single tensor is the others concatenated along `dim`, with `sizes`
-  (numbers, config.json keys or products of them; an equal split when omitted);
-- `drop = true` with `runtime` (or `hf`): a runtime (or HF) key with no counterpart on the other side;
-- `tied = "<hf key pattern>"`: when config.json says `tie_word_embeddings`, HF stores no such tensor and the
-  runtime one is a copy of the tied key.
+- rename; `permute = "q"` / `"k"`: the rotary row permutation torchtitan's adapters apply;
+- `stack = "expert"`: the runtime tensor stacks the HF tensors over a placeholder along `stack_dim`;
+- split / concat (one side a list) along `dim`: plain (`sizes`), `interleave`d, or `groups` (fused QKV
+  laid out per KV group);
+- `transpose = [a, b]`, `narrow` (vocabulary padding), `hf_shape` (reshape), `duplicate` (HF copies);
+- `drop = true`, `tied = "<hf key pattern>"`.
 
-`map_keys` turns the source keys and shapes into targets: each target tensor is a list of `Part`s, each
-copying a block of one source tensor into a block of the target. Both converters execute parts alike.
+The side with one key is the fused tensor F; `ops.pieces` cuts F into the other side's tensors, and each
+piece becomes a `Part` (a block copy) in either direction: `map_keys` gives every target its parts.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Sequence
+import itertools
+import math
 from collections.abc import Mapping as MappingT
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 from ..errors import CkptconvError
-
-Direction = Literal["to_hf", "to_runtime"]
-_PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
-
-
-@dataclass(frozen=True)
-class Part:
-    """Copy source block (src_offsets, src_sizes) to target block (dst_offsets, dst_sizes).
-
-    The two blocks have the same number of elements and the same shape once size-1 dims are dropped. With
-    `perm`, target row r of the block is source row `perm[r]` of the block (dim 0 of both).
-    """
-
-    src: str
-    src_offsets: tuple[int, ...]
-    src_sizes: tuple[int, ...]
-    dst_offsets: tuple[int, ...]
-    dst_sizes: tuple[int, ...]
-    perm: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Target:
-    key: str
-    shape: tuple[int, ...]
-    parts: tuple[Part, ...]
-    op: str  # rename, permute, stack, unstack, split, concat, tied, passthrough
-
-    @property
-    def sources(self) -> list[str]:
-        return list(dict.fromkeys(p.src for p in self.parts))
-
-
-@dataclass(frozen=True)
-class Rule:
-    runtime: tuple[str, ...]
-    hf: tuple[str, ...]
-    dim: int = 0
-    sizes: tuple[int | str, ...] = ()
-    stack: str | None = None
-    permute: str | None = None
-    drop: bool = False
-    tied: str | None = None
-    when: str | None = None  # only with this variant ("per_expert" or "fused" HF experts)
-
-
-@dataclass(frozen=True)
-class KeyMapping:
-    name: str
-    rules: tuple[Rule, ...]
-    hf_experts: str = "per_expert"  # the variant written to HF; both are read
-    variants: tuple[str, ...] = field(default=())
-
-
-def _compile(pattern: str) -> re.Pattern[str]:
-    regex, pos = "", 0
-    for m in _PLACEHOLDER.finditer(pattern):
-        regex += re.escape(pattern[pos : m.start()]) + f"(?P<{m.group(1)}>[0-9]+)"
-        pos = m.end()
-    return re.compile("^" + regex + re.escape(pattern[pos:]) + "$")
-
-
-def _fmt(pattern: str, binding: MappingT[str, Any]) -> str:
-    return _PLACEHOLDER.sub(lambda m: str(binding[m.group(1)]), pattern)
-
-
-def _placeholders(pattern: str) -> set[str]:
-    return set(_PLACEHOLDER.findall(pattern))
-
-
-def rope_perm(rows: int, heads: int) -> tuple[int, ...]:
-    """The rotary row permutation to HF, as torchtitan's Llama adapter `_permute` (and HF's own conversion
-    script) apply it: `w.view(heads, half, 2, cols).transpose(1, 2)`; interleaved pairs become halves.
-
-    HF row (h, j, i) is runtime row (h, i, j): head h, pair i < half, j in {0, 1}. perm[hf_row] = runtime_row.
-    """
-    if heads <= 0 or rows % (2 * heads):
-        raise CkptconvError(f"rope permutation: {rows} rows do not split into {heads} heads of even size")
-    half = rows // heads // 2
-    return tuple(h * 2 * half + 2 * i + j for h in range(heads) for j in range(2) for i in range(half))
-
-
-def inverse(perm: Sequence[int]) -> tuple[int, ...]:
-    out = [0] * len(perm)
-    for r, s in enumerate(perm):
-        out[s] = r
-    return tuple(out)
+from .ops import Geometry, fused_shape, pieces, transposed
+from .parts import Part
+from .patterns import Pattern, Scope
+from .types import Direction, KeyMapping, Mapped, Rule, Target, inverse, rope_perm, whole
 
 
 class _Ctx:
-    def __init__(
-        self, shapes: MappingT[str, tuple[int, ...]], config: MappingT[str, Any], where: str
-    ) -> None:
-        self.shapes, self.config, self.where = shapes, config, where
+    def __init__(self, shapes: MappingT[str, tuple[int, ...]], scope: Scope, sources: list[str]) -> None:
+        self.shapes, self.scope, self.where, self.sources = shapes, scope, scope.where, sources
+        self.seen: dict[str, set[int]] = {}
         self.consumed: set[str] = set()
         self.targets: dict[str, Target] = {}
-
-    def size(self, value: int | str) -> int:
-        """An int, a config.json key, or a product of them ("num_key_value_heads * head_dim")."""
-        if isinstance(value, int):
-            return value
-        total = 1
-        for factor in (f.strip() for f in value.split("*")):
-            if factor.isdigit():
-                total *= int(factor)
-            elif isinstance(self.config.get(factor), int):
-                total *= int(self.config[factor])
-            else:
-                raise CkptconvError(
-                    f"{self.where}: size {factor!r} is not an integer in config.json; pass --config"
-                )
-        return total
-
-    def heads(self, which: str) -> int:
-        key = {"q": "num_attention_heads", "k": "num_key_value_heads"}[which]
-        if which == "k" and key not in self.config:
-            key = "num_attention_heads"
-        return self.size(key)
+        self.same: list[tuple[str, str]] = []
 
     def add(self, target: Target) -> None:
         if target.key in self.targets:
@@ -151,30 +44,54 @@ class _Ctx:
                 f"{self.where}: {target.key!r} is produced twice (from {self.targets[target.key].sources} "
                 f"and {target.sources}); fix the mapping"
             )
+        for part in target.parts:
+            problem = part.problem()
+            if problem:
+                raise CkptconvError(f"{self.where} rule {target.rule}: {target.key!r}: {problem}")
         self.targets[target.key] = target
 
     def matches(self, pattern: str) -> list[tuple[str, dict[str, int]]]:
-        regex = _compile(pattern)
+        compiled = Pattern(pattern)
         out = []
         for key in self.shapes:
-            m = regex.match(key)
-            if m:
-                out.append((key, {k: int(v) for k, v in m.groupdict().items()}))
+            binding = compiled.match(key, self.scope)
+            if binding is not None:
+                out.append((key, binding))
         return out
 
+    def values(self, name: str) -> set[int]:
+        """The values placeholder `name` takes in the source keys, under every source pattern using it."""
+        if name not in self.seen:
+            found = self.seen[name] = set()
+            for pattern in self.sources:
+                if name in Pattern(pattern).placeholders:
+                    found.update(b[name] for _, b in self.matches(pattern))
+        return self.seen[name]
 
-def whole(key: str, shape: tuple[int, ...], perm: tuple[int, ...] | None = None) -> Part:
-    """All of `key`, as all of its target (optionally with rows permuted)."""
-    zeros = (0,) * len(shape)
-    return Part(key, zeros, shape, zeros, shape, perm)
+    def fmt(self, pattern: str, binding: MappingT[str, int]) -> str:
+        return Pattern(pattern).format(binding, self.scope)
 
+    def heads(self, rule: Rule) -> int:
+        if rule.heads is not None:
+            return self.scope.size(rule.heads)
+        if rule.permute == "k" and isinstance(self.scope.config.get("num_key_value_heads"), int):
+            return self.scope.size("num_key_value_heads")
+        return self.scope.size("num_attention_heads")
 
-def _block(
-    shape: tuple[int, ...], dim: int, start: int, size: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
-    sizes = tuple(size if d == dim else s for d, s in enumerate(shape))
-    return offsets, sizes
+    def geometry(self, rule: Rule, count: int) -> Geometry:
+        split = None
+        if count > 1 and not rule.duplicate:
+            split = "interleave" if rule.interleave else "grouped" if rule.groups is not None else "plain"
+        return Geometry(
+            count=count,
+            transpose=rule.transpose,
+            narrow=None if rule.narrow is None else self.scope.size(rule.narrow),
+            stack_dim=None if not rule.stack else (rule.stack_dim if rule.stack_dim is not None else 0),
+            dim=rule.dim,
+            split=split,
+            sizes=tuple(self.scope.size(s) for s in rule.sizes),
+            groups=1 if rule.groups is None else self.scope.size(rule.groups),
+        )
 
 
 def map_keys(
@@ -185,22 +102,29 @@ def map_keys(
     *,
     allow_unmapped: bool = False,
     where: str = "--mapping",
-) -> tuple[list[Target], list[str]]:
-    """Targets for every source key, in source order, and the keys passed through unmapped.
+) -> Mapped:
+    """Targets for every source key, in source order, the keys passed through unmapped, and the HF copies to
+    check equal.
 
     Strict: a source key no rule consumes, an incomplete stack or concat, inconsistent shapes, or a target
     produced twice raise CkptconvError naming the key (`allow_unmapped` passes unconsumed keys through).
     """
-    ctx = _Ctx(shapes, config, where)
+    sides = [r.runtime if direction == "to_hf" else r.hf for r in mapping.rules]
+    ctx = _Ctx(shapes, Scope(config, dict(mapping.ranges), where), [p for side in sides for p in side])
     tied = bool(config.get("tie_word_embeddings", False))
-    variant = _variant(mapping, direction, shapes)
+    variant = _variant(mapping, direction, ctx)
     for rule in mapping.rules:
         if rule.when is not None and rule.when != variant:
             continue
-        if direction == "to_hf":
-            _to_hf(ctx, rule, tied)
+        if rule.drop:
+            for pattern in rule.runtime if direction == "to_hf" else rule.hf:
+                ctx.consumed.update(key for key, _ in ctx.matches(pattern))
+        elif rule.tied and tied:
+            _tied(ctx, rule, direction)
+        elif (direction == "to_hf") == rule.fused_is_runtime:
+            _from_fused(ctx, rule, direction)
         else:
-            _to_runtime(ctx, rule, tied)
+            _into_fused(ctx, rule, direction)
     unmapped = [k for k in shapes if k not in ctx.consumed]
     if unmapped and not allow_unmapped:
         raise CkptconvError(
@@ -212,175 +136,247 @@ def map_keys(
         ctx.add(Target(key, shapes[key], (whole(key, shapes[key]),), "passthrough"))
     order = {k: i for i, k in enumerate(shapes)}
     targets = sorted(ctx.targets.values(), key=lambda t: min(order[s] for s in t.sources))
-    return targets, unmapped
+    return Mapped(targets, unmapped, ctx.same)
 
 
-def _variant(mapping: KeyMapping, direction: Direction, shapes: MappingT[str, tuple[int, ...]]) -> str:
+def _variant(mapping: KeyMapping, direction: Direction, ctx: _Ctx) -> str:
     """to_hf writes the mapping's HF expert form; to_runtime reads whichever form the HF keys are in."""
     if direction == "to_hf" or not mapping.variants:
         return mapping.hf_experts
     for variant in mapping.variants:
-        patterns = [_compile(p) for r in mapping.rules if r.when == variant for p in r.hf]
-        if any(p.match(k) for p in patterns for k in shapes):
+        patterns = [p for r in mapping.rules if r.when == variant for p in r.hf]
+        if any(ctx.matches(p) for p in patterns):
             return variant
     return mapping.hf_experts
 
 
-def _to_hf(ctx: _Ctx, rule: Rule, tied: bool) -> None:
-    if not rule.runtime:  # an HF-side drop: nothing to do in this direction
-        return
-    if rule.drop or (rule.tied and tied):
+def _tied(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
+    """HF stores no such tensor: to HF the runtime one is dropped, to runtime it is a copy of the tied key."""
+    if direction == "to_hf":
         ctx.consumed.update(key for key, _ in ctx.matches(rule.runtime[0]))
         return
-    if rule.stack:
-        _unstack(ctx, rule)
-        return
-    _pairwise(ctx, rule, rule.runtime, rule.hf, lambda rows: rope_perm(rows, ctx.heads(rule.permute or "q")))
-
-
-def _to_runtime(ctx: _Ctx, rule: Rule, tied: bool) -> None:
-    if rule.drop:
-        for pattern in rule.hf:  # an HF key with no runtime counterpart (e.g. rotary_emb.inv_freq)
-            ctx.consumed.update(key for key, _ in ctx.matches(pattern))
-        return
-    if rule.tied and tied:
-        for key, binding in ctx.matches(rule.tied):
-            shape = ctx.shapes[key]
-            ctx.add(Target(_fmt(rule.runtime[0], binding), shape, (whole(key, shape),), "tied"))
-        return
-    if rule.stack:
-        _stack(ctx, rule)
-        return
-    _pairwise(
-        ctx,
-        rule,
-        rule.hf,
-        rule.runtime,
-        lambda rows: inverse(rope_perm(rows, ctx.heads(rule.permute or "q"))),
-    )
-
-
-def _pairwise(
-    ctx: _Ctx,
-    rule: Rule,
-    sources: tuple[str, ...],
-    targets: tuple[str, ...],
-    perm_of: Callable[[int], tuple[int, ...]],
-) -> None:
-    """Rename (with the rule's permutation), split one source into several targets, or concatenate several
-    sources into one target: the same code for both directions, with sources and targets swapped."""
-    for key, binding in ctx.matches(sources[0]):
-        if key in ctx.consumed:
-            continue
-        if len(sources) > 1:
-            keys = [_fmt(p, binding) for p in sources]
-            _require(ctx, keys, key)
-            ctx.consumed.update(keys)
-            ctx.add(_concat(ctx, _fmt(targets[0], binding), keys, rule.dim, "concat"))
-            continue
-        ctx.consumed.add(key)
+    assert rule.tied is not None
+    for key, binding in ctx.matches(rule.tied):
         shape = ctx.shapes[key]
-        if len(targets) > 1:
-            start = 0
-            for pattern, size in zip(
-                targets, _split_sizes(ctx, rule, shape[rule.dim], len(targets), key), strict=True
-            ):
-                src_off, src_size = _block(shape, rule.dim, start, size)
-                part = Part(key, src_off, src_size, (0,) * len(shape), src_size)
-                ctx.add(Target(_fmt(pattern, binding), src_size, (part,), "split"))
-                start += size
-        else:
-            perm = perm_of(shape[0]) if rule.permute else None
-            ctx.add(
-                Target(
-                    _fmt(targets[0], binding),
-                    shape,
-                    (whole(key, shape, perm),),
-                    "permute" if perm else "rename",
-                )
-            )
+        ctx.add(
+            Target(ctx.fmt(rule.runtime[0], binding), shape, (whole(key, shape),), "tied", rule=rule.number)
+        )
 
 
-def _unstack(ctx: _Ctx, rule: Rule) -> None:
-    for key, binding in ctx.matches(rule.runtime[0]):
+def _axes(pair: tuple[int, int] | None, ndim: int) -> tuple[int, ...] | None:
+    """The dims of F in the order of F' (a swap is its own inverse)."""
+    if pair is None:
+        return None
+    axes = list(range(ndim))
+    axes[pair[0]], axes[pair[1]] = pair[1], pair[0]
+    return tuple(axes)
+
+
+def _in_fused(
+    block_offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    steps: tuple[int, ...],
+    pair: tuple[int, int] | None,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...] | None]:
+    """A block of F' in F's coordinates (steps None when all are 1)."""
+    offsets, sizes, steps = (transposed(t, pair) for t in (block_offsets, sizes, steps))
+    return offsets, sizes, None if all(s == 1 for s in steps) else steps
+
+
+def _from_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
+    """The fused tensor is the source: cut it into the other side's tensors (split, unstack, narrow, ...)."""
+    fused, others = (rule.runtime[0], rule.hf) if rule.fused_is_runtime else (rule.hf[0], rule.runtime)
+    g = ctx.geometry(rule, 1 if rule.duplicate else len(others))
+    op = "+".join(rule.ops(to_fused=False))
+    for key, binding in ctx.matches(fused):
         if key in ctx.consumed:
             continue
         ctx.consumed.add(key)
         shape = ctx.shapes[key]
-        for e in range(shape[rule.dim]):
-            src_off, src_size = _block(shape, rule.dim, e, 1)
-            dst = tuple(s for d, s in enumerate(shape) if d != rule.dim)
-            part = Part(key, src_off, src_size, (0,) * len(dst), dst)
-            assert rule.stack is not None
-            ctx.add(Target(_fmt(rule.hf[0], {**binding, rule.stack: e}), dst, (part,), "unstack"))
+        axes = _axes(rule.transpose, len(shape))
+        for piece in pieces(transposed(shape, rule.transpose), g, f"{ctx.where}: {key!r}"):
+            perm = rope_perm(piece.shape[0], ctx.heads(rule)) if rule.permute else None
+            parts = []
+            for block, offsets in piece.blocks:
+                src = _in_fused(block.offsets, block.sizes, block.steps, rule.transpose)
+                sizes = _drop(block.sizes, g.stack_dim)
+                parts.append(Part(key, src[0], src[1], offsets, sizes, perm, src[2], None, axes))
+            shape_out, layout = _reshaped(ctx, rule, piece.shape, direction == "to_hf", key)
+            element = {} if piece.element is None else {str(rule.stack): piece.element}
+            for pattern in others if rule.duplicate else [others[piece.index]]:
+                for b in _expand(ctx, pattern, {**binding, **element}):
+                    ctx.add(Target(ctx.fmt(pattern, b), shape_out, tuple(parts), op, layout, rule.number))
 
 
-def _stack(ctx: _Ctx, rule: Rule) -> None:
-    assert rule.stack is not None
-    groups: dict[tuple[tuple[str, int], ...], dict[int, str]] = {}
-    for key, binding in ctx.matches(rule.hf[0]):
-        e = binding.pop(rule.stack)
-        groups.setdefault(tuple(sorted(binding.items())), {})[e] = key
-    for binding_items, experts in groups.items():
-        count = max(experts) + 1
-        missing = [e for e in range(count) if e not in experts]
-        if missing:
-            example = _fmt(rule.hf[0], {**dict(binding_items), rule.stack: missing[0]})
-            raise CkptconvError(
-                f"{ctx.where}: {example!r} is missing ({len(experts)} of {count} {rule.stack}s present)"
-            )
-        shapes = {ctx.shapes[experts[e]] for e in range(count)}
-        if len(shapes) != 1:
-            raise CkptconvError(
-                f"{ctx.where}: {experts[0]!r} and the other {rule.stack}s differ in shape {sorted(shapes)}"
-            )
-        inner = shapes.pop()
-        shape = (*inner[: rule.dim], count, *inner[rule.dim :])
+def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
+    """The fused tensor is the target: gather the other side's tensors into it (concat, stack, pad, ...)."""
+    to_hf = direction == "to_hf"
+    fused, others = (rule.runtime[0], rule.hf) if rule.fused_is_runtime else (rule.hf[0], rule.runtime)
+    if rule.duplicate:
+        _copies(ctx, rule)
+        others = others[:1]
+    g = ctx.geometry(rule, len(others))
+    op = "+".join(rule.ops(to_fused=True))
+    for binding, keys in _groups(ctx, rule, others):
+        elements = len(keys[0]) if rule.stack else None
+        shapes = [ctx.shapes[k[0]] for k in keys]
+        padded = _padded(ctx, rule, shapes[0]) if rule.narrow is not None else None
+        fp = fused_shape(shapes, g, elements, padded)  # F' (for a reshape: laid out like the HF tensors)
+        lmap = [d for d in range(len(fp)) if d != g.stack_dim]
+        axes = _axes(rule.transpose, len(fp))
+        l_axes = None if axes is None else tuple(sorted(range(len(lmap)), key=lambda i: axes[lmap[i]]))
         parts = []
-        for e in range(count):
-            dst_off, dst_size = _block(shape, rule.dim, e, 1)
-            parts.append(Part(experts[e], (0,) * len(inner), inner, dst_off, dst_size))
-            ctx.consumed.add(experts[e])
-        ctx.add(Target(_fmt(rule.runtime[0], dict(binding_items)), shape, tuple(parts), "stack"))
+        for piece in pieces(fp, g, f"{ctx.where}: {keys[0][0]!r}"):
+            key = keys[piece.index][piece.element or 0]
+            if piece.shape != ctx.shapes[key]:
+                raise CkptconvError(
+                    f"{ctx.where}: cannot combine {keys[0][0]!r} {list(shapes[0])} and {key!r} "
+                    f"{list(ctx.shapes[key])} into one tensor"
+                )
+            perm = inverse(rope_perm(piece.shape[0], ctx.heads(rule))) if rule.permute else None
+            for block, offsets in piece.blocks:
+                dst = _in_fused(block.offsets, block.sizes, block.steps, rule.transpose)
+                sizes = _drop(block.sizes, g.stack_dim)
+                parts.append(Part(key, offsets, sizes, dst[0], dst[1], perm, None, dst[2], l_axes))
+        ctx.consumed.update(k for per in keys for k in per)
+        shape, layout = transposed(fp, rule.transpose), None
+        if rule.hf_shape is not None and not to_hf:
+            shape, layout = _unreshaped(ctx, rule, fp, g.stack_dim, keys[0][0]), fp
+        ctx.add(Target(ctx.fmt(fused, binding), shape, tuple(parts), op, layout, rule.number))
 
 
-def _require(ctx: _Ctx, keys: list[str], lead: str) -> None:
-    for k in keys:
-        if k not in ctx.shapes:
-            raise CkptconvError(f"{ctx.where}: {lead!r} needs {k!r}, which the checkpoint does not have")
+def _groups(ctx: _Ctx, rule: Rule, patterns: tuple[str, ...]) -> list[tuple[dict[str, int], list[list[str]]]]:
+    """The source keys that make each fused tensor: per binding (less the stacked placeholder), per pattern,
+    per stacked element. Refuses a missing key or element."""
+    groups: dict[tuple[tuple[str, int], ...], dict[int, str]] = {}
+    for key, binding in ctx.matches(patterns[0]):
+        if key in ctx.consumed:
+            continue
+        e = binding.pop(rule.stack, 0) if rule.stack else 0
+        groups.setdefault(tuple(sorted(binding.items())), {})[e] = key
+    out = []
+    for items, found in groups.items():
+        binding = dict(items)
+        count = max(found) + 1
+        bound = ctx.scope.bound(rule.stack) if rule.stack else None
+        count = bound if bound is not None else count
+        keys = []
+        for pattern in patterns:
+            row = []
+            for e in range(count):
+                key = ctx.fmt(pattern, {**binding, **({rule.stack: e} if rule.stack else {})})
+                if key not in ctx.shapes and rule.stack:
+                    raise CkptconvError(
+                        f"{ctx.where}: {key!r} is missing ({len(found)} of {count} {rule.stack}s present)"
+                    )
+                if key not in ctx.shapes:
+                    lead = next(iter(found.values()))
+                    raise CkptconvError(
+                        f"{ctx.where}: {lead!r} needs {key!r}, which the checkpoint does not have"
+                    )
+                row.append(key)
+            shapes = {ctx.shapes[k] for k in row}
+            if len(shapes) != 1:
+                raise CkptconvError(
+                    f"{ctx.where}: {row[0]!r} and the other {rule.stack}s differ in shape {sorted(shapes)}"
+                )
+            keys.append(row)
+        out.append((binding, keys))
+    return out
 
 
-def _concat(ctx: _Ctx, target: str, keys: list[str], dim: int, op: str) -> Target:
-    shapes = [ctx.shapes[k] for k in keys]
-    base = shapes[0]
-    for k, s in zip(keys, shapes, strict=True):
-        if len(s) != len(base) or any(
-            a != b for d, (a, b) in enumerate(zip(s, base, strict=True)) if d != dim
-        ):
-            raise CkptconvError(
-                f"{ctx.where}: cannot concatenate {keys[0]!r} {list(base)} and {k!r} {list(s)}"
-            )
-    total = sum(s[dim] for s in shapes)
-    shape = tuple(total if d == dim else n for d, n in enumerate(base))
-    parts, start = [], 0
-    for k, s in zip(keys, shapes, strict=True):
-        dst_off, dst_size = _block(shape, dim, start, s[dim])
-        parts.append(Part(k, (0,) * len(s), s, dst_off, dst_size))
-        start += s[dim]
-    return Target(target, shape, tuple(parts), op)
+def _copies(ctx: _Ctx, rule: Rule) -> None:
+    """duplicate, read back: every HF copy (hf[1:]) is consumed and recorded to be checked against the
+    primary (hf[0]) it repeats."""
+    primary = Pattern(rule.hf[0])
+    for pattern in rule.hf[1:]:
+        for key, binding in ctx.matches(pattern):
+            main = primary.format({k: v for k, v in binding.items() if k in primary.placeholders}, ctx.scope)
+            if main not in ctx.shapes:
+                raise CkptconvError(f"{ctx.where}: {key!r} is a copy of {main!r}, which is missing")
+            if ctx.shapes[main] != ctx.shapes[key]:
+                raise CkptconvError(f"{ctx.where}: {key!r} should equal {main!r} but differs in shape")
+            ctx.consumed.add(key)
+            ctx.same.append((key, main))
 
 
-def _split_sizes(ctx: _Ctx, rule: Rule, total: int, count: int, key: str) -> list[int]:
-    if rule.sizes:
-        sizes = [ctx.size(s) for s in rule.sizes]
-    elif total % count == 0:
-        sizes = [total // count] * count
+def _expand(ctx: _Ctx, pattern: str, binding: dict[str, int]) -> list[dict[str, int]]:
+    """`binding` for every value of the pattern's placeholders it lacks that the source's keys use (a copy
+    per MTP layer the checkpoint has); just `binding` when it binds them all."""
+    free = sorted(Pattern(pattern).placeholders - set(binding))
+    values = [sorted(ctx.values(name)) for name in free]
+    return [{**binding, **dict(zip(free, combo, strict=True))} for combo in itertools.product(*values)]
+
+
+def _drop(t: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+    if dim is None:
+        return t
+    return t[:dim] + t[dim + 1 :]
+
+
+def _padded(ctx: _Ctx, rule: Rule, shape: tuple[int, ...]) -> int:
+    """The runtime size along `dim` of a narrowed tensor read back: `padded`, or rounded up to `multiple`."""
+    kept = shape[rule.dim]
+    if rule.padded is not None:
+        size = ctx.scope.size(rule.padded)
+    elif rule.multiple:
+        size = -(-kept // rule.multiple) * rule.multiple
     else:
         raise CkptconvError(
-            f"{ctx.where}: {key!r} dim {rule.dim} of {total} does not split in {count}; give sizes"
+            f"{ctx.where} rule {rule.number}: narrow needs `padded` or `multiple` to read back"
         )
-    if sum(sizes) != total:
+    if size < kept:
+        raise CkptconvError(f"{ctx.where} rule {rule.number}: padded size {size} is less than {kept}")
+    return size
+
+
+def _resolve(ctx: _Ctx, spec: Sequence[int | str], numel: int, what: str) -> tuple[int, ...]:
+    dims = [-1 if d == -1 else ctx.scope.size(d) for d in spec]
+    known = math.prod(d for d in dims if d != -1)
+    if dims.count(-1) == 1 and known and numel % known == 0:
+        dims[dims.index(-1)] = numel // known
+    if math.prod(dims) != numel or any(d < 0 for d in dims):
+        raise CkptconvError(f"{ctx.where}: {numel} elements do not reshape to {what} {list(spec)}")
+    return tuple(dims)
+
+
+def _reshaped(
+    ctx: _Ctx, rule: Rule, shape: tuple[int, ...], to_hf: bool, key: str
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """The HF shape of a runtime piece (and the piece's shape as the layout), or the piece's own shape."""
+    if rule.hf_shape is None or not to_hf:
+        return shape, None
+    out = _resolve(ctx, rule.hf_shape, math.prod(shape), "hf_shape")
+    if not shape or not out or out[0] != shape[0]:
+        raise CkptconvError(f"{ctx.where}: {key!r}: a reshape must keep dim 0 ({list(shape)} -> {list(out)})")
+    return out, shape
+
+
+def _unreshaped(
+    ctx: _Ctx, rule: Rule, layout: tuple[int, ...], stack_dim: int | None, key: str
+) -> tuple[int, ...]:
+    """The runtime shape of a tensor whose parts are laid out like the HF tensors (`layout`)."""
+    inner = _drop(layout, stack_dim)
+    spec = rule.runtime_shape or ((inner[0], -1) if inner else ())
+    out = _resolve(ctx, spec, math.prod(inner), "runtime_shape")
+    if stack_dim is not None:
+        out = (*out[:stack_dim], layout[stack_dim], *out[stack_dim:])
+    if out[0] != layout[0]:
         raise CkptconvError(
-            f"{ctx.where}: {key!r} dim {rule.dim} is {total}, but the sizes add up to {sum(sizes)}"
+            f"{ctx.where}: {key!r}: a reshape must keep dim 0 ({list(layout)} -> {list(out)})"
         )
-    return sizes
+    return out
+
+
+__all__ = [
+    "Direction",
+    "KeyMapping",
+    "Mapped",
+    "Part",
+    "Rule",
+    "Target",
+    "inverse",
+    "map_keys",
+    "rope_perm",
+    "whole",
+]

@@ -1,0 +1,92 @@
+"""Size expressions of mapping rules: integers and config.json keys with + - * / and parentheses.
+
+    "num_key_value_heads * head_dim"
+    "text_config.linear_num_key_heads * text_config.linear_key_head_dim"   (a dotted key reads a nested table)
+    "num_attention_heads / num_key_value_heads * head_dim"                 (division must be exact)
+
+Parsed with `ast` and evaluated by walking only the node types above: never `eval`. Pure.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import CkptconvError
+
+MAX_EXPR_CHARS = 200
+
+
+class MissingKey(CkptconvError):
+    """A config.json key an expression needs is absent (or not an integer)."""
+
+
+def lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    """`config["a"]["b"]` for "a.b"; None when any step is missing."""
+    node: Any = config
+    for step in dotted.split("."):
+        if not isinstance(node, Mapping) or step not in node:
+            return None
+        node = node[step]
+    return node
+
+
+def size(value: int | str, config: Mapping[str, Any], where: str) -> int:
+    """An int, or an expression over config.json integers, as an int."""
+    if isinstance(value, bool):
+        raise CkptconvError(f"{where}: {value!r} is not a size")
+    if isinstance(value, int):
+        return value
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_EXPR_CHARS:
+        raise CkptconvError(f"{where}: {value!r} is not a size (an integer or an expression of config keys)")
+    try:
+        tree = ast.parse(value.strip(), mode="eval")
+    except SyntaxError:
+        raise CkptconvError(f"{where}: size {value!r} is not an expression of config keys") from None
+    return _eval(tree.body, config, where, value)
+
+
+def names(value: int | str) -> list[str]:
+    """The config keys an expression reads (for messages and validation)."""
+    if isinstance(value, int):
+        return []
+    try:
+        tree = ast.parse(value.strip(), mode="eval")
+    except SyntaxError:
+        return []
+    return [_dotted(n) for n in ast.walk(tree) if isinstance(n, ast.Name | ast.Attribute) and _dotted(n)]
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return f"{head}.{node.attr}" if head else ""
+    return ""
+
+
+def _eval(node: ast.AST, config: Mapping[str, Any], where: str, text: str) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.Name | ast.Attribute):
+        key = _dotted(node)
+        value = lookup(config, key) if key else None
+        if type(value) is not int:
+            raise MissingKey(f"{where}: size {key!r} is not an integer in config.json; pass --config")
+        return value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand, config, where, text)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub | ast.Mult | ast.Div):
+        a, b = _eval(node.left, config, where, text), _eval(node.right, config, where, text)
+        if isinstance(node.op, ast.Add):
+            return a + b
+        if isinstance(node.op, ast.Sub):
+            return a - b
+        if isinstance(node.op, ast.Mult):
+            return a * b
+        if b == 0 or a % b:
+            raise CkptconvError(f"{where}: size {text!r} divides {a} by {b}, which is not exact")
+        return a // b
+    raise CkptconvError(f"{where}: size {text!r} may only use integers, config keys, + - * / and ()")

@@ -1,0 +1,178 @@
+"""The block operations of a rule, on the one tensor of its single side (the fused tensor F). Pure.
+
+A rule relates F to the tensors of its other side (L_0 .. L_n-1, or one L). After `transpose` swaps two dims
+of F (call the result F'), each operation below picks blocks of F' for each L; every dim below counts on F'.
+Shapes, with the runtime tensor on the left:
+
+    narrow    F' [V', D]             -> L [V, D]                 the first V rows (padding dropped)
+    unstack   F' [E, F, D]           -> E x L [F, D]             one element per value of the placeholder
+    split     F' [q+k+v, D]          -> L_0 [q, D], L_1 [k, D], L_2 [v, D]
+    interleave F' [E, 2F, D]         -> L_0 [E, F, D] (rows 0, 2, ..), L_1 [E, F, D] (rows 1, 3, ..)
+    grouped   F' [G*(a+b+c), D]      -> L_0 [G*a, D], L_1 [G*b, D], L_2 [G*c, D]   (per group g: a, b, c rows)
+    transpose F  [E, D, 2F] (1, 2)   -> F' [E, 2F, D]
+
+They compose in that order: narrow, then unstack, then one split. `pieces` lists, for each L, the blocks of
+F' it is made of and where each lands in L; `rules.py` turns them into `Part`s in either direction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import CkptconvError
+
+
+@dataclass(frozen=True)
+class Block:
+    """`sizes[d]` elements of F' along each dim d, at `offsets[d] + k * steps[d]`."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    steps: tuple[int, ...]
+
+    def at(self, dim: int, offset: int, size: int, step: int = 1) -> Block:
+        """The sub-block whose dim `dim` starts `offset` elements in, with `size` elements `step` apart."""
+        offsets, sizes, steps = list(self.offsets), list(self.sizes), list(self.steps)
+        offsets[dim] += offset * steps[dim]
+        sizes[dim] = size
+        steps[dim] *= step
+        return Block(tuple(offsets), tuple(sizes), tuple(steps))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor L of the other side: which pattern (`index`), which stacked element, its shape, and the
+    blocks of F' it is made of, each with its offsets in L (the block's sizes less the stacked dim)."""
+
+    index: int
+    element: int | None
+    shape: tuple[int, ...]
+    blocks: tuple[tuple[Block, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A rule's block operations with every size resolved (from numbers and config.json)."""
+
+    count: int = 1  # tensors on the other side
+    transpose: tuple[int, int] | None = None
+    narrow: int | None = None  # rows of `dim` kept
+    stack_dim: int | None = None
+    dim: int = 0  # the dim split / interleaved / grouped / narrowed
+    split: str | None = None  # "plain", "interleave" or "grouped"
+    sizes: tuple[int, ...] = ()  # plain: each L's size along dim; grouped: each L's rows per group
+    groups: int = 1
+
+
+def transposed(shape: tuple[int, ...], pair: tuple[int, int] | None) -> tuple[int, ...]:
+    if pair is None:
+        return shape
+    a, b = pair
+    out = list(shape)
+    out[a], out[b] = out[b], out[a]
+    return tuple(out)
+
+
+def pieces(fused: tuple[int, ...], g: Geometry, where: str) -> list[Piece]:
+    """The tensors of the other side, made from F' (`fused`, already transposed), in order."""
+    _check_dims(fused, g, where)
+    whole = Block((0,) * len(fused), fused, (1,) * len(fused))
+    if g.narrow is not None:
+        if g.narrow > fused[g.dim]:
+            raise CkptconvError(f"{where}: narrow keeps {g.narrow} of dim {g.dim}, which has {fused[g.dim]}")
+        whole = whole.at(g.dim, 0, g.narrow)
+    elements: list[tuple[int | None, Block]] = [(None, whole)]
+    if g.stack_dim is not None:
+        elements = [(e, whole.at(g.stack_dim, e, 1)) for e in range(fused[g.stack_dim])]
+    out = []
+    for element, block in elements:
+        for index, parts in enumerate(_split(block, g, where)):
+            shape = _squeeze(_extent(block, parts, g.dim), g.stack_dim)
+            placed = tuple((b, _squeeze(offsets, g.stack_dim)) for b, offsets in parts)
+            out.append(Piece(index, element, shape, placed))
+    return out
+
+
+def _check_dims(fused: tuple[int, ...], g: Geometry, where: str) -> None:
+    used = [("dim", g.dim)] if g.split or g.narrow is not None else []
+    used += [("stack_dim", g.stack_dim)] if g.stack_dim is not None else []
+    used += [("transpose", d) for d in g.transpose or ()]
+    for name, d in used:
+        if not 0 <= d < len(fused):
+            raise CkptconvError(f"{where}: {name} {d} is not a dim of a tensor of shape {list(fused)}")
+    if g.stack_dim is not None and (g.split or g.narrow is not None) and g.stack_dim == g.dim:
+        raise CkptconvError(f"{where}: stack_dim and dim are both {g.dim}; split along another dim")
+
+
+def _split(block: Block, g: Geometry, where: str) -> list[list[tuple[Block, tuple[int, ...]]]]:
+    """For each L: its blocks of F' and their offsets in L (before the stacked dim is dropped)."""
+    origin = (0,) * len(block.sizes)
+    total = block.sizes[g.dim]
+    if g.split is None:
+        return [[(block, origin)]]
+    if g.split == "interleave":
+        if total % g.count:
+            raise CkptconvError(f"{where}: dim {g.dim} of {total} does not interleave {g.count} ways")
+        return [[(block.at(g.dim, i, total // g.count, g.count), origin)] for i in range(g.count)]
+    if g.split == "plain":
+        sizes = _sizes(g.sizes, total, g.count, where, f"dim {g.dim} of {total}")
+        starts = [sum(sizes[:i]) for i in range(g.count)]
+        return [[(block.at(g.dim, s, n), origin)] for s, n in zip(starts, sizes, strict=True)]
+    if total % g.groups:
+        raise CkptconvError(f"{where}: dim {g.dim} of {total} does not split into {g.groups} groups")
+    per = total // g.groups
+    sizes = _sizes(g.sizes, per, g.count, where, f"a group of {per} (dim {g.dim} of {total} / {g.groups})")
+    out = []
+    for i, n in enumerate(sizes):
+        start = sum(sizes[:i])
+        out.append(
+            [
+                (block.at(g.dim, grp * per + start, n), _with(origin, g.dim, grp * n))
+                for grp in range(g.groups)
+            ]
+        )
+    return out
+
+
+def _sizes(given: tuple[int, ...], total: int, count: int, where: str, what: str) -> list[int]:
+    if not given:
+        if total % count:
+            raise CkptconvError(f"{where}: {what} does not split in {count}; give sizes")
+        return [total // count] * count
+    if sum(given) != total or any(n < 0 for n in given):
+        raise CkptconvError(f"{where}: {what}, but the sizes {list(given)} add up to {sum(given)}")
+    return list(given)
+
+
+def _extent(block: Block, parts: list[tuple[Block, tuple[int, ...]]], dim: int) -> tuple[int, ...]:
+    """The shape of L: the blocks' sizes, with dim `dim` as long as all of them together."""
+    if len(parts) == 1:
+        return parts[0][0].sizes
+    return _with(parts[0][0].sizes, dim, sum(b.sizes[dim] for b, _ in parts))
+
+
+def _with(t: tuple[int, ...], dim: int, value: int) -> tuple[int, ...]:
+    out = list(t)
+    out[dim] = value
+    return tuple(out)
+
+
+def _squeeze(t: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+    return t if dim is None else t[:dim] + t[dim + 1 :]
+
+
+def fused_shape(
+    shapes: list[tuple[int, ...]], g: Geometry, elements: int | None, padded: int | None
+) -> tuple[int, ...]:
+    """F' from the shapes of the other side's tensors (one per index; all elements alike): the inverse of
+    `pieces`, checked afterwards by running `pieces` on it."""
+    if g.stack_dim is not None:
+        shapes = [(*s[: g.stack_dim], elements or 0, *s[g.stack_dim :]) for s in shapes]
+    out = list(shapes[0])
+    if g.split == "interleave":
+        out[g.dim] = shapes[0][g.dim] * g.count
+    elif g.split is not None:
+        out[g.dim] = sum(s[g.dim] for s in shapes if len(s) > g.dim)
+    if g.narrow is not None and padded is not None:
+        out[g.dim] = padded
+    return tuple(out)

@@ -1,0 +1,181 @@
+"""A mapping file (TOML, already decoded) -> `KeyMapping`, every field checked with a message naming the rule.
+
+Fields of a [[rule]] are described in docs/mapping.md; [mapping] holds `name`, `hf_experts` and the
+`[mapping.ranges]` table (`layer = "num_hidden_layers"`, `mtp = { below = "...", default = 0 }`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CkptconvError
+from .patterns import Pattern, Range
+from .types import KeyMapping, Rule
+
+VARIANTS = ("per_expert", "fused")
+_SIZE = (int, str)
+_FIELDS = {
+    "runtime", "hf", "dim", "sizes", "stack", "stack_dim", "permute", "heads", "drop", "tied", "when",
+    "transpose", "interleave", "groups", "narrow", "padded", "multiple", "hf_shape", "runtime_shape",
+    "duplicate",
+}  # fmt: skip
+
+
+def parse(doc: dict[str, Any], where: str, hf_experts: str | None) -> KeyMapping:
+    head = doc.get("mapping", {})
+    rules_doc = doc.get("rule", [])
+    if not isinstance(head, dict) or not isinstance(rules_doc, list) or not rules_doc:
+        raise CkptconvError(f"{where}: needs a [mapping] table and at least one [[rule]]")
+    form = hf_experts or head.get("hf_experts", "per_expert")
+    if form not in VARIANTS:
+        raise CkptconvError(f"{where}: hf_experts {form!r} is not one of {', '.join(VARIANTS)}")
+    ranges = _ranges(head.get("ranges", {}), where)
+    rules = tuple(_rule(r, f"{where} rule {i}", i) for i, r in enumerate(rules_doc, 1))
+    variants = tuple(sorted({r.when for r in rules if r.when}))
+    return KeyMapping(str(head.get("name", where)), rules, form, variants, ranges)
+
+
+def _ranges(table: Any, where: str) -> tuple[tuple[str, Range], ...]:
+    if not isinstance(table, dict):
+        raise CkptconvError(f"{where}: [mapping.ranges] must be a table of placeholder = size")
+    out = []
+    for name, spec in table.items():
+        if isinstance(spec, dict) and set(spec) <= {"below", "default"} and "below" in spec:
+            below, default = spec["below"], spec.get("default")
+        else:
+            below, default = spec, None
+        if (
+            not isinstance(below, _SIZE)
+            or isinstance(below, bool)
+            or not (default is None or type(default) is int)
+        ):
+            raise CkptconvError(
+                f"{where}: range of {name!r} must be a size, or {{ below = size, default = integer }}"
+            )
+        out.append((str(name), Range(below, default)))
+    return tuple(out)
+
+
+def _names(value: Any, field: str, where: str) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else ()
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise CkptconvError(f"{where}: {field!r} must be a key pattern or a list of them")
+    for n in names:
+        Pattern(n).check(where)
+    return names
+
+
+def _int(r: dict[str, Any], key: str, where: str, default: int | None = None) -> int | None:
+    value = r.get(key, default)
+    if value is not None and (type(value) is not int or value < 0):
+        raise CkptconvError(f"{where}: {key} must be a non-negative integer")
+    return value
+
+
+def _size(r: dict[str, Any], key: str, where: str) -> int | str | None:
+    value = r.get(key)
+    if value is not None and (not isinstance(value, _SIZE) or isinstance(value, bool)):
+        raise CkptconvError(f"{where}: {key} must be an integer or an expression of config.json keys")
+    return value
+
+
+def _shape(r: dict[str, Any], key: str, where: str) -> tuple[int | str, ...] | None:
+    value = r.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(isinstance(d, _SIZE) for d in value):
+        raise CkptconvError(f"{where}: {key} must be a list of sizes (one may be -1)")
+    return tuple(value)
+
+
+def _rule(r: Any, where: str, number: int) -> Rule:
+    if not isinstance(r, dict):
+        raise CkptconvError(f"{where}: not a table")
+    unknown = set(r) - _FIELDS
+    if unknown:
+        raise CkptconvError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    drop = r.get("drop", False) is True
+    if drop and ("runtime" in r) == ("hf" in r):
+        raise CkptconvError(f"{where}: a drop rule names either runtime or hf keys, not both")
+    runtime = () if drop and "runtime" not in r else _names(r.get("runtime"), "runtime", where)
+    hf = () if drop and "hf" not in r else _names(r.get("hf"), "hf", where)
+    transpose = r.get("transpose")
+    if transpose is not None and (
+        not isinstance(transpose, list)
+        or len(transpose) != 2
+        or not all(type(d) is int and d >= 0 for d in transpose)
+        or transpose[0] == transpose[1]
+    ):
+        raise CkptconvError(f"{where}: transpose must be two different dims, e.g. [1, 2]")
+    sizes = r.get("sizes", [])
+    if not isinstance(sizes, list) or not all(isinstance(s, _SIZE) for s in sizes):
+        raise CkptconvError(f"{where}: sizes must be a list of integers or config.json expressions")
+    for flag in ("interleave", "duplicate"):
+        if not isinstance(r.get(flag, False), bool):
+            raise CkptconvError(f"{where}: {flag} must be true or false")
+    rule = Rule(
+        runtime=runtime,
+        hf=hf,
+        dim=_int(r, "dim", where, 0) or 0,
+        sizes=tuple(sizes),
+        stack=r.get("stack"),
+        permute=r.get("permute"),
+        drop=drop,
+        tied=r.get("tied"),
+        when=r.get("when"),
+        stack_dim=_int(r, "stack_dim", where),
+        heads=_size(r, "heads", where),
+        transpose=None if transpose is None else (transpose[0], transpose[1]),
+        interleave=r.get("interleave", False),
+        groups=_size(r, "groups", where),
+        narrow=_size(r, "narrow", where),
+        padded=_size(r, "padded", where),
+        multiple=_int(r, "multiple", where),
+        hf_shape=_shape(r, "hf_shape", where),
+        runtime_shape=_shape(r, "runtime_shape", where),
+        duplicate=r.get("duplicate", False),
+        number=number,
+    )
+    if rule.stack is not None and rule.stack_dim is None and "dim" in r and max(len(runtime), len(hf)) == 1:
+        rule = Rule(**{**rule.__dict__, "stack_dim": rule.dim})  # a stack-only rule: `dim` is the stack dim
+    _check(rule, where)
+    return rule
+
+
+def _check(rule: Rule, where: str) -> None:
+    runtime, hf = rule.runtime, rule.hf
+    listed = max(len(runtime), len(hf)) > 1
+    if rule.when is not None and rule.when not in VARIANTS:
+        raise CkptconvError(f"{where}: when {rule.when!r} is not one of {', '.join(VARIANTS)}")
+    if rule.tied is not None and not isinstance(rule.tied, str):
+        raise CkptconvError(f"{where}: tied must be an HF key pattern")
+    if len(runtime) > 1 and len(hf) > 1:
+        raise CkptconvError(f"{where}: lists on both sides; one side of a split/concat is a single key")
+    if rule.permute not in (None, "q", "k"):
+        raise CkptconvError(f"{where}: permute must be 'q' or 'k'")
+    plain = not (listed or rule.stack or rule.transpose or rule.narrow is not None or rule.hf_shape)
+    if rule.permute and not plain:
+        raise CkptconvError(
+            f"{where}: permute applies to a rename only (one key each side, no other operation)"
+        )
+    if rule.stack is not None:
+        slot = f"{{{rule.stack}}}"
+        if not isinstance(rule.stack, str) or len(runtime) != 1 or slot in runtime[0]:
+            raise CkptconvError(f"{where}: stack needs one runtime key (the stacked tensor) without {slot}")
+        if not all(rule.stack in Pattern(p).placeholders for p in hf):
+            raise CkptconvError(f"{where}: stack {rule.stack!r} needs {slot} in every hf key")
+    if rule.duplicate and (len(runtime) != 1 or len(hf) < 2 or rule.sizes or rule.groups or rule.interleave):
+        raise CkptconvError(f"{where}: duplicate needs one runtime key and a list of hf keys it is copied to")
+    splits = [f for f in ("interleave", "groups", "sizes") if getattr(rule, f)]
+    if splits and (not listed or rule.duplicate):
+        raise CkptconvError(f"{where}: {splits[0]} needs a list of keys on one side")
+    if rule.interleave and (rule.groups is not None or rule.sizes):
+        raise CkptconvError(f"{where}: interleave splits equally; drop groups and sizes")
+    if (rule.narrow is not None or rule.hf_shape is not None) and (listed or len(runtime) != 1):
+        raise CkptconvError(f"{where}: narrow and hf_shape need one runtime key and one hf key")
+    if rule.hf_shape is not None and rule.transpose:
+        raise CkptconvError(f"{where}: hf_shape and transpose cannot be combined in one rule")
+    if rule.runtime_shape is not None and rule.hf_shape is None:
+        raise CkptconvError(f"{where}: runtime_shape goes with hf_shape")
+    if (rule.padded is not None or rule.multiple) and rule.narrow is None:
+        raise CkptconvError(f"{where}: padded and multiple go with narrow")

@@ -1,0 +1,123 @@
+"""The data of a mapping: rules, the mapping, and the targets it makes (each a list of `Part`s). Pure."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import CkptconvError
+from .parts import Part
+from .patterns import Range
+
+Direction = Literal["to_hf", "to_runtime"]
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str
+    shape: tuple[int, ...]
+    parts: tuple[Part, ...]
+    op: str  # rename, permute, stack, unstack, split, concat, ... joined with "+"; tied, passthrough
+    layout: tuple[int, ...] | None = None  # the shape the parts address, when it differs (a reshape)
+    rule: int | None = None  # the rule's number in its mapping file
+
+    @property
+    def sources(self) -> list[str]:
+        return list(dict.fromkeys(p.src for p in self.parts))
+
+    @property
+    def padded(self) -> bool:
+        """Some elements come from no part (vocabulary padding): they are zeros."""
+        return sum(p.numel for p in self.parts) < math.prod(self.layout or self.shape)
+
+
+@dataclass(frozen=True)
+class Rule:
+    runtime: tuple[str, ...]
+    hf: tuple[str, ...]
+    dim: int = 0
+    sizes: tuple[int | str, ...] = ()
+    stack: str | None = None
+    permute: str | None = None
+    drop: bool = False
+    tied: str | None = None
+    when: str | None = None  # only with this variant ("per_expert" or "fused" HF experts)
+    stack_dim: int | None = None
+    heads: int | str | None = None
+    transpose: tuple[int, int] | None = None
+    interleave: bool = False
+    groups: int | str | None = None
+    narrow: int | str | None = None
+    padded: int | str | None = None
+    multiple: int | None = None
+    hf_shape: tuple[int | str, ...] | None = None
+    runtime_shape: tuple[int | str, ...] | None = None
+    duplicate: bool = False
+    number: int = 0
+
+    @property
+    def fused_is_runtime(self) -> bool:
+        return len(self.runtime) == 1
+
+    def ops(self, to_fused: bool) -> list[str]:
+        """The operation names, as seen going from the fused tensor (`to_fused` False) or into it."""
+        names = []
+        if self.narrow is not None:
+            names.append("pad" if to_fused else "narrow")
+        if self.stack:
+            names.append("stack" if to_fused else "unstack")
+        if self.transpose:
+            names.append("transpose")
+        if len(self.hf) > 1 and self.duplicate:
+            names.append("duplicate")
+        elif max(len(self.hf), len(self.runtime)) > 1:
+            kind = "interleave" if self.interleave else "grouped " if self.groups is not None else ""
+            names.append(kind.strip() + ("" if not kind else "-") + ("concat" if to_fused else "split"))
+        if self.hf_shape is not None:
+            names.append("reshape")
+        if self.permute:
+            names.append("permute")
+        return names or ["rename"]
+
+
+@dataclass(frozen=True)
+class KeyMapping:
+    name: str
+    rules: tuple[Rule, ...]
+    hf_experts: str = "per_expert"  # the variant written to HF; both are read
+    variants: tuple[str, ...] = field(default=())
+    ranges: tuple[tuple[str, Range], ...] = ()
+
+
+@dataclass
+class Mapped:
+    targets: list[Target]
+    unmapped: list[str]
+    same: list[tuple[str, str]]  # (copy, primary): HF copies the source must hold equal (duplicate rules)
+
+
+def rope_perm(rows: int, heads: int) -> tuple[int, ...]:
+    """The rotary row permutation to HF, as torchtitan's Llama adapter `_permute` (and HF's own conversion
+    script) apply it: `w.view(heads, half, 2, cols).transpose(1, 2)`; interleaved pairs become halves.
+
+    HF row (h, j, i) is runtime row (h, i, j): head h, pair i < half, j in {0, 1}. perm[hf_row] = runtime_row.
+    """
+    if heads <= 0 or rows % (2 * heads):
+        raise CkptconvError(f"rope permutation: {rows} rows do not split into {heads} heads of even size")
+    half = rows // heads // 2
+    return tuple(h * 2 * half + 2 * i + j for h in range(heads) for j in range(2) for i in range(half))
+
+
+def inverse(perm: Sequence[int]) -> tuple[int, ...]:
+    out = [0] * len(perm)
+    for r, s in enumerate(perm):
+        out[s] = r
+    return tuple(out)
+
+
+def whole(key: str, shape: tuple[int, ...], perm: tuple[int, ...] | None = None) -> Part:
+    """All of `key`, as all of its target (optionally with rows permuted)."""
+    zeros = (0,) * len(shape)
+    return Part(key, zeros, shape, zeros, shape, perm)

@@ -290,9 +290,8 @@ def hf_to_dcp(
         ui.info(target.note)
 
     def source() -> verify_mod.Side:  # the HF tensors the plan reads (keys a mapping drops are not output)
-        return verify_mod.hf_side(
-            "source", path, keys={stored.key for t in plan.tensors for stored, _ in t.parts}
-        )
+        read = {stored.key for t in plan.tensors for stored, _ in t.parts}
+        return verify_mod.hf_side("source", path, keys=read | {copy for copy, _ in plan.same})
 
     def output(staging: Path, hf: verify_mod.Side) -> verify_mod.Side:  # in the HF side's expert form
         return verify_mod.dcp_side("output", staging, prefix, mapping, model_config, allow_unmapped, like=hf)

@@ -5,13 +5,10 @@ Errors become exit codes in `exits.py`.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -22,6 +19,7 @@ from .cli_options import (
     CopyFromOpt,
     DryRunOpt,
     DtypeOpt,
+    ExplainOpt,
     Fp32Opt,
     JsonOpt,
     MappingOpt,
@@ -35,6 +33,8 @@ from .cli_options import (
     TrustOpt,
     VerifyOpt,
 )
+from .cli_output import print_json as _print_json
+from .cli_output import trust as _trust
 
 app = typer.Typer(
     name="ckptconv",
@@ -65,33 +65,6 @@ def _options(
     from .env import check_all
 
     check_all()  # a bad CKPTCONV_* variable fails before any work, with one line
-
-
-def _rank() -> int:
-    from .exits import rank
-
-    return rank()
-
-
-@contextmanager
-def _trust(enabled: bool) -> Iterator[None]:
-    """--trust-pickle for the command run inside; says afterwards what was loaded that way."""
-    if not enabled:
-        yield
-        return
-    from .formats.safe_pickle import trusting
-
-    with trusting() as loaded:
-        yield
-    if loaded and _rank() == 0:
-        sys.stderr.write(
-            f"warning: --trust-pickle loaded with a full unpickler: {', '.join(dict.fromkeys(loaded))}\n"
-        )
-
-
-def _print_json(doc: dict[str, Any]) -> None:
-    if _rank() == 0:
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
 
 
 @app.command("dcp-to-hf")
@@ -345,24 +318,36 @@ def inspect_cmd(
     allow_unmapped: AllowUnmappedOpt = False,
     trust_pickle: TrustOpt = False,
     json_out: JsonOpt = False,
+    explain: ExplainOpt = None,
 ) -> None:
     """Show what a checkpoint holds (reads metadata and headers only); with --mapping, the mapped view too."""
     from rich.console import Console
 
     from .formats.hf import download, looks_like_repo_id
-    from .mapping import load_config
-    from .report import inspect, mapped_view, render_inspect, render_mapped
+    from .mapping import load_config, load_mapping
+    from .report import inspect, mapped_targets, mapped_view, render_inspect, render_mapped
 
+    if explain and not mapping:
+        raise typer.BadParameter("needs --mapping", param_hint="--explain")
     local = download(path, revision) if looks_like_repo_id(path) else Path(path)
     with _trust(trust_pickle):
         info = inspect(local)
+    console = Console(highlight=False, soft_wrap=True)
     if mapping:
+        key_mapping = load_mapping(mapping)
         model_config = load_config(config or (local / "config.json" if local.is_dir() else None))
-        info["mapped"] = mapped_view(info, mapping, model_config, allow_unmapped)
+        targets = mapped_targets(info, key_mapping, model_config, allow_unmapped).targets
+        info["mapped"] = mapped_view(targets)
+        if explain:
+            from .explain import explain as explain_key
+            from .explain import render_explain
+
+            doc = explain_key(key_mapping, targets, explain)
+            _print_json(doc) if json_out else render_explain(doc, console)
+            return
     if json_out:
         _print_json(info)
         return
-    console = Console(highlight=False, soft_wrap=True)
     render_inspect(info, console)
     if mapping:
         console.print(f"mapped with {mapping}:", markup=False)

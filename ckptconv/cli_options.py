@@ -81,3 +81,12 @@ VerifyOpt = Annotated[
     bool,
     typer.Option("--verify", help="Re-read the output and compare it with the source before publishing OUT."),
 ]
+ExplainOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--explain",
+        help="With --mapping: which rule and operation made KEY (a mapped key or one PATH holds).",
+        metavar="KEY",
+        show_default=False,
+    ),
+]

@@ -16,6 +16,7 @@ from .formats.hf import is_hf_dir, open_hf
 from .ui import human_bytes
 
 if TYPE_CHECKING:
+    from .mapping.rules import KeyMapping, Mapped, Target
     from .plan import DcpSavePlan, HfSavePlan
 
 
@@ -81,11 +82,10 @@ def _sources(keys: list[str]) -> str:
     return unique[0] if len(unique) == 1 else f"{unique[0]} (+{len(unique) - 1} more)"
 
 
-def mapped_view(
-    info: dict[str, Any], mapping: str, config: dict[str, Any], allow_unmapped: bool
-) -> list[dict]:
+def mapped_targets(
+    info: dict[str, Any], mapping: KeyMapping, config: dict[str, Any], allow_unmapped: bool
+) -> Mapped:
     """What `mapping` makes of the tensors `inspect` found: to HF names for DCP, to runtime names for HF."""
-    from .mapping import load_mapping
     from .mapping.rules import Direction, map_keys
 
     direction: Direction = "to_hf" if info["format"] == "dcp" else "to_runtime"
@@ -93,8 +93,11 @@ def mapped_view(
     if direction == "to_hf":  # the model group, as dcp-to-hf takes it
         grouped = {k.removeprefix("model."): v for k, v in shapes.items() if k.startswith("model.")}
         shapes = grouped or shapes
-    mapped = map_keys(load_mapping(mapping), direction, shapes, config, allow_unmapped=allow_unmapped)
-    return [{"key": t.key, "op": t.op, "sources": t.sources, "shape": list(t.shape)} for t in mapped.targets]
+    return map_keys(mapping, direction, shapes, config, allow_unmapped=allow_unmapped)
+
+
+def mapped_view(targets: list[Target]) -> list[dict]:
+    return [{"key": t.key, "op": t.op, "sources": t.sources, "shape": list(t.shape)} for t in targets]
 
 
 def render_mapped(view: list[dict], console: Console) -> None:

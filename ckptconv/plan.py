@@ -391,4 +391,6 @@ def plan_hf_to_dcp(
                 raise CkptconvError(
                     f"{hf.path}: stashed item {item.key!r} collides with tensor {t.key!r}; pass --prefix"
                 )
-    return DcpSavePlan(tuple(tensors), nesting, tuple(stash), tuple(policy.warnings()), world_size, same)
+    padded = [f"{t.key}: {list(t.shape)} padded with zeros beyond the HF tensor" for t in tensors if t.padded]
+    warnings = (*policy.warnings(), *padded)
+    return DcpSavePlan(tuple(tensors), nesting, tuple(stash), warnings, world_size, same)

@@ -201,5 +201,6 @@ def test_every_operation_gives_the_same_bytes_at_1_2_and_3_ranks(tmp_path: Path)
     flags = ("--mapping", m, "--config", cfg, "--verify")
     proc = ckptconv("hf-to-dcp", str(tmp_path / "hf1"), str(tmp_path / "back"), *flags, nproc=3)
     assert proc.returncode == 0, proc.stderr
+    assert "emb: [8, 3] padded with zeros" in proc.stderr  # vocabulary 7 read back as 8 rows
     state = load_plain(tmp_path / "back")
     assert all(same_bits(state[k], v) for k, v in runtime.items()) and set(state) == set(runtime)  # type: ignore[arg-type]

@@ -1,0 +1,105 @@
+"""torchtitan 0.3.0's StateDictAdapters for tests, run in a subprocess.
+
+torchtitan cannot live in the main venv (it needs triton and fla, and its declared dependencies pull wandb,
+datasets and a newer huggingface_hub), so `titan_dir()` installs the pins of tests/titan-requirements.txt
+once, with `pip install --no-deps --target`, into .cache/torchtitan-0.3.0 under the repository, and
+`run_adapter()` runs tests/workers/titan_adapter.py with that directory on PYTHONPATH in front of the venv's
+own site-packages (torch, safetensors and transformers come from the venv, through the same interpreter).
+
+A failed install raises: a test that needs torchtitan fails rather than skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIREMENTS = Path(__file__).resolve().parent / "titan-requirements.txt"
+WORKER = Path(__file__).resolve().parent / "workers" / "titan_adapter.py"
+TITAN_DIR = ROOT / ".cache" / "torchtitan-0.3.0"
+# torchtitan's family names (torchtitan/models/<family>); "kimi_k2_7" holds the Kimi K2.5/K2.6/K2.7 adapter.
+FAMILIES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5", "kimi_k2_7", "muse_glimmer")
+
+
+def _env(pythonpath: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if pythonpath is None:
+        env.pop("PYTHONPATH", None)
+    else:
+        env["PYTHONPATH"] = pythonpath
+    return env
+
+
+def _complete() -> bool:
+    marker = TITAN_DIR / "titan-requirements.txt"
+    return marker.is_file() and marker.read_text() == REQUIREMENTS.read_text()
+
+
+def titan_dir() -> Path:
+    """The --target directory holding torchtitan 0.3.0 and the packages its adapters import, installed on
+    first use (once per machine: a lock file serialises concurrent test processes). pip installs into a
+    temporary sibling that is renamed into place only after it succeeded, with a copy of the requirements as
+    the completion marker, so a killed install never leaves a half directory; one with other pins is
+    replaced."""
+    import fcntl
+
+    if _complete():
+        return TITAN_DIR
+    TITAN_DIR.parent.mkdir(parents=True, exist_ok=True)
+    with open(TITAN_DIR.with_name(TITAN_DIR.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _complete():
+            return TITAN_DIR
+        tmp = Path(tempfile.mkdtemp(prefix=TITAN_DIR.name + ".", suffix=".tmp", dir=TITAN_DIR.parent))
+        try:
+            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input"]
+            cmd += ["--target", str(tmp), "-r", str(REQUIREMENTS)]
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, env=_env(), timeout=1800, stdin=subprocess.DEVNULL
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+                )
+            shutil.copyfile(REQUIREMENTS, tmp / "titan-requirements.txt")
+            if TITAN_DIR.exists():  # other pins, or left by hand: set aside, then removed
+                TITAN_DIR.rename(tmp.with_suffix(".old"))
+            tmp.rename(TITAN_DIR)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp.with_suffix(".old"), ignore_errors=True)
+    return TITAN_DIR
+
+
+def run_adapter(
+    family: str, direction: str, config: dict[str, Any], src: Path, dst: Path, timeout: int = 300
+) -> None:
+    """`direction` ("from_hf", "to_hf", "load" or "model") with torchtitan 0.3.0's `family` adapter, for a
+    checkpoint whose HF config.json is `config`: SRC an HF directory (from_hf, load) or a runtime safetensors
+    file (to_hf), DST a safetensors file (a JSON file for model); see tests/workers/titan_adapter.py. Raises
+    RuntimeError with the worker's output when it fails."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown torchtitan family {family!r}; one of {FAMILIES}")
+    cmd = [sys.executable, str(WORKER), family, direction, json.dumps(config), str(src), str(dst)]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env=_env(str(titan_dir())),
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"torchtitan {family} {direction} of {src} failed ({proc.returncode}):\n"
+            f"{proc.stdout}\n{proc.stderr}"
+        )

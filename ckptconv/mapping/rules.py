@@ -330,13 +330,18 @@ def _padded(ctx: _Ctx, rule: Rule, shape: tuple[int, ...]) -> int:
     return size
 
 
-def _resolve(ctx: _Ctx, spec: Sequence[int | str], numel: int, what: str) -> tuple[int, ...]:
+def _resolve(ctx: _Ctx, spec: Sequence[int | str], shape: tuple[int, ...], what: str) -> tuple[int, ...]:
+    """A reshape's other shape for a tensor of `shape`: sizes from config.json; -1 first is dim 0 (a reshape
+    keeps it), and one other -1 takes what is left."""
+    numel = math.prod(shape)
     dims = [-1 if d == -1 else ctx.scope.size(d) for d in spec]
+    if dims and dims[0] == -1 and shape:
+        dims[0] = shape[0]
     known = math.prod(d for d in dims if d != -1)
     if dims.count(-1) == 1 and known and numel % known == 0:
         dims[dims.index(-1)] = numel // known
     if math.prod(dims) != numel or any(d < 0 for d in dims):
-        raise CkptconvError(f"{ctx.where}: {numel} elements do not reshape to {what} {list(spec)}")
+        raise CkptconvError(f"{ctx.where}: {list(shape)} does not reshape to {what} {list(spec)}")
     return tuple(dims)
 
 
@@ -346,7 +351,7 @@ def _reshaped(
     """The HF shape of a runtime piece (and the piece's shape as the layout), or the piece's own shape."""
     if rule.hf_shape is None or not to_hf:
         return shape, None
-    out = _resolve(ctx, rule.hf_shape, math.prod(shape), "hf_shape")
+    out = _resolve(ctx, rule.hf_shape, shape, "hf_shape")
     if not shape or not out or out[0] != shape[0]:
         raise CkptconvError(f"{ctx.where}: {key!r}: a reshape must keep dim 0 ({list(shape)} -> {list(out)})")
     return out, shape
@@ -358,7 +363,7 @@ def _unreshaped(
     """The runtime shape of a tensor whose parts are laid out like the HF tensors (`layout`)."""
     inner = _drop(layout, stack_dim)
     spec = rule.runtime_shape or ((inner[0], -1) if inner else ())
-    out = _resolve(ctx, spec, math.prod(inner), "runtime_shape")
+    out = _resolve(ctx, spec, inner, "runtime_shape")
     if stack_dim is not None:
         out = (*out[:stack_dim], layout[stack_dim], *out[stack_dim:])
     if out[0] != layout[0]:

@@ -2,7 +2,8 @@
 
 `tiny(family, path, **options)` builds the model from its transformers 5.23 config class (no network), seeded,
 and writes it with `save_pretrained` in float32 (config.json, generation_config.json, model.safetensors):
-hidden 16-32, vocab 64, 2-4 layers, 4 experts, so it saves in well under 2 s. `auto_class` is the Auto
+hidden 16-32, vocab 64, 2-4 layers, 4 experts (`experts=3`: a count two ranks split unevenly), so it saves
+in well under 2 s. `auto_class` is the Auto
 class that loads it back.
 
 - llama: LlamaForCausalLM, 4 heads of 8, 2 KV heads. `tie=True`: tied embeddings (no lm_head saved).
@@ -57,16 +58,16 @@ FAMILIES = ("llama", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_5_moe"
 _TEXT = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
 
 
-def _deepseek_text(q_lora: bool = True, mtp: int = 0) -> dict[str, Any]:
+def _deepseek_text(q_lora: bool = True, mtp: int = 0, experts: int = 4) -> dict[str, Any]:
     return {
         **_TEXT,
         "moe_intermediate_size": 8,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "n_shared_experts": 1,
-        "n_routed_experts": 4,
+        "n_routed_experts": experts,
         "num_experts_per_tok": 2,
-        "n_group": 2,
+        "n_group": 2 if experts % 2 == 0 else 1,
         "topk_group": 1,
         "first_k_dense_replace": 1,
         "kv_lora_rank": 16,
@@ -79,7 +80,7 @@ def _deepseek_text(q_lora: bool = True, mtp: int = 0) -> dict[str, Any]:
     }
 
 
-def _qwen3_5_text(moe: bool) -> dict[str, Any]:
+def _qwen3_5_text(moe: bool, experts: int = 4) -> dict[str, Any]:
     text = {
         **_TEXT,
         "num_hidden_layers": 4,  # layer_types: linear, linear, linear, full (full_attention_interval 4)
@@ -105,7 +106,7 @@ def _qwen3_5_text(moe: bool) -> dict[str, Any]:
         text |= {
             "moe_intermediate_size": 8,
             "shared_expert_intermediate_size": 16,
-            "num_experts": 4,
+            "num_experts": experts,
             "num_experts_per_tok": 2,
         }
         del text["intermediate_size"]
@@ -157,11 +158,13 @@ def config(family: str, **options: Any) -> Any:
             tie_word_embeddings=False,
         )
     if family == "deepseek_v3":
-        return tf.DeepseekV3Config(**_deepseek_text(options.get("q_lora", True), options.get("mtp", 0)))
+        return tf.DeepseekV3Config(
+            **_deepseek_text(options.get("q_lora", True), options.get("mtp", 0), options.get("experts", 4))
+        )
     if family == "gpt_oss":
         return tf.GptOssConfig(
             num_hidden_layers=2,
-            num_local_experts=4,
+            num_local_experts=options.get("experts", 4),
             vocab_size=64,
             hidden_size=32,
             intermediate_size=24,
@@ -175,13 +178,13 @@ def config(family: str, **options: Any) -> Any:
     if family in ("qwen3_5", "qwen3_5_moe"):
         cls = tf.Qwen3_5Config if family == "qwen3_5" else tf.Qwen3_5MoeConfig
         return cls(
-            text_config=_qwen3_5_text(family == "qwen3_5_moe"),
+            text_config=_qwen3_5_text(family == "qwen3_5_moe", options.get("experts", 4)),
             vision_config=dict(_QWEN3_5_VISION),
             tie_word_embeddings=False,
         )
     if family == "kimi_k25":
         return tf.Kimi_K25Config(
-            text_config={"model_type": "deepseek_v3", **_deepseek_text()},
+            text_config={"model_type": "deepseek_v3", **_deepseek_text(experts=options.get("experts", 4))},
             vision_config={
                 "patch_size": 4,
                 "pos_emb_height": 4,

@@ -253,3 +253,40 @@ def test_size_expressions_never_evaluate_code(tmp_path: Path) -> None:
     assert [t.shape for t in map_keys(m, "to_hf", {"a": (4,)}, {"t": {"n": 4}}).targets] == [(2,), (2,)]
     with pytest.raises(CkptconvError, match="not exact"):
         map_keys(m, "to_hf", {"a": (3,)}, {"t": {"n": 3}})
+
+
+def test_inspect_explain_names_the_rule_operation_and_blocks(tmp_path: Path, capsys) -> None:
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from test_bad_input import assert_one_line
+
+    from ckptconv.cli import main
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        try:
+            main(list(argv))
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    key = "layers.0.moe.routed_experts.inner_experts.mlp1_weight_EGD"
+    dcp.save({"model": {key: values(3, 8, 5)}}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    target = "model.layers.0.mlp.experts.gate_up_proj"
+    argv = ["inspect", str(tmp_path / "ckpt"), "--mapping", "torchtitan-gpt-oss", "--explain"]
+    code, out, err = run(*argv, target, "--json")
+    assert code == 0, err
+    [made] = json.loads(out)["targets"]
+    assert made["shape"] == [3, 5, 8] and made["op"] == "transpose" and made["rule"]["transpose"] == [1, 2]
+    part = {"source": key, "from": "[0:3, 0:8, 0:5]", "to": "[0:3, 0:5, 0:8]", "dims": [0, 2, 1]}
+    assert made["parts"] == [{**part, "row_permutation": False}]
+    code, out, err = run(*argv, key)  # a source key: every key made from it
+    assert code == 0, err
+    assert f"{target} [3, 5, 8]: transpose" in out and "rule 15 of torchtitan-gpt-oss" in out, out
+    assert "transpose = [1, 2]" in out and "dims [0, 2, 1]" in out
+    code, _, err = run(*argv, "model.layers.0.mlp.experts.gate_up")
+    assert_one_line(code, err, "--explain 'model.layers.0.mlp.experts.gate_up'", "close: " + target)
+    code, _, err = run("inspect", str(tmp_path / "ckpt"), "--explain", target)
+    assert_one_line(code, err, "--explain", "needs --mapping")

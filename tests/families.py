@@ -150,7 +150,7 @@ def config(family: str, **options: Any) -> Any:
             num_key_value_heads=2,
             head_dim=8,
             moe_intermediate_size=8,
-            num_experts=4,
+            num_experts=options.get("experts", 4),
             num_experts_per_tok=2,
             decoder_sparse_step=1,
             mlp_only_layers=[],

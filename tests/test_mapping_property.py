@@ -81,17 +81,26 @@ hf = "model.layers.{{layer}}.norm"
 """
 
 
-@settings(
+EXAMPLES = settings(  # each example converts both ways in process: CKPTCONV_MAPPING_EXAMPLES trades time
     max_examples=int(os.environ.get("CKPTCONV_MAPPING_EXAMPLES", "12")),
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(case=cases())
-def test_random_mapping_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: dict) -> None:
+
+
+def fresh(tmp_path: Path, case: dict) -> Path:
+    """A clean directory for one example (hypothesis reuses the test's tmp_path across examples)."""
     root = tmp_path / f"case{case['seed']}"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir()
+    return root
+
+
+@EXAMPLES
+@given(case=cases())
+def test_random_mapping_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: dict) -> None:
+    root = fresh(tmp_path, case)
     dtype, E, F, D = case["dtype"], case["experts"], case["f"], case["d"]
     q, k, v = case["qkv"]
     qkv_shape = (q + k + v, D) if case["qkv_dim"] == 0 else (D, q + k + v)

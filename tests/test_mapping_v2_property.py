@@ -6,20 +6,18 @@ explicit torch expressions; and (slow) the same bytes at 1, 2 and 3 ranks from a
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import WORKERS, ckptconv, torchrun, tree_sha256
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from test_bad_input import run
 from test_dcp_to_hf import load_dir, same_bits
 from test_hf_to_dcp import load_plain
-from test_mapping_property import DTYPES, _values
+from test_mapping_property import DTYPES, EXAMPLES, _values, fresh
 
 MAPPING = """[mapping]
 name = "v2"
@@ -143,17 +141,10 @@ def build(case: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
     return runtime, hf, config, text
 
 
-@settings(
-    max_examples=int(os.environ.get("CKPTCONV_MAPPING_EXAMPLES", "12")),
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@EXAMPLES
 @given(case=cases())
 def test_every_operation_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: dict) -> None:
-    root = tmp_path / f"case{case['seed']}"
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir()
+    root = fresh(tmp_path, case)
     runtime, expected, config, text = build(case)
     (root / "m.toml").write_text(text)
     (root / "config.json").write_text(json.dumps(config))
@@ -176,12 +167,19 @@ def test_every_operation_round_trips(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert code == 0, err
 
 
+RANK_CASES = [  # two compositions drawn by hand: MTP, odd experts, interleave on dim 1; and bf16 without MTP
+    {"layers": 2, "mtp": 1, "e": 3, "f": 2, "d": 3, "idim": 1, "groups": 2, "qpg": 2, "hd": 2, "vocab": 7,
+     "mult": 4, "c": 2, "k": 3, "dtype": torch.float32, "seed": 7},
+    {"layers": 3, "mtp": 0, "e": 5, "f": 3, "d": 2, "idim": 0, "groups": 1, "qpg": 3, "hd": 2, "vocab": 5,
+     "mult": 8, "c": 3, "k": 1, "dtype": torch.bfloat16, "seed": 11},
+]  # fmt: skip
+
+
 @pytest.mark.slow
-def test_every_operation_gives_the_same_bytes_at_1_2_and_3_ranks(tmp_path: Path) -> None:
-    """An unevenly sharded 2-rank save (FSDP2's Shard(0), 3 experts over 2 ranks), converted by 1, 2 and 3
-    ranks: identical files; read back by 3 ranks: the saved values."""
-    case = {"layers": 2, "mtp": 1, "e": 3, "f": 2, "d": 3, "idim": 1, "groups": 2, "qpg": 2, "hd": 2}
-    case |= {"vocab": 7, "mult": 4, "c": 2, "k": 3, "dtype": torch.float32, "seed": 7}
+@pytest.mark.parametrize("case", RANK_CASES, ids=["fp32-mtp", "bf16"])
+def test_every_operation_gives_the_same_bytes_at_1_2_and_3_ranks(tmp_path: Path, case: dict) -> None:
+    """An unevenly sharded 2-rank save (FSDP2's Shard(0): 3 or 5 experts over 2 ranks), converted by 1, 2 and
+    3 ranks: identical files; read back by 3 ranks: the saved values."""
     runtime, expected, config, text = build(case)
     (tmp_path / "m.toml").write_text(text)
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -201,6 +199,7 @@ def test_every_operation_gives_the_same_bytes_at_1_2_and_3_ranks(tmp_path: Path)
     flags = ("--mapping", m, "--config", cfg, "--verify")
     proc = ckptconv("hf-to-dcp", str(tmp_path / "hf1"), str(tmp_path / "back"), *flags, nproc=3)
     assert proc.returncode == 0, proc.stderr
-    assert "emb: [8, 3] padded with zeros" in proc.stderr  # vocabulary 7 read back as 8 rows
+    padded = -(-case["vocab"] // case["mult"]) * case["mult"]
+    assert f"emb: [{padded}, {case['d']}] padded with zeros" in proc.stderr  # the vocabulary read back padded
     state = load_plain(tmp_path / "back")
     assert all(same_bits(state[k], v) for k, v in runtime.items()) and set(state) == set(runtime)  # type: ignore[arg-type]

@@ -30,6 +30,11 @@ from titan import run_adapter
 # name: (transformers family, its options, torchtitan family, preset, keys torchtitan 0.3.0's adapter gets
 # wrong or drops: a regex over runtime keys)
 CASES = {
+    "llama": ("llama", {}, "llama3", "torchtitan-llama3", ""),
+    "llama_tied": ("llama", {"tie": True}, "llama3", "torchtitan-llama3", ""),
+    "qwen3": ("qwen3", {}, "qwen3", "torchtitan-qwen3", ""),
+    "qwen3_moe": ("qwen3", {"moe": True, "experts": 3}, "qwen3", "torchtitan-qwen3", ""),
+    "deepseek_v3": ("deepseek_v3", {"experts": 3}, "deepseek_v3", "torchtitan-deepseek-v3", ""),
     "deepseek_v3_mtp": (
         "deepseek_v3",
         {"q_lora": False, "mtp": 1, "experts": 3},
@@ -58,7 +63,7 @@ CASES = {
 }
 # torchtitan's load-balancing bias, in the families where HF has no counterpart (DeepSeek's is the router's
 # e_score_correction_bias)
-NO_HF_COUNTERPART = {"gpt_oss", "qwen3_5_moe", "qwen3_5_moe_fused"}
+NO_HF_COUNTERPART = {"qwen3_moe", "gpt_oss", "qwen3_5_moe", "qwen3_5_moe_fused"}
 
 
 def fixed_experts(name: str, hf: dict[str, torch.Tensor], key: str) -> torch.Tensor:

@@ -47,7 +47,12 @@ def hf_source(src: str, revision: str | None) -> Path:
 
     def check(path: Path) -> None:
         if is_dcp_dir(path):
-            raise CkptconvError(f"{path}: is a DCP checkpoint, not Hugging Face safetensors; use dcp-to-hf")
+            what = (
+                "a DCP checkpoint"
+                if is_directory(path / ".metadata") or exists(path / ".metadata")
+                else ("torch's distributed HF writer output (per-rank shards with DCP_SHARDING_INFO)")
+            )
+            raise CkptconvError(f"{path}: is {what}, not whole Hugging Face tensors; use dcp-to-hf")
         if not is_directory(path) and path.suffix != ".safetensors":
             raise CkptconvError(f"{path}: not a .safetensors file")
         if is_directory(path) and not is_hf_dir(path):

@@ -44,16 +44,29 @@ class DcpCheckpoint:
 
 
 def is_dcp_dir(path: Path) -> bool:
-    """Whether `path` is a directory with a `.metadata` (of any kind: `open_dcp` refuses a FIFO by name)."""
+    """Whether `path` is a directory with a `.metadata` (of any kind: `open_dcp` refuses a FIFO by name), or
+    the per-rank safetensors shards torch's distributed HF writer leaves (`hf_sharded`)."""
     mode = mode_of(path)
-    return mode is not None and stat.S_ISDIR(mode) and mode_of(path / METADATA_FILE) is not None
+    if mode is None or not stat.S_ISDIR(mode):
+        return False
+    if mode_of(path / METADATA_FILE) is not None:
+        return True
+    from .hf_sharded import is_sharded_dir
+
+    return is_sharded_dir(path)
 
 
 def open_dcp(path: Path) -> DcpCheckpoint:
     """Read and validate `path/.metadata`; raise CkptconvError naming the problem and the fix.
 
-    `.metadata` and every file it names must be regular files resolving inside `path`."""
+    `.metadata` and every file it names must be regular files resolving inside `path`. A directory of torch's
+    distributed HF writer shards (no `.metadata`) is read from their headers (`hf_sharded.open_sharded`)."""
     md_path = path / METADATA_FILE
+    if mode_of(md_path) is None:
+        from .hf_sharded import is_sharded_dir, open_sharded
+
+        if is_sharded_dir(path):
+            return open_sharded(path)
     data = read_regular(md_path, path)
     metadata = load_dcp_metadata(data, str(md_path))
     try:

@@ -262,7 +262,7 @@ def open_hf(path: Path) -> HfCheckpoint:
     if mode is None:
         raise CkptconvError(f"{path}: no such file or directory")
     if not stat.S_ISDIR(mode):
-        return HfCheckpoint(path, read_header(path)[0], (path,))
+        return HfCheckpoint(path, _unsharded(path, *read_header(path)), (path,))
     root = checkpoint_root(path)
     index_path = path / INDEX_FILE
     weight_map = _weight_map(index_path, root) if mode_of(index_path) is not None else None
@@ -279,7 +279,7 @@ def open_hf(path: Path) -> HfCheckpoint:
         if weight_map is not None and mode_of(file) is None:
             raise CkptconvError(f"{index_path}: names {name}, which is missing; re-download the model")
         files.append(file)
-        for key, stored in read_header(file, root)[0].items():
+        for key, stored in _unsharded(file, *read_header(file, root)).items():
             if key in tensors:
                 raise CkptconvError(f"{path}: key {key!r} is in both {tensors[key].file.name} and {name}")
             if weight_map is not None and weight_map.get(key) != name:
@@ -292,6 +292,21 @@ def open_hf(path: Path) -> HfCheckpoint:
                 f"{index_path}: lists {missing[0]!r} in {weight_map[missing[0]]}, which does not hold it"
             )
     return HfCheckpoint(path, tensors, tuple(files))
+
+
+SHARDING_KEY = "DCP_SHARDING_INFO"  # torch's distributed HF writer: a rank's blocks, not whole tensors
+
+
+def _unsharded(
+    file: Path, tensors: dict[str, StoredTensor], metadata: dict[str, str]
+) -> dict[str, StoredTensor]:
+    """The tensors of an HF file; a shard of torch's distributed HF writer (one rank's blocks) is refused."""
+    if SHARDING_KEY in metadata:
+        raise CkptconvError(
+            f"{file}: is one rank's shard written by torch's HuggingFaceStorageWriter(save_distributed=True) "
+            f"({SHARDING_KEY}), not whole tensors; convert its directory with dcp-to-hf"
+        )
+    return tensors
 
 
 def _weight_map(index_path: Path, root: Path) -> dict[str, str]:

@@ -1,0 +1,129 @@
+"""torch's distributed HF writer output as a DCP source: `HuggingFaceStorageWriter(save_distributed=True)`
+(what NeMo Automodel's training saves) writes one `shard-0000R-model-0000I-of-0000N.safetensors` per rank and
+file, each holding that rank's blocks, with `DCP_SHARDING_INFO` in the header's `__metadata__`: every key's
+`saved_offsets` in the global tensor. There is no `.metadata`: the global shapes come from the blocks, which
+must tile each tensor exactly (checked as DCP chunks are). The result is a `DcpCheckpoint` whose chunks are
+safetensors tensors, so dcp-to-hf, verify and inspect read it like any DCP: at flat memory, on any number of
+ranks, integer tensors included (torch's own consolidation holds whole tensors, and breaks on integers).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from ..errors import CkptconvError
+from ..layout import tiling_problem
+from ..specs import ChunkSpec, TensorSpec
+from .dcp import DcpCheckpoint
+from .files import listdir, mode_of
+from .hf import SHARDING_KEY, read_header
+
+MAX_SHARDING_CHARS = 64 * 2**20
+
+
+def sharding_of(metadata: dict[str, str], path: Path) -> dict[str, tuple[int, ...]] | None:
+    """The `saved_offsets` of every key, from a safetensors header's `__metadata__`; None without any."""
+    raw = metadata.get(SHARDING_KEY)
+    if raw is None:
+        return None
+    try:
+        if len(raw) > MAX_SHARDING_CHARS:
+            raise ValueError("too large")
+        doc: Any = json.loads(raw)
+        return {
+            str(key): tuple(_offset(x) for x in entry["saved_offsets"]) for key, entry in dict(doc).items()
+        }
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
+        raise CkptconvError(
+            f"{path}: its {SHARDING_KEY} header entry is malformed ({str(e)[:120]}); re-save the checkpoint"
+        ) from None
+
+
+def _offset(x: Any) -> int:
+    if type(x) is not int or x < 0:
+        raise ValueError(f"offset {x!r} is not a non-negative integer")
+    return x
+
+
+_NAME = re.compile(r"shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors")
+
+
+def _shards(path: Path) -> list[str]:
+    return sorted(n for n in listdir(path) if n.endswith(".safetensors"))
+
+
+def _check_ranks(path: Path, names: list[str]) -> None:
+    """torch numbers the shard files by rank from 1: a gap means a rank's file is missing. (A missing last
+    rank leaves no gap; its absence shows only where its blocks leave a hole inside a tensor.)"""
+    ranks = {int(m.group(1)) for m in map(_NAME.fullmatch, names) if m}
+    missing = sorted(set(range(1, max(ranks, default=0) + 1)) - ranks)
+    if missing:
+        raise CkptconvError(
+            f"{path}: no shard file of rank {missing[0]} (shard-{missing[0]:05d}-model-*.safetensors); "
+            "the checkpoint is incomplete, re-copy it"
+        )
+
+
+def is_sharded_dir(path: Path) -> bool:
+    """A directory of safetensors files whose first one carries DCP_SHARDING_INFO (reads one header)."""
+    mode = mode_of(path)
+    if mode is None or not stat.S_ISDIR(mode):
+        return False
+    names = _shards(path)
+    if not names:
+        return False
+    try:
+        return sharding_of(read_header(path / names[0], path)[1], path / names[0]) is not None
+    except CkptconvError:  # an unreadable file: not this layout; whoever reads it as HF names the problem
+        return False
+
+
+def open_sharded(path: Path) -> DcpCheckpoint:
+    """Every shard file's header; the global tensors they tile (a missing shard file is a hole, named)."""
+    chunks: dict[str, list[ChunkSpec]] = {}
+    dtypes: dict[str, str] = {}
+    stamps = {}
+    names = _shards(path)
+    _check_ranks(path, names)
+    for name in names:
+        file = path / name
+        stored, metadata = read_header(file, path)
+        offsets = sharding_of(metadata, file)
+        if offsets is None:
+            raise CkptconvError(
+                f"{file}: has no {SHARDING_KEY}, unlike the other shards; remove it or re-save"
+            )
+        for key, tensor in stored.items():
+            if key not in offsets or len(offsets[key]) != len(tensor.shape):
+                raise CkptconvError(
+                    f"{file}: {SHARDING_KEY} gives no offsets of {len(tensor.shape)} dims for {key!r}"
+                )
+            if dtypes.setdefault(key, tensor.dtype_name) != tensor.dtype_name:
+                raise CkptconvError(
+                    f"{file}: {key!r} is {tensor.dtype_name} here, {dtypes[key]} in another shard"
+                )
+            end = tensor.data_offset + tensor.nbytes
+            chunks.setdefault(key, []).append(
+                ChunkSpec(offsets[key], tensor.shape, name, 0, end, "safetensors")
+            )
+            if tensor.stamp is not None:
+                stamps[name] = tensor.stamp
+    if not chunks:
+        raise CkptconvError(f"{path}: its shard files hold no tensors")
+    tensors = {}
+    for key, parts in chunks.items():
+        ranks = {len(c.sizes) for c in parts}
+        if len(ranks) != 1:
+            raise CkptconvError(f"{path}: the shards of {key!r} disagree on its number of dims")
+        shape = tuple(max(c.offsets[d] + c.sizes[d] for c in parts) for d in range(ranks.pop()))
+        problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in parts])
+        if problem:
+            raise CkptconvError(
+                f"{path}: {key!r} {list(shape)}: {problem}; a rank's shard file is missing or stale"
+            )
+        tensors[key] = TensorSpec(key, dtypes[key], shape, tuple(parts))
+    return DcpCheckpoint(path, tensors, {}, {key: (key,) for key in tensors}, stamps)

@@ -110,6 +110,8 @@ def dcp_to_hf(
         return ckpt, plan, bucket, model_config, target
 
     ckpt, plan, bucket, model_config, target = everyone(world, prepare)
+    if ckpt.path != Path(src):
+        ui.info(f"{src}: holds one checkpoint, {ckpt.path}; converting it")
     for note in plan.notes:
         ui.info(note)
     for warning in plan.warnings:

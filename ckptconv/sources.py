@@ -8,13 +8,14 @@ from pathlib import Path
 
 from .errors import CkptconvError
 from .formats.dcp import is_dcp_dir
-from .formats.files import exists, is_directory, is_regular
+from .formats.files import exists, is_directory, is_regular, listdir
 from .formats.hf import download, is_hf_dir, looks_like_repo_id
 from .outcheck import refuse_partial
 
 
 def dcp_source(src: Path) -> Path:
-    """The DCP directory the user means, or a CkptconvError saying what `src` is instead."""
+    """The DCP directory the user means (`src`, or the one checkpoint directly inside it), or a
+    CkptconvError saying what `src` is instead."""
     if not exists(src):
         raise CkptconvError(f"{src}: no such file or directory")
     refuse_partial(src)
@@ -24,9 +25,23 @@ def dcp_source(src: Path) -> Path:
         if src.suffix == ".safetensors" or is_directory(src):
             raise CkptconvError(f"{src}: is a Hugging Face safetensors checkpoint, not DCP; use hf-to-dcp")
         raise CkptconvError(f"{src}: is a file; dcp-to-hf reads a DCP checkpoint directory (with .metadata)")
+    inner = checkpoints_inside(src) if is_directory(src) else []
+    if len(inner) == 1:  # accelerate's pytorch_model_fsdp_0/, Megatron's iter_0000100/, torchtitan's step-N/
+        return inner[0]
+    if inner:
+        names = ", ".join(p.name + "/" for p in inner[:4]) + (", ..." if len(inner) > 4 else "")
+        raise CkptconvError(f"{src}: holds {len(inner)} DCP checkpoints ({names}); point at one of them")
     raise CkptconvError(
         f"{src}: not a DCP checkpoint (no .metadata inside); point at the checkpoint directory"
     )
+
+
+def checkpoints_inside(directory: Path) -> list[Path]:
+    """The DCP checkpoints one level down (a training run's save directory), sorted naturally by name."""
+    from .plan import natural_key
+
+    found = [directory / n for n in listdir(directory) if not n.startswith(".") and is_dcp_dir(directory / n)]
+    return sorted(found, key=lambda p: natural_key(p.name))
 
 
 def _local_or_hub(src: str, revision: str | None, check: Callable[[Path], None]) -> Path:

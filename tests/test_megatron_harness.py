@@ -244,7 +244,9 @@ def test_pickle_globals(megatron_root: Path, name: str) -> None:
     raw = (ckpt / ".metadata").read_bytes()
     assert raw[:2] == b"\x80\x04"  # a plain pickle (protocol 4), not a torch.save zip
     dtypes = {str(t.dtype) for t in _expected(ckpt)["tensors"].values()}
-    assert _globals(raw) == METADATA_GLOBALS | dtypes
+    # Python's own pickler names enum members through builtins.getattr in some 3.11 patch releases (CI's
+    # 3.11.2) and not in others: it is not something the checkpoint chose
+    assert _globals(raw) - {"builtins.getattr"} == METADATA_GLOBALS | dtypes
     common = _torch_save_globals((ckpt / "common.pt").read_bytes())
     assert "argparse.Namespace" in common and common <= {
         "argparse.Namespace",

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from pinned import install_pinned
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = Path(__file__).resolve().parent / "megatron-requirements.txt"
@@ -40,44 +41,10 @@ def _env(pythonpath: str | None = None) -> dict[str, str]:
     return env
 
 
-def _complete() -> bool:
-    marker = MEGATRON_DIR / "megatron-requirements.txt"
-    return marker.is_file() and marker.read_text() == REQUIREMENTS.read_text()
-
-
 def megatron_dir() -> Path:
-    """The --target directory holding megatron-core 0.16.1 (and whatever the pins add), installed on first
-    use (once per machine: a lock file serialises concurrent test processes). pip installs into a temporary
-    sibling that is renamed into place only after it succeeded, with a copy of the requirements as the
-    completion marker, so a killed install never leaves a half directory; one with other pins is replaced."""
-    import fcntl
-
-    if _complete():
-        return MEGATRON_DIR
-    MEGATRON_DIR.parent.mkdir(parents=True, exist_ok=True)
-    with open(MEGATRON_DIR.with_name(MEGATRON_DIR.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _complete():
-            return MEGATRON_DIR
-        tmp = Path(tempfile.mkdtemp(prefix=MEGATRON_DIR.name + ".", suffix=".tmp", dir=MEGATRON_DIR.parent))
-        try:
-            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input"]
-            cmd += ["--target", str(tmp), "-r", str(REQUIREMENTS)]
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, env=_env(), timeout=1800, stdin=subprocess.DEVNULL
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-                )
-            shutil.copyfile(REQUIREMENTS, tmp / "megatron-requirements.txt")
-            if MEGATRON_DIR.exists():  # other pins, or left by hand: set aside, then removed
-                MEGATRON_DIR.rename(tmp.with_suffix(".old"))
-            tmp.rename(MEGATRON_DIR)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(tmp.with_suffix(".old"), ignore_errors=True)
-    return MEGATRON_DIR
+    """The --target directory holding megatron-core 0.16.1 (and whatever the pins add):
+    `pinned.install_pinned`, once."""
+    return install_pinned(MEGATRON_DIR, REQUIREMENTS)
 
 
 def run_megatron(nproc: int, *args: str, timeout: int = 300) -> None:

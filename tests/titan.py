@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from pinned import install_pinned
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = Path(__file__).resolve().parent / "titan-requirements.txt"
@@ -39,45 +39,10 @@ def _env(pythonpath: str | None = None) -> dict[str, str]:
     return env
 
 
-def _complete() -> bool:
-    marker = TITAN_DIR / "titan-requirements.txt"
-    return marker.is_file() and marker.read_text() == REQUIREMENTS.read_text()
-
-
 def titan_dir() -> Path:
-    """The --target directory holding torchtitan 0.3.0 and the packages its adapters import, installed on
-    first use (once per machine: a lock file serialises concurrent test processes). pip installs into a
-    temporary sibling that is renamed into place only after it succeeded, with a copy of the requirements as
-    the completion marker, so a killed install never leaves a half directory; one with other pins is
-    replaced."""
-    import fcntl
-
-    if _complete():
-        return TITAN_DIR
-    TITAN_DIR.parent.mkdir(parents=True, exist_ok=True)
-    with open(TITAN_DIR.with_name(TITAN_DIR.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _complete():
-            return TITAN_DIR
-        tmp = Path(tempfile.mkdtemp(prefix=TITAN_DIR.name + ".", suffix=".tmp", dir=TITAN_DIR.parent))
-        try:
-            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input"]
-            cmd += ["--target", str(tmp), "-r", str(REQUIREMENTS)]
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, env=_env(), timeout=1800, stdin=subprocess.DEVNULL
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-                )
-            shutil.copyfile(REQUIREMENTS, tmp / "titan-requirements.txt")
-            if TITAN_DIR.exists():  # other pins, or left by hand: set aside, then removed
-                TITAN_DIR.rename(tmp.with_suffix(".old"))
-            tmp.rename(TITAN_DIR)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(tmp.with_suffix(".old"), ignore_errors=True)
-    return TITAN_DIR
+    """The --target directory holding torchtitan 0.3.0 and the packages its adapters import:
+    `pinned.install_pinned`, once."""
+    return install_pinned(TITAN_DIR, REQUIREMENTS)
 
 
 def run_adapter(

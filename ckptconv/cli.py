@@ -22,6 +22,7 @@ from .cli_options import (
     ExplainOpt,
     Fp32Opt,
     JsonOpt,
+    KeepTrainerStateOpt,
     MappingOpt,
     MaxShardOpt,
     OverwriteOpt,
@@ -91,6 +92,7 @@ def dcp_to_hf_cmd(
     hf_experts: Annotated[
         str | None, typer.Option("--hf-experts", help="per_expert or fused: how MoE experts are written.")
     ] = None,
+    keep_trainer_state: KeepTrainerStateOpt = False,
     verify: VerifyOpt = False,
     trust_pickle: TrustOpt = False,
     quiet: QuietOpt = False,
@@ -126,6 +128,7 @@ def dcp_to_hf_cmd(
             config=config,
             allow_unmapped=allow_unmapped,
             hf_experts=hf_experts,
+            keep_trainer_state=keep_trainer_state,
             verify=verify,
         )
         summary = plan_summary(result.plan)

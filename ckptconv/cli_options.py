@@ -65,6 +65,13 @@ ConfigOpt = Annotated[
     Path | None,
     typer.Option("--config", help="config.json the mapping reads sizes from (heads, tied embeddings)."),
 ]
+KeepTrainerStateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--keep-trainer-state",
+        help="Also stash the dataloader, LR-scheduler, RNG and module extra state (left out by default).",
+    ),
+]
 AllowUnmappedOpt = Annotated[
     bool, typer.Option("--allow-unmapped", help="Pass keys no mapping rule covers through unchanged.")
 ]

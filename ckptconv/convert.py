@@ -12,24 +12,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from . import outcheck, outdir, sources
 from . import verify as verify_mod
-from .compose import target_rows
 from .copies import check_copies
 from .copy_from import copy_non_weights
+from .dcp_save import save_dcp
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, open_dcp
 from .formats.dcp_reader import DcpReader, RowPiece
 from .formats.files import exists, read_regular
 from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
-from .formats.safetensors_io import Entry, RowReader, SafetensorsWriter
+from .formats.safetensors_io import Entry, SafetensorsWriter
 from .gather import gather_tensors
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
-from .plan import DcpOutTensor, DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
-from .stash import StashedItem, json_exact, read_stash, write_stash
+from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
+from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
 from .unshard import Item, check_read_pieces, direct_rows, direct_tensors
 from .world import World, everyone, on_main
@@ -79,6 +77,7 @@ def dcp_to_hf(
     config: Path | None = None,
     allow_unmapped: bool = False,
     hf_experts: str | None = None,
+    keep_trainer_state: bool = False,
     verify: bool = False,
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`. Collective."""
@@ -106,6 +105,7 @@ def dcp_to_hf(
             mapping=key_mapping,
             config=model_config,
             allow_unmapped=allow_unmapped,
+            keep_trainer_state=keep_trainer_state,
         )
         return ckpt, plan, bucket, model_config, target
 
@@ -210,8 +210,8 @@ def _finish(
     if plan.sharded:
         with outdir.naming(staging / INDEX_FILE):
             write_index(staging, plan.weight_map, plan.total_size)
-    if plan.stash:
-        write_stash(staging, _load_stash(plan, ckpt, ui))
+    if plan.stashed:
+        write_stash(staging, collect_stash(plan, ckpt, ui.warn))
     return copy_non_weights(copy_from, staging) if copy_from is not None else []
 
 
@@ -219,20 +219,6 @@ def _mapping_file(mapping: str | None) -> tuple[str, Path | None]:
     """A `--mapping` that names a file (not a preset), as an input OUT must keep clear of."""
     path = Path(mapping) if mapping else None
     return "--mapping", path if path is not None and path.exists() else None
-
-
-def _load_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, ui: Ui) -> list[StashedItem]:
-    items = []
-    with DcpReader(ckpt) as reader:
-        for item in plan.stash:
-            raw, value, why = reader.load_item(item)
-            if why is not None:
-                ui.warn(
-                    f"non-tensor item {item.fqn!r} {why}: stashed as bytes, not loaded "
-                    "(ckptconv never unpickles it)"
-                )
-            items.append(StashedItem(item.fqn, item.path, raw, value, why is None and json_exact(value), why))
-    return items
 
 
 def hf_to_dcp(
@@ -301,7 +287,7 @@ def hf_to_dcp(
     outdir.atomically(
         world,
         target,
-        lambda staging: _save_dcp(plan, staging, world, ui),
+        lambda staging: save_dcp(plan, staging, world, ui),
         lambda staging: _keep_config(staging, config_file if mapping else None),
         (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None,
         ui.warn,
@@ -334,66 +320,3 @@ class DcpResult:
     plan: DcpSavePlan
     seconds: float = 0.0
     written: bool = False
-
-
-def _save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> None:
-    from .formats.dcp_writer import write_dcp  # torch.distributed.checkpoint: about 1 s to import
-
-    state_dict, raw_items = _dcp_state_dict(plan, world)
-    by_key = {t.key: t for t in plan.tensors}
-    reader = RowReader()
-
-    def read_rows(fqn: str, lo: int, hi: int, scratch: torch.Tensor | None) -> torch.Tensor:
-        return target_rows(by_key[fqn], lo, hi, reader, scratch)
-
-    mine = plan.nbytes_of(world.rank)
-    with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
-        try:
-            write_dcp(staging, state_dict, read_rows, raw_items, progress.advance)
-        finally:
-            reader.close()
-
-
-def _dcp_state_dict(plan: DcpSavePlan, world: World) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """Meta-device placeholders (DTensors with `Shard(0)` rows under torchrun) for `write_dcp` to fill."""
-    mesh = None
-    if world.distributed:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
-
-        world_group = dist.group.WORLD
-        assert world_group is not None
-        mesh = DeviceMesh.from_group(world_group, "cpu")  # the world group itself: no new gloo groups
-    state: dict[str, Any] = {}
-    lead = "".join(part + "." for part in plan.nesting)
-    for t in plan.tensors:
-        _nest(state, (*plan.nesting, t.key[len(lead) :]), _placeholder(plan, t, mesh, world.rank))
-    raw_items = {}
-    for item in plan.stash:
-        _nest(state, item.path, item.value if item.has_value else item.raw)
-        if not item.has_value:
-            raw_items[item.key] = item.raw
-    return state, raw_items
-
-
-def _placeholder(plan: DcpSavePlan, t: DcpOutTensor, mesh: Any, rank: int) -> torch.Tensor:
-    if mesh is None:
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not t.shape:
-        local = torch.empty((), dtype=t.dtype, device="meta")
-        return DTensor.from_local(local, mesh, [Replicate()], run_check=False)
-    lo, hi = plan.rows_of(t, rank)
-    local = torch.empty((hi - lo, *t.shape[1:]), dtype=t.dtype, device="meta")
-    stride = torch.empty(t.shape, device="meta").stride()
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(t.shape), stride=stride
-    )
-
-
-def _nest(state: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
-    node = state
-    for part in path[:-1]:
-        node = node.setdefault(str(part), {})
-    node[str(path[-1])] = value

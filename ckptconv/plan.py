@@ -25,29 +25,10 @@ from .formats.dcp import DcpCheckpoint
 from .formats.hf import HfCheckpoint, StoredTensor
 from .mapping.rules import KeyMapping, Part, Target, map_keys
 from .mapping.rules import whole as _whole
+from .release import Selection, select_tensors
 from .specs import NonTensorItem, TensorSpec
 from .stash import StashedItem
 
-MODEL_GROUP = "model"
-# top-level groups of a training checkpoint that are not model weights: their tensors never land in HF files
-NON_MODEL_GROUPS = frozenset(
-    {
-        "optim",
-        "optimizer",
-        "optimizers",
-        "optim_state",
-        "optimizer_state",
-        "lr_scheduler",
-        "lr_schedulers",
-        "scheduler",
-        "schedulers",
-        "dataloader",
-        "train_state",
-        "rng",
-        "rng_state",
-    }
-)
-OPTIMIZER_GROUPS = frozenset({"optim", "optimizer", "optimizers", "optim_state", "optimizer_state"})
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
 
 
@@ -106,25 +87,23 @@ class OutFile:
 
 
 @dataclass(frozen=True)
-class Selection:
-    """Which checkpoint tensors become which HF keys, which non-tensor items are stashed, and why."""
-
-    keys: tuple[tuple[str, str], ...]  # (hf_key, fqn)
-    stash: tuple[NonTensorItem, ...]
-    notes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class HfSavePlan:
     files: tuple[OutFile, ...]
     stash: tuple[NonTensorItem, ...]
     notes: tuple[str, ...]
     warnings: tuple[str, ...]
     world_size: int
+    scalars: tuple[TensorSpec, ...] = ()  # 0-d progress tensors (`train_state.step`), stashed as values
+    common: tuple[StashedItem, ...] = ()  # Megatron's common.pt values
 
     @property
     def total_size(self) -> int:
         return sum(f.nbytes for f in self.files)
+
+    @property
+    def stashed(self) -> list[str]:
+        """The keys `ckptconv_state.json` will hold."""
+        return [i.fqn for i in self.stash] + [s.fqn for s in self.scalars] + [i.key for i in self.common]
 
     @property
     def sharded(self) -> bool:
@@ -136,49 +115,6 @@ class HfSavePlan:
 
     def files_of(self, rank: int) -> list[OutFile]:
         return [f for f in self.files if f.owner == rank]
-
-
-def select_tensors(ckpt: DcpCheckpoint, prefix: str | None) -> Selection:
-    """Pick the model's tensors and the non-tensor items to stash; strip `prefix` (or the `model` group)."""
-
-    def group(fqn: str) -> str | None:
-        path = ckpt.paths.get(fqn, (fqn,))
-        return str(path[0]) if len(path) > 1 else None
-
-    notes: list[str] = []
-    groups = {group(fqn) for fqn in ckpt.tensors}
-    if prefix is not None:
-        strip = prefix if prefix.endswith(".") else prefix + "."
-        chosen = [fqn for fqn in ckpt.tensors if fqn.startswith(strip)]
-        if not chosen:
-            starts = sorted({fqn.split(".", 1)[0] + "." for fqn in ckpt.tensors})[:8]
-            raise CkptconvError(
-                f"--prefix {prefix!r} matched no tensor key; keys start with: {', '.join(starts) or '(none)'}"
-            )
-        skipped = len(ckpt.tensors) - len(chosen)
-        if skipped:
-            notes.append(f"--prefix {prefix!r}: {len(chosen)} tensors kept, {skipped} outside it skipped")
-    elif MODEL_GROUP in groups:
-        strip = MODEL_GROUP + "."
-        chosen = [fqn for fqn in ckpt.tensors if group(fqn) == MODEL_GROUP]
-        others = sorted(str(g) for g in groups - {MODEL_GROUP} if g is not None)
-        notes.append(
-            f"taking the {MODEL_GROUP!r} group ({len(chosen)} tensors)"
-            + (f"; not converting {', '.join(repr(g) for g in others)}" if others else "")
-            + (f" nor {len(ckpt.tensors) - len(chosen)} other top-level tensors" if None in groups else "")
-        )
-    else:
-        strip = ""
-        chosen = [fqn for fqn in ckpt.tensors if group(fqn) not in NON_MODEL_GROUPS]
-        dropped = sorted({str(group(f)) for f in ckpt.tensors if group(f) in NON_MODEL_GROUPS})
-        if dropped:
-            notes.append(f"not converting the {', '.join(repr(g) for g in dropped)} state")
-    keys = tuple((fqn[len(strip) :], fqn) for fqn in chosen)
-    for hf_key, fqn in keys:
-        if not hf_key:
-            raise CkptconvError(f"--prefix {prefix!r} leaves the key {fqn!r} empty; use a shorter prefix")
-    stash = tuple(item for fqn, item in ckpt.items.items() if group(fqn) not in OPTIMIZER_GROUPS)
-    return Selection(keys, stash, tuple(notes))
 
 
 def natural_key(key: str) -> tuple[tuple[int, int | str], ...]:
@@ -241,10 +177,11 @@ def mapped_tensors(
     mapping: KeyMapping | None = None,
     config: dict[str, Any] | None = None,
     allow_unmapped: bool = False,
+    keep_trainer_state: bool = False,
 ) -> tuple[Selection, list[OutTensor], list[str]]:
     """The checkpoint's tensors as HF-named output tensors (selected, mapped, dtypes resolved), before any
     file planning: what dcp-to-hf writes and what verify compares."""
-    selection = select_tensors(ckpt, prefix)
+    selection = select_tensors(ckpt, prefix, keep_trainer_state)
     if not selection.keys:
         raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
     mapped, unmapped = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
@@ -261,8 +198,11 @@ def plan_dcp_to_hf(
     mapping: KeyMapping | None = None,
     config: dict[str, Any] | None = None,
     allow_unmapped: bool = False,
+    keep_trainer_state: bool = False,
 ) -> HfSavePlan:
-    selection, mapped, unmapped = mapped_tensors(ckpt, policy, prefix, mapping, config, allow_unmapped)
+    selection, mapped, unmapped = mapped_tensors(
+        ckpt, policy, prefix, mapping, config, allow_unmapped, keep_trainer_state
+    )
     outs = {t.hf_key: t for t in sorted(mapped, key=lambda t: natural_key(t.hf_key))}
     notes = selection.notes
     if unmapped:
@@ -280,7 +220,10 @@ def plan_dcp_to_hf(
     groups = [data_order([outs[k] for k in split.filename_to_tensors[name]]) for name in names]
     owners = assign_owners([sum(t.nbytes for t in g) for g in groups], world_size)
     files = tuple(OutFile(name, g, owner) for name, g, owner in zip(names, groups, owners, strict=True))
-    return HfSavePlan(files, selection.stash, notes, tuple(policy.warnings()), world_size)
+    warnings = (*policy.warnings(), *selection.warnings)
+    return HfSavePlan(
+        files, selection.stash, notes, warnings, world_size, selection.scalars, selection.common
+    )
 
 
 def parse_size(value: str | int, flag: str = "--max-shard-size") -> int:

@@ -147,7 +147,7 @@ def plan_summary(plan: HfSavePlan) -> dict[str, Any]:
         ],
         "total_size": plan.total_size,
         "num_tensors": sum(len(f.tensors) for f in plan.files),
-        "stash": [i.fqn for i in plan.stash],
+        "stash": plan.stashed,
         "world_size": plan.world_size,
         "notes": list(plan.notes),
         "warnings": list(plan.warnings),
@@ -177,8 +177,8 @@ def render_plan(plan: HfSavePlan, console: Console) -> None:
             )
         for line in _columns(rows, "  "):
             console.print(line, markup=False)
-    if plan.stash:
-        console.print("stashed non-tensor items: " + ", ".join(i.fqn for i in plan.stash), markup=False)
+    if plan.stashed:
+        console.print("stashed non-tensor items: " + ", ".join(plan.stashed), markup=False)
 
 
 def dcp_plan_summary(plan: DcpSavePlan) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Each item keeps its DCP key, its nesting path, and its value: as JSON when JSON holds it exactly (ints,
 finite floats, strings, bools, None, lists, dicts with string keys), otherwise as its original torch.save
 bytes (base64), so a DCP -> HF -> DCP round trip loses nothing. Items that only a full
-unpickler could load (custom classes) are kept as bytes and never loaded.
+unpickler could load (custom classes) are kept as bytes and never loaded. A 0-d tensor (`train_state.step`
+as an int32 tensor) is kept as its number with `"tensor": "<dtype>"`, and restored as such a tensor.
 """
 
 from __future__ import annotations
@@ -11,12 +12,17 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CkptconvError
 from .outlock import write_failed
+
+if TYPE_CHECKING:
+    from .formats.dcp import DcpCheckpoint
+    from .plan import HfSavePlan
 
 STASH_FILE = "ckptconv_state.json"
 STASH_FORMAT = "ckptconv-stash"
@@ -31,6 +37,7 @@ class StashedItem:
     value: Any = None
     has_value: bool = False  # `value` holds the item exactly as JSON
     note: str | None = None  # why the value was not loaded
+    tensor: str | None = None  # the dtype name when the item was a 0-d tensor (`value` is its number)
 
 
 def json_exact(value: Any) -> bool:
@@ -52,11 +59,12 @@ def to_json(items: list[StashedItem]) -> dict[str, Any]:
         entry: dict[str, Any] = {"key": item.key, "path": list(item.path)}
         if item.has_value:
             entry["value"] = item.value
+            entry["tensor"] = item.tensor
         else:
             entry["type"] = type(item.value).__name__ if item.note is None else None
             entry["not_loaded"] = item.note
             entry["torch_save_b64"] = base64.b64encode(item.raw).decode()
-        out.append({k: v for k, v in entry.items() if v is not None})
+        out.append({k: v for k, v in entry.items() if v is not None or k == "value"})
     return {"format": STASH_FORMAT, "version": STASH_VERSION, "items": out}
 
 
@@ -90,8 +98,51 @@ def read_stash(directory: Path) -> list[StashedItem]:
                 value=e.get("value"),
                 has_value="value" in e,
                 note=e.get("not_loaded"),
+                tensor=_tensor_dtype(e.get("tensor")),
             )
             for e in doc["items"]
         ]
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CkptconvError(f"{path}: not a readable ckptconv stash ({e}); delete or fix it") from None
+
+
+def _tensor_dtype(name: Any) -> str | None:
+    from .dtype_names import ITEMSIZE
+
+    if name is None:
+        return None
+    if name not in ITEMSIZE:
+        raise ValueError(f"unknown tensor dtype {name!r}")
+    return str(name)
+
+
+def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], None]) -> list[StashedItem]:
+    """What dcp-to-hf stashes: the plan's non-tensor items (loaded with weights_only, or kept as bytes),
+    its 0-d progress tensors as numbers, and Megatron's common.pt values."""
+    import io
+
+    import torch
+
+    from .formats.dcp_reader import DcpReader
+
+    items = []
+    with DcpReader(ckpt) as reader:
+        for item in plan.stash:
+            raw, value, why = reader.load_item(item)
+            if why is not None:
+                warn(
+                    f"non-tensor item {item.fqn!r} {why}: stashed as bytes, not loaded "
+                    "(ckptconv never unpickles it)"
+                )
+            items.append(StashedItem(item.fqn, item.path, raw, value, why is None and json_exact(value), why))
+        for spec in plan.scalars:
+            tensor = reader.read_chunk(spec, spec.chunks[0])
+            path = ckpt.paths.get(spec.fqn, (spec.fqn,))
+            number = tensor.item()
+            if json_exact(number):
+                items.append(StashedItem(spec.fqn, path, b"", number, True, tensor=spec.dtype_name))
+            else:  # nan / inf: its torch.save bytes
+                buf = io.BytesIO()
+                torch.save(tensor.clone(), buf)
+                items.append(StashedItem(spec.fqn, path, buf.getvalue(), tensor))
+    return items + list(plan.common)

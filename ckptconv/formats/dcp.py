@@ -23,6 +23,7 @@ from ..specs import ChunkFormat, ChunkSpec, NonTensorItem, TensorSpec
 from . import safe_pickle as md
 from .files import Stamp, inside, mode_of, open_regular, read_error, read_regular, stamp, stat_regular
 from .hf import MAX_HEADER_BYTES  # a larger safetensors header inside a .distcp is refused too
+from .megatron import Common, is_megatron, read_common
 from .safe_pickle import load_dcp_metadata
 
 METADATA_FILE = ".metadata"
@@ -37,6 +38,8 @@ class DcpCheckpoint:
     items: dict[str, NonTensorItem]
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # fqn -> nesting in the saved dict
     stamps: dict[str, Stamp] = field(default_factory=dict)  # file -> identity when .metadata was read
+    kind: str = "dcp"  # "megatron": Megatron-Core torch_dist (keys without nesting, common.pt beside)
+    common: Common | None = None  # Megatron's common.pt, read without running it
 
     @property
     def nbytes(self) -> int:
@@ -70,11 +73,14 @@ def open_dcp(path: Path) -> DcpCheckpoint:
     data = read_regular(md_path, path)
     metadata = load_dcp_metadata(data, str(md_path))
     try:
-        return _specs_from_metadata(path, metadata)
+        ckpt = _specs_from_metadata(path, metadata)
     except (AttributeError, TypeError, ValueError) as e:
         raise CkptconvError(
             f"{md_path}: malformed DCP metadata ({e}); re-save or re-copy the checkpoint"
         ) from None
+    if is_megatron(path):
+        ckpt = dataclasses.replace(ckpt, kind="megatron", common=read_common(path))
+    return ckpt
 
 
 def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:

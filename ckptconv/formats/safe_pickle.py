@@ -2,8 +2,11 @@
 
 `load_dcp_metadata` accepts only the classes DCP's `.metadata` is made of (see
 torch/distributed/checkpoint/metadata.py), loaded into plain stand-ins without importing torch: a dtype
-becomes its name (`"bfloat16"`), a `torch.Size` a tuple. Any other global in the pickle stops the load with
-a `CkptconvError` naming it. The allowlist unpickler here also serves `torch_record.read_tensor_record`.
+becomes its name (`"bfloat16"`), a `torch.Size` a tuple. It also accepts torch's own save-plan records
+(torch/distributed/checkpoint/planner.py): Megatron-Core keeps every rank's `SavePlan` in an extra
+`all_local_plans` attribute of the `Metadata` it saves, and ckptconv ignores them. Any other global in the
+pickle stops the load with a `CkptconvError` naming it. The allowlist unpickler here also serves
+`torch_record.read_tensor_record`.
 """
 
 from __future__ import annotations
@@ -111,7 +114,37 @@ class _MemFormat:
         return int(value)
 
 
-_ENUM_MEMBERS = {_MemFormat: {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT"}}
+class _WriteItemType:
+    """The planner's `WriteItemType` enum (`TENSOR`, `SHARD`, `BYTE_IO`), as the plain int of its value."""
+
+    TENSOR = 1
+    SHARD = 2
+    BYTE_IO = 3
+
+    def __new__(cls, value: int) -> int:  # type: ignore[misc]
+        return int(value)
+
+
+class SavePlan(Record):
+    """A rank's save plan (Megatron-Core's `all_local_plans`): `items`, `storage_data`, `planner_data`."""
+
+
+class WriteItem(Record):
+    pass
+
+
+class TensorWriteData(Record):
+    pass
+
+
+class BytesIOWriteData(Record):
+    pass
+
+
+_ENUM_MEMBERS: dict[Any, set[str]] = {
+    _MemFormat: {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT"},
+    _WriteItemType: {"TENSOR", "SHARD", "BYTE_IO"},
+}
 
 
 def _enum_member(cls: Any, name: Any) -> Any:
@@ -122,6 +155,7 @@ def _enum_member(cls: Any, name: Any) -> Any:
 
 
 _DCP_MD = "torch.distributed.checkpoint.metadata"
+_DCP_PLANNER = "torch.distributed.checkpoint.planner"
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     (_DCP_MD, "Metadata"): Metadata,
     (_DCP_MD, "TensorStorageMetadata"): TensorStorageMetadata,
@@ -132,6 +166,11 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     (_DCP_MD, "StorageMeta"): StorageMeta,
     (_DCP_MD, "_MEM_FORMAT_ENCODING"): _MemFormat,
     ("builtins", "getattr"): _enum_member,
+    (_DCP_PLANNER, "SavePlan"): SavePlan,
+    (_DCP_PLANNER, "WriteItem"): WriteItem,
+    (_DCP_PLANNER, "WriteItemType"): _WriteItemType,
+    (_DCP_PLANNER, "TensorWriteData"): TensorWriteData,
+    (_DCP_PLANNER, "BytesIOWriteData"): BytesIOWriteData,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     ("torch", "Size"): tuple,
     ("torch.serialization", "_get_layout"): _get_layout,

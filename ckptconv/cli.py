@@ -22,6 +22,7 @@ from .cli_options import (
     ExplainOpt,
     Fp32Opt,
     JsonOpt,
+    KeepFileSplitOpt,
     KeepTrainerStateOpt,
     MappingOpt,
     MaxShardOpt,
@@ -93,6 +94,7 @@ def dcp_to_hf_cmd(
         str | None, typer.Option("--hf-experts", help="per_expert or fused: how MoE experts are written.")
     ] = None,
     keep_trainer_state: KeepTrainerStateOpt = False,
+    keep_file_split: KeepFileSplitOpt = False,
     verify: VerifyOpt = False,
     trust_pickle: TrustOpt = False,
     quiet: QuietOpt = False,
@@ -129,6 +131,7 @@ def dcp_to_hf_cmd(
             allow_unmapped=allow_unmapped,
             hf_experts=hf_experts,
             keep_trainer_state=keep_trainer_state,
+            keep_file_split=keep_file_split,
             verify=verify,
         )
         summary = plan_summary(result.plan)

@@ -72,6 +72,14 @@ KeepTrainerStateOpt = Annotated[
         help="Also stash the dataloader, LR-scheduler, RNG and module extra state (left out by default).",
     ),
 ]
+KeepFileSplitOpt = Annotated[
+    bool,
+    typer.Option(
+        "--keep-file-split",
+        help="Write each tensor to the file the source's writer put it in (torch's distributed HF writer, "
+        "NeMo Automodel's .hf_metadata) instead of splitting by --max-shard-size.",
+    ),
+]
 AllowUnmappedOpt = Annotated[
     bool, typer.Option("--allow-unmapped", help="Pass keys no mapping rule covers through unchanged.")
 ]

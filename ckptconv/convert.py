@@ -21,8 +21,9 @@ from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, open_dcp
 from .formats.dcp_reader import DcpReader, RowPiece
-from .formats.files import exists, read_regular
+from .formats.files import exists, is_directory, read_regular
 from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
+from .formats.hf_sharded import HF_METADATA_DIR
 from .formats.safetensors_io import Entry, SafetensorsWriter
 from .gather import gather_tensors
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
@@ -78,13 +79,16 @@ def dcp_to_hf(
     allow_unmapped: bool = False,
     hf_experts: str | None = None,
     keep_trainer_state: bool = False,
+    keep_file_split: bool = False,
     verify: bool = False,
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`. Collective."""
     start = time.perf_counter()
     _return_freed_memory()
 
-    def prepare() -> tuple[DcpCheckpoint, HfSavePlan, int, dict[str, Any], outcheck.Output | None]:
+    def prepare() -> tuple[
+        DcpCheckpoint, HfSavePlan, int, dict[str, Any], outcheck.Output | None, Path | None
+    ]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         shard_bytes = parse_size(max_shard_size)
         bucket = parse_size(bucket_size, "--bucket-size")
@@ -94,8 +98,15 @@ def dcp_to_hf(
         inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", config), _mapping_file(mapping)]
         target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
         ckpt = open_dcp(located)
+        meta = located / HF_METADATA_DIR  # NeMo Automodel's config.json etc. beside the shards
+        described = copy_from or (meta if ckpt.file_split is not None and is_directory(meta) else None)
+        if keep_file_split and ckpt.file_split is None:
+            raise CkptconvError(
+                f"--keep-file-split: {located} records no file split (only the shards of torch's distributed "
+                "HF writer do); leave the flag out to split by --max-shard-size"
+            )
         key_mapping = load_mapping(mapping, hf_experts) if mapping else None
-        model_config = load_config(config or _first_file(copy_from, located))
+        model_config = load_config(config or _first_file(described, located))
         plan = plan_dcp_to_hf(
             ckpt,
             policy,
@@ -106,10 +117,13 @@ def dcp_to_hf(
             config=model_config,
             allow_unmapped=allow_unmapped,
             keep_trainer_state=keep_trainer_state,
+            file_split=ckpt.file_split if keep_file_split else None,
         )
-        return ckpt, plan, bucket, model_config, target
+        return ckpt, plan, bucket, model_config, target, described
 
-    ckpt, plan, bucket, model_config, target = everyone(world, prepare)
+    ckpt, plan, bucket, model_config, target, described = everyone(world, prepare)
+    if described is not None and copy_from is None:
+        ui.info(f"copying the model's files from {described} (--copy-from DIR takes them from elsewhere)")
     if ckpt.path != Path(src):
         ui.info(f"{src}: holds one checkpoint, {ckpt.path}; converting it")
     for note in plan.notes:
@@ -138,7 +152,7 @@ def dcp_to_hf(
             _check(world, ui, source, lambda _: verify_mod.hf_side("output", staging))
 
     def finish(staging: Path) -> list[str]:
-        return _finish(plan, ckpt, staging, copy_from, ui)
+        return _finish(plan, ckpt, staging, described, ui)
 
     result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
     result.seconds = time.perf_counter() - start

@@ -199,7 +199,10 @@ def plan_dcp_to_hf(
     config: dict[str, Any] | None = None,
     allow_unmapped: bool = False,
     keep_trainer_state: bool = False,
+    file_split: dict[str, int] | None = None,
 ) -> HfSavePlan:
+    """`file_split` ({source key: file number from 1}, `--keep-file-split`) puts each tensor in the file the
+    source's writer put it in, instead of splitting by `max_shard_size`."""
     selection, mapped, unmapped = mapped_tensors(
         ckpt, policy, prefix, mapping, config, allow_unmapped, keep_trainer_state
     )
@@ -209,21 +212,47 @@ def plan_dcp_to_hf(
         notes += (
             f"--allow-unmapped: {len(unmapped)} key(s) passed through unchanged: {', '.join(unmapped)}",
         )
-    split = split_state_dict_into_shards_factory(
-        outs,
-        get_storage_size=lambda t: t.nbytes,
-        get_storage_id=lambda t: None,
-        filename_pattern=SAFETENSORS_PATTERN,
-        max_shard_size=max_shard_size,
-    )
-    names = list(split.filename_to_tensors)
-    groups = [data_order([outs[k] for k in split.filename_to_tensors[name]]) for name in names]
+    if file_split is None:
+        by_file = split_state_dict_into_shards_factory(
+            outs,
+            get_storage_size=lambda t: t.nbytes,
+            get_storage_id=lambda t: None,
+            filename_pattern=SAFETENSORS_PATTERN,
+            max_shard_size=max_shard_size,
+        ).filename_to_tensors
+    else:
+        by_file = split_as_source(outs, file_split)
+    names = list(by_file)
+    groups = [data_order([outs[k] for k in by_file[name]]) for name in names]
     owners = assign_owners([sum(t.nbytes for t in g) for g in groups], world_size)
     files = tuple(OutFile(name, g, owner) for name, g, owner in zip(names, groups, owners, strict=True))
     warnings = (*policy.warnings(), *selection.warnings)
     return HfSavePlan(
         files, selection.stash, notes, warnings, world_size, selection.scalars, selection.common
     )
+
+
+def split_as_source(outs: dict[str, OutTensor], file_split: dict[str, int]) -> dict[str, list[str]]:
+    """{file name: HF keys}: each tensor in the file its (first) source tensor was given, numbered as the
+    source numbers them (`model-0000I-of-0000N.safetensors`; one file is `model.safetensors`)."""
+    index: dict[str, int] = {}
+    for key, t in outs.items():
+        number = file_split.get(t.src.fqn)
+        if number is None:
+            raise CkptconvError(
+                f"--keep-file-split: the source puts {t.src.fqn!r} in no file; "
+                "leave the flag out to split by --max-shard-size"
+            )
+        index[key] = number
+    used = sorted(set(index.values()))
+    last = max(used)
+    name = {
+        i: "model.safetensors" if len(used) == 1 else f"model-{i:05d}-of-{last:05d}.safetensors" for i in used
+    }
+    out: dict[str, list[str]] = {name[i]: [] for i in used}
+    for key, number in index.items():
+        out[name[number]].append(key)
+    return out
 
 
 def parse_size(value: str | int, flag: str = "--max-shard-size") -> int:

@@ -93,3 +93,80 @@ def test_a_shard_is_never_read_as_whole_tensors_and_a_missing_rank_is_named(
     (broken / "shard-00001-model-00001-of-00001.safetensors").unlink()
     code, err = run(capsys, "dcp-to-hf", str(broken), str(tmp_path / "d"))
     assert_one_line(code, err, "no shard file of rank 1")
+
+
+SPLIT = {k: 1 if k.startswith("model.") else 2 for k in state()}
+
+
+@pytest.fixture(scope="module")
+def split_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two ranks, the keys in two files as the writer's `fqn_to_index_mapping` says, and NeMo Automodel's
+    `.hf_metadata/` beside them."""
+    root = tmp_path_factory.mktemp("hfsplit")
+    torch.save(state(), root / "state.pt")
+    layout = {"split": SPLIT, "config": {"model_type": "llama", "vocab_size": 7}}
+    (root / "layout.json").write_text(json.dumps(layout))
+    out = root / "shards"
+    torchrun(
+        2,
+        str(WORKERS / "save_hf_distributed.py"),
+        str(root / "state.pt"),
+        str(out),
+        str(root / "layout.json"),
+    )
+    return out
+
+
+@pytest.mark.slow
+def test_keep_file_split_writes_the_files_the_writer_was_given(
+    split_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    names = sorted(p.name for p in split_shards.glob("*.safetensors"))
+    assert names == [f"shard-0000{r}-model-0000{i}-of-00002.safetensors" for r in (1, 2) for i in (1, 2)]
+    out = tmp_path / "kept"
+    code, err = run(capsys, "dcp-to-hf", str(split_shards), str(out), "--dtype", "keep", "--keep-file-split")
+    assert code == 0, err
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = {f"model-0000{i}-of-00002.safetensors" for i in (1, 2)}
+    assert index["weight_map"] == {k: f"model-0000{i}-of-00002.safetensors" for k, i in SPLIT.items()}
+    got = {k: v for name in files for k, v in load_file(out / name).items()}
+    assert got.keys() == state().keys() and all(same_bits(got[k], v) for k, v in state().items())
+    # the model's config.json comes from .hf_metadata, said so
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert ".hf_metadata (--copy-from DIR takes them from elsewhere)" in err
+    # without the flag: split by --max-shard-size, one file here
+    code, err = run(capsys, "dcp-to-hf", str(split_shards), str(tmp_path / "sized"), "--dtype", "keep")
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "sized").glob("*.safetensors")) == ["model.safetensors"]
+
+
+@pytest.mark.slow
+def test_hf_metadata_split_wins_over_the_file_names(
+    split_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(split_shards, src)
+    moved = {**SPLIT, "flags": 1, "token_counts": 3}  # file 2 unused: 1 and 3 of 3
+    (src / ".hf_metadata" / "fqn_to_file_index_mapping.json").write_text(json.dumps(moved))
+    out = tmp_path / "out"
+    code, err = run(capsys, "dcp-to-hf", str(src), str(out), "--keep-file-split")
+    assert code == 0, err
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert weight_map["flags"] == "model-00001-of-00003.safetensors"
+    assert weight_map["token_counts"] == "model-00003-of-00003.safetensors"
+    (src / ".hf_metadata" / "fqn_to_file_index_mapping.json").write_text('{"flags": 0}')
+    code, err = run(capsys, "dcp-to-hf", str(src), str(tmp_path / "bad"), "--keep-file-split")
+    assert_one_line(code, err, "fqn_to_file_index_mapping.json: unreadable", "fix or remove it")
+
+
+def test_keep_file_split_needs_a_source_that_records_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    code, err = run(capsys, "dcp-to-hf", str(tmp_path / "c"), str(tmp_path / "o"), "--keep-file-split")
+    assert_one_line(code, err, "--keep-file-split", "records no file split", "--max-shard-size")
+    assert not (tmp_path / "o").exists()

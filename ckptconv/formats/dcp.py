@@ -40,6 +40,7 @@ class DcpCheckpoint:
     stamps: dict[str, Stamp] = field(default_factory=dict)  # file -> identity when .metadata was read
     kind: str = "dcp"  # "megatron": Megatron-Core torch_dist (keys without nesting, common.pt beside)
     common: Common | None = None  # Megatron's common.pt, read without running it
+    file_split: dict[str, int] | None = None  # key -> output file number, from torch's distributed HF writer
 
     @property
     def nbytes(self) -> int:

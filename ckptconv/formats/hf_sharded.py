@@ -5,6 +5,11 @@ file, each holding that rank's blocks, with `DCP_SHARDING_INFO` in the header's 
 must tile each tensor exactly (checked as DCP chunks are). The result is a `DcpCheckpoint` whose chunks are
 safetensors tensors, so dcp-to-hf, verify and inspect read it like any DCP: at flat memory, on any number of
 ranks, integer tensors included (torch's own consolidation holds whole tensors, and breaks on integers).
+
+The writer puts each key in file I of N (`fqn_to_index_mapping`, in the `model-0000I-of-0000N` part of the
+names); NeMo Automodel also leaves that mapping in `.hf_metadata/fqn_to_file_index_mapping.json`, beside the
+model's config.json and generation_config.json. `DcpCheckpoint.file_split` keeps it (the JSON file wins over
+the names), for `dcp-to-hf --keep-file-split`.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from ..errors import CkptconvError
 from ..layout import tiling_problem
 from ..specs import ChunkSpec, TensorSpec
 from .dcp import DcpCheckpoint
-from .files import listdir, mode_of
+from .files import listdir, mode_of, read_regular
 from .hf import SHARDING_KEY, read_header
 
 MAX_SHARDING_CHARS = 64 * 2**20
+HF_METADATA_DIR = ".hf_metadata"
+SPLIT_FILE = "fqn_to_file_index_mapping.json"
 
 
 def sharding_of(metadata: dict[str, str], path: Path) -> dict[str, tuple[int, ...]] | None:
@@ -87,10 +94,12 @@ def open_sharded(path: Path) -> DcpCheckpoint:
     chunks: dict[str, list[ChunkSpec]] = {}
     dtypes: dict[str, str] = {}
     stamps = {}
+    split: dict[str, int] = {}
     names = _shards(path)
     _check_ranks(path, names)
     for name in names:
         file = path / name
+        m = _NAME.fullmatch(name)
         stored, metadata = read_header(file, path)
         offsets = sharding_of(metadata, file)
         if offsets is None:
@@ -106,6 +115,8 @@ def open_sharded(path: Path) -> DcpCheckpoint:
                 raise CkptconvError(
                     f"{file}: {key!r} is {tensor.dtype_name} here, {dtypes[key]} in another shard"
                 )
+            if m:
+                split[key] = int(m.group(2))
             end = tensor.data_offset + tensor.nbytes
             chunks.setdefault(key, []).append(
                 ChunkSpec(offsets[key], tensor.shape, name, 0, end, "safetensors")
@@ -126,4 +137,21 @@ def open_sharded(path: Path) -> DcpCheckpoint:
                 f"{path}: {key!r} {list(shape)}: {problem}; a rank's shard file is missing or stale"
             )
         tensors[key] = TensorSpec(key, dtypes[key], shape, tuple(parts))
-    return DcpCheckpoint(path, tensors, {}, {key: (key,) for key in tensors}, stamps)
+    split = _split_file(path) or split
+    return DcpCheckpoint(path, tensors, {}, {key: (key,) for key in tensors}, stamps, file_split=split)
+
+
+def _split_file(path: Path) -> dict[str, int] | None:
+    """`.hf_metadata/fqn_to_file_index_mapping.json` ({key: 1-based file index}), None when absent."""
+    file = path / HF_METADATA_DIR / SPLIT_FILE
+    if mode_of(file) is None:
+        return None
+    try:
+        doc = json.loads(read_regular(file, path, limit=MAX_SHARDING_CHARS))
+        if not isinstance(doc, dict) or not all(
+            isinstance(k, str) and type(v) is int and v >= 1 for k, v in doc.items()
+        ):
+            raise ValueError("not an object of key -> file number (from 1)")
+    except (ValueError, RecursionError) as e:
+        raise CkptconvError(f"{file}: unreadable ({str(e)[:120]}); fix or remove it") from None
+    return dict(doc)

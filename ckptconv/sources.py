@@ -26,7 +26,11 @@ def dcp_source(src: Path) -> Path:
             raise CkptconvError(f"{src}: is a Hugging Face safetensors checkpoint, not DCP; use hf-to-dcp")
         raise CkptconvError(f"{src}: is a file; dcp-to-hf reads a DCP checkpoint directory (with .metadata)")
     inner = checkpoints_inside(src) if is_directory(src) else []
-    if len(inner) == 1:  # accelerate's pytorch_model_fsdp_0/, Megatron's iter_0000100/, torchtitan's step-N/
+    # accelerate's pytorch_model_fsdp_0/ (optimizer_0/ beside), Megatron's iter_0000100/, torchtitan's step-N/
+    models = [p for p in inner if not p.name.startswith("optimizer")]
+    if len(models) == 1:
+        return models[0]
+    if len(inner) == 1:
         return inner[0]
     if inner:
         names = ", ".join(p.name + "/" for p in inner[:4]) + (", ..." if len(inner) > 4 else "")

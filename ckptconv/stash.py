@@ -38,6 +38,7 @@ class StashedItem:
     has_value: bool = False  # `value` holds the item exactly as JSON
     note: str | None = None  # why the value was not loaded
     tensor: str | None = None  # the dtype name when the item was a 0-d tensor (`value` is its number)
+    readable: Any = None  # of an item kept as bytes: what JSON holds of it, read without running it
 
 
 def json_exact(value: Any) -> bool:
@@ -63,6 +64,7 @@ def to_json(items: list[StashedItem]) -> dict[str, Any]:
         else:
             entry["type"] = type(item.value).__name__ if item.note is None else None
             entry["not_loaded"] = item.note
+            entry["readable"] = item.readable
             entry["torch_save_b64"] = base64.b64encode(item.raw).decode()
         out.append({k: v for k, v in entry.items() if v is not None or k == "value"})
     return {"format": STASH_FORMAT, "version": STASH_VERSION, "items": out}
@@ -99,6 +101,7 @@ def read_stash(directory: Path) -> list[StashedItem]:
                 has_value="value" in e,
                 note=e.get("not_loaded"),
                 tensor=_tensor_dtype(e.get("tensor")),
+                readable=e.get("readable"),
             )
             for e in doc["items"]
         ]
@@ -134,7 +137,12 @@ def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], N
                     f"non-tensor item {item.fqn!r} {why}: stashed as bytes, not loaded "
                     "(ckptconv never unpickles it)"
                 )
-            items.append(StashedItem(item.fqn, item.path, raw, value, why is None and json_exact(value), why))
+            part = None if why is None else readable_part(raw)
+            items.append(
+                StashedItem(
+                    item.fqn, item.path, raw, value, why is None and json_exact(value), why, readable=part
+                )
+            )
         for spec in plan.scalars:
             tensor = reader.read_chunk(spec, spec.chunks[0])
             path = ckpt.paths.get(spec.fqn, (spec.fqn,))
@@ -146,3 +154,15 @@ def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], N
                 torch.save(tensor.clone(), buf)
                 items.append(StashedItem(spec.fqn, path, buf.getvalue(), tensor))
     return items + list(plan.common)
+
+
+def readable_part(raw: bytes) -> Any:
+    """What JSON holds of a torch.save item weights_only refuses (an argparse.Namespace's fields, Megatron
+    0.19's common state), read from its pickle's opcodes with stand-ins (formats.megatron); None when
+    nothing is."""
+    from .formats.megatron import load_opaque, readable
+
+    try:
+        return readable(load_opaque(raw), "", [])
+    except Exception:  # a pickle the stand-ins cannot follow: the bytes are kept all the same
+        return None

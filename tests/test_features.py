@@ -100,10 +100,12 @@ def test_non_allowlisted_item_is_kept_as_bytes_not_loaded(
     items = {i.key: i for i in read_stash(tmp_path / "out")}
     assert items["iteration"].has_value and items["iteration"].value == 5
     assert not items["args"].has_value and items["args"].raw.startswith(b"PK")
+    assert items["args"].readable == {"lr": 0.1}  # its fields, read without running the Namespace
     assert not items["shape"].has_value
     assert torch.load(__import__("io").BytesIO(items["shape"].raw), weights_only=True) == (2, 3)
     doc = json.loads((tmp_path / "out" / "ckptconv_state.json").read_text())
     assert doc["format"] == "ckptconv-stash" and doc["version"] == 1
+    assert {"key": "args", "path": ["args"], "readable": {"lr": 0.1}}.items() <= doc["items"][0].items()
 
 
 def test_copy_from_takes_config_not_weights(

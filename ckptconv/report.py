@@ -10,7 +10,7 @@ from rich.console import Console
 
 from .dtype_names import short_name
 from .errors import CkptconvError
-from .formats.dcp import is_dcp_dir, open_dcp
+from .formats.dcp import DcpCheckpoint, is_dcp_dir, open_dcp
 from .formats.files import exists, is_directory
 from .formats.hf import is_hf_dir, open_hf
 from .ui import human_bytes
@@ -39,7 +39,11 @@ def inspect(path: Path) -> dict[str, Any]:
             for t in ckpt.tensors.values()
         ]
         formats = sorted({c.fmt for t in ckpt.tensors.values() for c in t.chunks})
-        extra = {"serialization": formats, "non_tensor_items": list(ckpt.items)}
+        extra = {"serialization": formats, "non_tensor_items": list(ckpt.items), "release": _release(ckpt)}
+        if ckpt.kind != "dcp":
+            extra["writer"] = ckpt.kind
+        if ckpt.common is not None:
+            extra["common"] = {k: v for k, v in ckpt.common.values.items() if v is not None}
         kind = "dcp"
     elif is_hf_dir(path) or (not is_directory(path) and path.suffix == ".safetensors"):
         hf = open_hf(path)
@@ -71,6 +75,17 @@ def inspect(path: Path) -> dict[str, Any]:
     }
 
 
+def _release(ckpt: DcpCheckpoint) -> dict[str, Any]:
+    """What dcp-to-hf would take: the model's tensors (output key -> checkpoint key), what it would stash,
+    and the notes saying what it leaves out."""
+    from .release import select_tensors
+
+    selection = select_tensors(ckpt, None)
+    stash = [i.fqn for i in selection.stash] + [s.fqn for s in selection.scalars]
+    stash += [i.key for i in selection.common]
+    return {"model": dict(selection.keys), "stash": stash, "notes": list(selection.notes)}
+
+
 def _columns(rows: list[list[str]], indent: str = "") -> list[str]:
     """Plain aligned columns (no truncation, so long keys stay whole and greppable)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))] if rows else []
@@ -90,9 +105,8 @@ def mapped_targets(
 
     direction: Direction = "to_hf" if info["format"] == "dcp" else "to_runtime"
     shapes = {t["key"]: tuple(t["shape"]) for t in info["tensors"]}
-    if direction == "to_hf":  # the model group, as dcp-to-hf takes it
-        grouped = {k.removeprefix("model."): v for k, v in shapes.items() if k.startswith("model.")}
-        shapes = grouped or shapes
+    if direction == "to_hf":  # the model's tensors, as dcp-to-hf takes them
+        shapes = {key: shapes[fqn] for key, fqn in info["release"]["model"].items()}
     return map_keys(mapping, direction, shapes, config, allow_unmapped=allow_unmapped)
 
 
@@ -121,6 +135,20 @@ def render_inspect(info: dict[str, Any], console: Console) -> None:
         console.print(line, markup=False)
     if info.get("non_tensor_items"):
         console.print("non-tensor items: " + ", ".join(info["non_tensor_items"]), markup=False)
+    if info.get("writer") == "megatron":
+        common = info.get("common", {})
+        console.print(
+            f"Megatron-Core torch_dist checkpoint, iteration {common.get('iteration', '?')}", markup=False
+        )
+    release = info.get("release")
+    if release:
+        console.print(
+            f"dcp-to-hf takes {len(release['model'])} tensors"
+            + (f" and stashes {', '.join(release['stash'])}" if release["stash"] else ""),
+            markup=False,
+        )
+        for note in release["notes"]:
+            console.print(f"  {note}", markup=False)
 
 
 def plan_summary(plan: HfSavePlan) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from test_bad_input import run
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+from ckptconv.cli import main
 from ckptconv.stash import read_stash
 
 
@@ -198,3 +199,24 @@ def test_megatron_run_directory_converts_its_one_iteration(
     shutil.copytree(megatron_ckpt, run_dir / "iter_0000002")
     code, err = run(capsys, "dcp-to-hf", str(run_dir), str(tmp_path / "out2"))
     assert code == 2 and "iter_0000001" in err and "iter_0000002" in err
+
+
+@pytest.mark.slow
+def test_inspect_and_verify_say_what_a_megatron_release_takes(
+    megatron_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = torch.load(megatron_ckpt.parent / "expected.pt", weights_only=True)
+    try:
+        main(["inspect", str(megatron_ckpt), "--json"])
+    except SystemExit as e:
+        assert not e.code
+    info = json.loads(capsys.readouterr().out)
+    assert info["writer"] == "megatron" and info["common"]["iteration"] == 1
+    model_keys = {k for k in expected["tensors"] if not k.startswith("optimizer.")}
+    assert info["release"]["model"] == {k: k for k in model_keys}
+    assert "iteration" in info["release"]["stash"] and "args" in info["release"]["stash"]
+    assert any("'rng_state' (2)" in note for note in info["release"]["notes"])
+    out = tmp_path / "out"
+    assert run(capsys, "dcp-to-hf", str(megatron_ckpt), str(out), "--dtype", "keep")[0] == 0
+    code, err = run(capsys, "verify", str(megatron_ckpt), str(out))
+    assert code == 0, err

@@ -138,7 +138,8 @@ def open_sharded(path: Path) -> DcpCheckpoint:
             )
         tensors[key] = TensorSpec(key, dtypes[key], shape, tuple(parts))
     split = _split_file(path) or split
-    return DcpCheckpoint(path, tensors, {}, {key: (key,) for key in tensors}, stamps, file_split=split)
+    paths = {key: (key,) for key in tensors}
+    return DcpCheckpoint(path, tensors, {}, paths, stamps, kind="torch-hf-distributed", file_split=split)
 
 
 def _split_file(path: Path) -> dict[str, int] | None:

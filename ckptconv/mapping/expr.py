@@ -4,7 +4,9 @@
     "text_config.linear_num_key_heads * text_config.linear_key_head_dim"   (a dotted key reads a nested table)
     "num_attention_heads / num_key_value_heads * head_dim"                 (division must be exact)
 
-Parsed with `ast` and evaluated by walking only the node types above: never `eval`. Pure.
+A mapping's `[mapping.defaults]` table gives a key's value when config.json lacks it (Megatron's
+`make_vocab_size_divisible_by = 128`); a key config.json has always wins. Parsed with `ast` and evaluated by
+walking only the node types above: never `eval`. Pure.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ def lookup(config: Mapping[str, Any], dotted: str) -> Any:
     return node
 
 
-def size(value: int | str, config: Mapping[str, Any], where: str) -> int:
-    """An int, or an expression over config.json integers, as an int."""
+def size(
+    value: int | str, config: Mapping[str, Any], where: str, defaults: Mapping[str, int] | None = None
+) -> int:
+    """An int, or an expression over config.json integers (a key it lacks: from `defaults`), as an int."""
     if isinstance(value, bool):
         raise CkptconvError(f"{where}: {value!r} is not a size")
     if isinstance(value, int):
@@ -44,7 +48,7 @@ def size(value: int | str, config: Mapping[str, Any], where: str) -> int:
         tree = ast.parse(value.strip(), mode="eval")
     except SyntaxError:
         raise CkptconvError(f"{where}: size {value!r} is not an expression of config keys") from None
-    return _eval(tree.body, config, where, value)
+    return _eval(tree.body, _Keys(config, defaults or {}), where, value)
 
 
 def names(value: int | str) -> list[str]:
@@ -67,12 +71,23 @@ def _dotted(node: ast.AST) -> str:
     return ""
 
 
-def _eval(node: ast.AST, config: Mapping[str, Any], where: str, text: str) -> int:
+class _Keys:
+    """config.json, and the defaults for the keys it lacks."""
+
+    def __init__(self, config: Mapping[str, Any], defaults: Mapping[str, int]) -> None:
+        self.config, self.defaults = config, defaults
+
+    def get(self, dotted: str) -> Any:
+        value = lookup(self.config, dotted)
+        return self.defaults.get(dotted) if value is None else value
+
+
+def _eval(node: ast.AST, config: _Keys, where: str, text: str) -> int:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
     if isinstance(node, ast.Name | ast.Attribute):
         key = _dotted(node)
-        value = lookup(config, key) if key else None
+        value = config.get(key) if key else None
         if type(value) is not int:
             raise MissingKey(f"{where}: size {key!r} is not an integer in config.json; pass --config")
         return value

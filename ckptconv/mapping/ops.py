@@ -6,6 +6,7 @@ Shapes, with the runtime tensor on the left:
 
     narrow    F' [V', D]             -> L [V, D]                 the first V rows (padding dropped)
     unstack   F' [E, F, D]           -> E x L [F, D]             one element per value of the placeholder
+    unstack   F' [L, E, F, D]        -> L x E x L [F, D]         two placeholders: consecutive stacked dims
     split     F' [q+k+v, D]          -> L_0 [q, D], L_1 [k, D], L_2 [v, D]
     interleave F' [E, 2F, D]         -> L_0 [E, F, D] (rows 0, 2, ..), L_1 [E, F, D] (rows 1, 3, ..)
     grouped   F' [G*(a+b+c), D]      -> L_0 [G*a, D], L_1 [G*b, D], L_2 [G*c, D]   (per group g: a, b, c rows)
@@ -17,6 +18,7 @@ F' it is made of and where each lands in L; `rules.py` turns them into `Part`s i
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from ..errors import CkptconvError
@@ -45,7 +47,7 @@ class Piece:
     blocks of F' it is made of, each with its offsets in L (the block's sizes less the stacked dim)."""
 
     index: int
-    element: int | None
+    element: tuple[int, ...] | None  # its index along each stacked dim
     shape: tuple[int, ...]
     blocks: tuple[tuple[Block, tuple[int, ...]], ...]
 
@@ -57,7 +59,7 @@ class Geometry:
     count: int = 1  # tensors on the other side
     transpose: tuple[int, int] | None = None
     narrow: int | None = None  # rows of `dim` kept
-    stack_dim: int | None = None
+    stack_dims: tuple[int, ...] = ()  # one per stacked placeholder, consecutive
     dim: int = 0  # the dim split / interleaved / grouped / narrowed
     split: str | None = None  # "plain", "interleave" or "grouped"
     sizes: tuple[int, ...] = ()  # plain: each L's size along dim; grouped: each L's rows per group
@@ -81,27 +83,39 @@ def pieces(fused: tuple[int, ...], g: Geometry, where: str) -> list[Piece]:
         if g.narrow > fused[g.dim]:
             raise CkptconvError(f"{where}: narrow keeps {g.narrow} of dim {g.dim}, which has {fused[g.dim]}")
         whole = whole.at(g.dim, 0, g.narrow)
-    elements: list[tuple[int | None, Block]] = [(None, whole)]
-    if g.stack_dim is not None:
-        elements = [(e, whole.at(g.stack_dim, e, 1)) for e in range(fused[g.stack_dim])]
+    elements: list[tuple[tuple[int, ...] | None, Block]] = [(None, whole)]
+    if g.stack_dims:
+        elements = [(e, _element(whole, g.stack_dims, e)) for e in _elements(fused, g.stack_dims)]
     out = []
     for element, block in elements:
         for index, parts in enumerate(_split(block, g, where)):
-            shape = _squeeze(_extent(block, parts, g.dim), g.stack_dim)
-            placed = tuple((b, _squeeze(offsets, g.stack_dim)) for b, offsets in parts)
+            shape = squeeze(_extent(block, parts, g.dim), g.stack_dims)
+            placed = tuple((b, squeeze(offsets, g.stack_dims)) for b, offsets in parts)
             out.append(Piece(index, element, shape, placed))
     return out
 
 
+def _elements(fused: tuple[int, ...], dims: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every element of the stacked dims, row-major: (0, 0), (0, 1), ..., (1, 0), ..."""
+    return list(itertools.product(*(range(fused[d]) for d in dims)))
+
+
+def _element(whole: Block, dims: tuple[int, ...], element: tuple[int, ...]) -> Block:
+    """The block of one stacked element (size 1 along each stacked dim)."""
+    for d, e in zip(dims, element, strict=True):
+        whole = whole.at(d, e, 1)
+    return whole
+
+
 def _check_dims(fused: tuple[int, ...], g: Geometry, where: str) -> None:
     used = [("dim", g.dim)] if g.split or g.narrow is not None else []
-    used += [("stack_dim", g.stack_dim)] if g.stack_dim is not None else []
+    used += [("stack_dim", d) for d in g.stack_dims]
     used += [("transpose", d) for d in g.transpose or ()]
     for name, d in used:
         if not 0 <= d < len(fused):
             raise CkptconvError(f"{where}: {name} {d} is not a dim of a tensor of shape {list(fused)}")
-    if g.stack_dim is not None and (g.split or g.narrow is not None) and g.stack_dim == g.dim:
-        raise CkptconvError(f"{where}: stack_dim and dim are both {g.dim}; split along another dim")
+    if (g.split or g.narrow is not None) and g.dim in g.stack_dims:
+        raise CkptconvError(f"{where}: dim {g.dim} is a stacked dim; split along another dim")
 
 
 def _split(block: Block, g: Geometry, where: str) -> list[list[tuple[Block, tuple[int, ...]]]]:
@@ -157,17 +171,26 @@ def _with(t: tuple[int, ...], dim: int, value: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _squeeze(t: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
-    return t if dim is None else t[:dim] + t[dim + 1 :]
+def squeeze(t: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, ...]:
+    """`t` less the entries at `dims` (the stacked dims)."""
+    return tuple(v for d, v in enumerate(t) if d not in dims)
+
+
+def unsqueeze(t: tuple[int, ...], dims: tuple[int, ...], values: tuple[int, ...]) -> tuple[int, ...]:
+    """`t` with `values` inserted so that they sit at `dims` (ascending) of the result."""
+    out = list(t)
+    for d, v in zip(dims, values, strict=True):
+        out.insert(d, v)
+    return tuple(out)
 
 
 def fused_shape(
-    shapes: list[tuple[int, ...]], g: Geometry, elements: int | None, padded: int | None
+    shapes: list[tuple[int, ...]], g: Geometry, elements: tuple[int, ...], padded: int | None
 ) -> tuple[int, ...]:
-    """F' from the shapes of the other side's tensors (one per index; all elements alike): the inverse of
-    `pieces`, checked afterwards by running `pieces` on it."""
-    if g.stack_dim is not None:
-        shapes = [(*s[: g.stack_dim], elements or 0, *s[g.stack_dim :]) for s in shapes]
+    """F' from the shapes of the other side's tensors (one per index; all elements alike) and the number of
+    elements along each stacked dim: the inverse of `pieces`, checked afterwards by running `pieces` on it."""
+    if g.stack_dims:
+        shapes = [unsqueeze(s, g.stack_dims, elements) for s in shapes]
     out = list(shapes[0])
     if g.split == "interleave":
         out[g.dim] = shapes[0][g.dim] * g.count

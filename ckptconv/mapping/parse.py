@@ -1,7 +1,9 @@
 """A mapping file (TOML, already decoded) -> `KeyMapping`, every field checked with a message naming the rule.
 
-Fields of a [[rule]] are described in docs/mapping.md; [mapping] holds `name`, `hf_experts` and the
-`[mapping.ranges]` table (`layer = "num_hidden_layers"`, `mtp = { below = "...", default = 0 }`).
+Fields of a [[rule]] are described in docs/mapping.md; [mapping] holds `name`, `hf_experts`, `checkpoint`
+(what hf-to-dcp writes: "dcp", or "megatron" for a Megatron-Core checkpoint), the `[mapping.ranges]` table
+(`layer = "num_hidden_layers"`, `mtp = { below = "...", default = 0 }`) and the `[mapping.defaults]` table
+(`make_vocab_size_divisible_by = 128`: a config key's value when config.json lacks it).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from .patterns import Pattern, Range
 from .types import KeyMapping, Rule
 
 VARIANTS = ("per_expert", "fused")
+CHECKPOINTS = ("dcp", "megatron")
+_HEAD = {"name", "hf_experts", "checkpoint", "ranges", "defaults"}
 _SIZE = (int, str)
 _FIELDS = {
     "runtime", "hf", "dim", "sizes", "stack", "stack_dim", "permute", "heads", "drop", "tied", "when",
@@ -26,13 +30,42 @@ def parse(doc: dict[str, Any], where: str, hf_experts: str | None) -> KeyMapping
     rules_doc = doc.get("rule", [])
     if not isinstance(head, dict) or not isinstance(rules_doc, list) or not rules_doc:
         raise CkptconvError(f"{where}: needs a [mapping] table and at least one [[rule]]")
+    unknown = set(head) - _HEAD
+    if unknown:
+        raise CkptconvError(f"{where}: unknown [mapping] field(s) {', '.join(sorted(unknown))}")
     form = hf_experts or head.get("hf_experts", "per_expert")
     if form not in VARIANTS:
         raise CkptconvError(f"{where}: hf_experts {form!r} is not one of {', '.join(VARIANTS)}")
+    checkpoint = head.get("checkpoint", "dcp")
+    if checkpoint not in CHECKPOINTS:
+        raise CkptconvError(f"{where}: checkpoint {checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
     ranges = _ranges(head.get("ranges", {}), where)
+    defaults = _defaults(head.get("defaults", {}), where)
     rules = tuple(_rule(r, f"{where} rule {i}", i) for i, r in enumerate(rules_doc, 1))
     variants = tuple(sorted({r.when for r in rules if r.when}))
-    return KeyMapping(str(head.get("name", where)), rules, form, variants, ranges)
+    return KeyMapping(str(head.get("name", where)), rules, form, variants, ranges, defaults, checkpoint)
+
+
+def _defaults(table: Any, where: str) -> tuple[tuple[str, int], ...]:
+    """[mapping.defaults]: config key (dotted for a nested one) -> the integer size expressions use when
+    config.json lacks that key."""
+    if not isinstance(table, dict):
+        raise CkptconvError(f"{where}: [mapping.defaults] must be a table of config key = integer")
+    out = []
+    for name, value in _flatten(table, ""):
+        if type(value) is not int:
+            raise CkptconvError(f"{where}: default of {name!r} must be an integer")
+        out.append((name, value))
+    return tuple(out)
+
+
+def _flatten(table: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    """A (possibly nested, or dotted-key) TOML table as (dotted key, value) pairs."""
+    out: list[tuple[str, Any]] = []
+    for name, value in table.items():
+        key = f"{prefix}{name}"
+        out += _flatten(value, key + ".") if isinstance(value, dict) else [(key, value)]
+    return out
 
 
 def _ranges(table: Any, where: str) -> tuple[tuple[str, Range], ...]:
@@ -88,6 +121,21 @@ def _shape(r: dict[str, Any], key: str, where: str) -> tuple[int | str, ...] | N
     return tuple(value)
 
 
+def _stack(r: dict[str, Any], where: str) -> str | tuple[str, ...] | None:
+    """One placeholder, or a list of them (stacked on consecutive dims, in order)."""
+    value = r.get("stack")
+    if value is None or isinstance(value, str):
+        return value
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(v, str) for v in value)
+        or len(set(value)) != len(value)
+    ):
+        raise CkptconvError(f"{where}: stack must be a placeholder or a list of different placeholders")
+    return value[0] if len(value) == 1 else tuple(value)
+
+
 def _rule(r: Any, where: str, number: int) -> Rule:
     if not isinstance(r, dict):
         raise CkptconvError(f"{where}: not a table")
@@ -118,7 +166,7 @@ def _rule(r: Any, where: str, number: int) -> Rule:
         hf=hf,
         dim=_int(r, "dim", where, 0) or 0,
         sizes=tuple(sizes),
-        stack=r.get("stack"),
+        stack=_stack(r, where),
         permute=r.get("permute"),
         drop=drop,
         tied=r.get("tied"),
@@ -130,7 +178,7 @@ def _rule(r: Any, where: str, number: int) -> Rule:
         groups=_size(r, "groups", where),
         narrow=_size(r, "narrow", where),
         padded=_size(r, "padded", where),
-        multiple=_int(r, "multiple", where),
+        multiple=_size(r, "multiple", where),
         hf_shape=_shape(r, "hf_shape", where),
         runtime_shape=_shape(r, "runtime_shape", where),
         duplicate=r.get("duplicate", False),
@@ -158,12 +206,12 @@ def _check(rule: Rule, where: str) -> None:
         raise CkptconvError(
             f"{where}: permute applies to a rename only (one key each side, no other operation)"
         )
-    if rule.stack is not None:
-        slot = f"{{{rule.stack}}}"
-        if not isinstance(rule.stack, str) or len(runtime) != 1 or slot in runtime[0]:
+    for name in rule.stacks:
+        slot = f"{{{name}}}"
+        if len(runtime) != 1 or name in Pattern(runtime[0]).placeholders:
             raise CkptconvError(f"{where}: stack needs one runtime key (the stacked tensor) without {slot}")
-        if not all(rule.stack in Pattern(p).placeholders for p in hf):
-            raise CkptconvError(f"{where}: stack {rule.stack!r} needs {slot} in every hf key")
+        if not all(name in Pattern(p).placeholders for p in hf):
+            raise CkptconvError(f"{where}: stack {name!r} needs {slot} in every hf key")
     if rule.duplicate and (len(runtime) != 1 or len(hf) < 2 or rule.sizes or rule.groups or rule.interleave):
         raise CkptconvError(f"{where}: duplicate needs one runtime key and a list of hf keys it is copied to")
     splits = [f for f in ("interleave", "groups", "sizes") if getattr(rule, f)]
@@ -177,5 +225,5 @@ def _check(rule: Rule, where: str) -> None:
         raise CkptconvError(f"{where}: hf_shape and transpose cannot be combined in one rule")
     if rule.runtime_shape is not None and rule.hf_shape is None:
         raise CkptconvError(f"{where}: runtime_shape goes with hf_shape")
-    if (rule.padded is not None or rule.multiple) and rule.narrow is None:
+    if (rule.padded is not None or rule.multiple is not None) and rule.narrow is None:
         raise CkptconvError(f"{where}: padded and multiple go with narrow")

@@ -33,15 +33,17 @@ class Range:
 
 @dataclass
 class Scope:
-    """What matching needs besides the key: config.json, the ranges, and where errors point."""
+    """What matching needs besides the key: config.json, the ranges, where errors point, and the mapping's
+    defaults for config keys config.json lacks."""
 
     config: Mapping[str, Any]
     ranges: Mapping[str, Range]
     where: str
+    defaults: Mapping[str, int] = field(default_factory=dict)
     _bounds: dict[str, int] = field(default_factory=dict)
 
     def size(self, value: int | str) -> int:
-        return expr.size(value, self.config, self.where)
+        return expr.size(value, self.config, self.where, self.defaults)
 
     def bound(self, name: str) -> int | None:
         """The exclusive upper bound of placeholder `name`, None if it has no range."""

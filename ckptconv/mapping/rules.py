@@ -5,7 +5,8 @@ A mapping is a list of rules. Each rule names runtime key pattern(s) and HF key 
 directions (every operation, with the shapes on both sides, in docs/mapping.md):
 
 - rename; `permute = "q"` / `"k"`: the rotary row permutation torchtitan's adapters apply;
-- `stack = "expert"`: the runtime tensor stacks the HF tensors over a placeholder along `stack_dim`;
+- `stack = "expert"`: the runtime tensor stacks the HF tensors over a placeholder along `stack_dim`
+  (`stack = ["layer", "expert"]`: over two, on consecutive dims, as Megatron-Core stacks its experts);
 - split / concat (one side a list) along `dim`: plain (`sizes`), `interleave`d, or `groups` (fused QKV
   laid out per KV group);
 - `transpose = [a, b]`, `narrow` (vocabulary padding), `hf_shape` (reshape), `duplicate` (HF copies);
@@ -20,13 +21,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping as MappingT
-from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CkptconvError
-from .ops import Geometry, fused_shape, pieces, transposed
+from .ops import Geometry, fused_shape, pieces, squeeze, transposed
 from .parts import Part
 from .patterns import Pattern, Scope
+from .sizes import padded_size, reshaped, unreshaped
 from .types import Direction, KeyMapping, Mapped, Rule, Target, inverse, rope_perm, whole
 
 
@@ -79,6 +80,7 @@ class _Ctx:
         return self.scope.size("num_attention_heads")
 
     def geometry(self, rule: Rule, count: int) -> Geometry:
+        first = rule.stack_dim if rule.stack_dim is not None else 0
         split = None
         if count > 1 and not rule.duplicate:
             split = "interleave" if rule.interleave else "grouped" if rule.groups is not None else "plain"
@@ -86,7 +88,7 @@ class _Ctx:
             count=count,
             transpose=rule.transpose,
             narrow=None if rule.narrow is None else self.scope.size(rule.narrow),
-            stack_dim=None if not rule.stack else (rule.stack_dim if rule.stack_dim is not None else 0),
+            stack_dims=tuple(range(first, first + len(rule.stacks))),
             dim=rule.dim,
             split=split,
             sizes=tuple(self.scope.size(s) for s in rule.sizes),
@@ -110,7 +112,8 @@ def map_keys(
     produced twice raise CkptconvError naming the key (`allow_unmapped` passes unconsumed keys through).
     """
     sides = [r.runtime if direction == "to_hf" else r.hf for r in mapping.rules]
-    ctx = _Ctx(shapes, Scope(config, dict(mapping.ranges), where), [p for side in sides for p in side])
+    scope = Scope(config, dict(mapping.ranges), where, dict(mapping.defaults))
+    ctx = _Ctx(shapes, scope, [p for side in sides for p in side])
     tied = bool(config.get("tie_word_embeddings", False))
     variant = _variant(mapping, direction, ctx)
     for rule in mapping.rules:
@@ -151,16 +154,19 @@ def _variant(mapping: KeyMapping, direction: Direction, ctx: _Ctx) -> str:
 
 
 def _tied(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
-    """HF stores no such tensor: to HF the runtime one is dropped, to runtime it is a copy of the tied key."""
+    """HF stores no such tensor: to HF the runtime one is dropped, to runtime it is a copy of the tied key
+    (padded with zeros along `dim` like the rule's own tensor, when the rule narrows: [V, D] -> [V', D])."""
     if direction == "to_hf":
         ctx.consumed.update(key for key, _ in ctx.matches(rule.runtime[0]))
         return
     assert rule.tied is not None
     for key, binding in ctx.matches(rule.tied):
-        shape = ctx.shapes[key]
-        ctx.add(
-            Target(ctx.fmt(rule.runtime[0], binding), shape, (whole(key, shape),), "tied", rule=rule.number)
-        )
+        shape = out = ctx.shapes[key]
+        if rule.narrow is not None:
+            size = padded_size(ctx.scope, rule, shape)
+            out = (*shape[: rule.dim], size, *shape[rule.dim + 1 :])
+        op = "tied+pad" if out != shape else "tied"
+        ctx.add(Target(ctx.fmt(rule.runtime[0], binding), out, (whole(key, shape),), op, rule=rule.number))
 
 
 def _axes(pair: tuple[int, int] | None, ndim: int) -> tuple[int, ...] | None:
@@ -199,10 +205,10 @@ def _from_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
             parts = []
             for block, offsets in piece.blocks:
                 src = _in_fused(block.offsets, block.sizes, block.steps, rule.transpose)
-                sizes = _drop(block.sizes, g.stack_dim)
+                sizes = squeeze(block.sizes, g.stack_dims)
                 parts.append(Part(key, src[0], src[1], offsets, sizes, perm, src[2], None, axes))
-            shape_out, layout = _reshaped(ctx, rule, piece.shape, direction == "to_hf", key)
-            element = {} if piece.element is None else {str(rule.stack): piece.element}
+            shape_out, layout = reshaped(ctx.scope, rule, piece.shape, direction == "to_hf", key)
+            element = dict(zip(rule.stacks, piece.element or (), strict=True))
             for pattern in others if rule.duplicate else [others[piece.index]]:
                 for b in _expand(ctx, pattern, {**binding, **element}):
                     ctx.add(Target(ctx.fmt(pattern, b), shape_out, tuple(parts), op, layout, rule.number))
@@ -217,17 +223,16 @@ def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
         others = others[:1]
     g = ctx.geometry(rule, len(others))
     op = "+".join(rule.ops(to_fused=True))
-    for binding, keys in _groups(ctx, rule, others):
-        elements = len(keys[0]) if rule.stack else None
+    for binding, counts, keys in _groups(ctx, rule, others):
         shapes = [ctx.shapes[k[0]] for k in keys]
-        padded = _padded(ctx, rule, shapes[0]) if rule.narrow is not None else None
-        fp = fused_shape(shapes, g, elements, padded)  # F' (for a reshape: laid out like the HF tensors)
-        lmap = [d for d in range(len(fp)) if d != g.stack_dim]
+        padded = padded_size(ctx.scope, rule, shapes[0]) if rule.narrow is not None else None
+        fp = fused_shape(shapes, g, counts, padded)  # F' (for a reshape: laid out like the HF tensors)
+        lmap = [d for d in range(len(fp)) if d not in g.stack_dims]
         axes = _axes(rule.transpose, len(fp))
         l_axes = None if axes is None else tuple(sorted(range(len(lmap)), key=lambda i: axes[lmap[i]]))
         parts = []
         for piece in pieces(fp, g, f"{ctx.where}: {keys[0][0]!r}"):
-            key = keys[piece.index][piece.element or 0]
+            key = keys[piece.index][_flat(piece.element or (), counts)]
             if piece.shape != ctx.shapes[key]:
                 raise CkptconvError(
                     f"{ctx.where}: cannot combine {keys[0][0]!r} {list(shapes[0])} and {key!r} "
@@ -236,53 +241,76 @@ def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
             perm = inverse(rope_perm(piece.shape[0], ctx.heads(rule))) if rule.permute else None
             for block, offsets in piece.blocks:
                 dst = _in_fused(block.offsets, block.sizes, block.steps, rule.transpose)
-                sizes = _drop(block.sizes, g.stack_dim)
+                sizes = squeeze(block.sizes, g.stack_dims)
                 parts.append(Part(key, offsets, sizes, dst[0], dst[1], perm, None, dst[2], l_axes))
         ctx.consumed.update(k for per in keys for k in per)
         shape, layout = transposed(fp, rule.transpose), None
         if rule.hf_shape is not None and not to_hf:
-            shape, layout = _unreshaped(ctx, rule, fp, g.stack_dim, keys[0][0]), fp
+            shape, layout = unreshaped(ctx.scope, rule, fp, g.stack_dims, keys[0][0]), fp
         ctx.add(Target(ctx.fmt(fused, binding), shape, tuple(parts), op, layout, rule.number))
 
 
-def _groups(ctx: _Ctx, rule: Rule, patterns: tuple[str, ...]) -> list[tuple[dict[str, int], list[list[str]]]]:
-    """The source keys that make each fused tensor: per binding (less the stacked placeholder), per pattern,
-    per stacked element. Refuses a missing key or element."""
-    groups: dict[tuple[tuple[str, int], ...], dict[int, str]] = {}
+def _groups(
+    ctx: _Ctx, rule: Rule, patterns: tuple[str, ...]
+) -> list[tuple[dict[str, int], tuple[int, ...], list[list[str]]]]:
+    """The source keys that make each fused tensor: per binding (less the stacked placeholders), the number
+    of elements along each stacked dim, and per pattern the keys of every element (row-major over the
+    stacked placeholders). Refuses a missing key or element."""
+    groups: dict[tuple[tuple[str, int], ...], dict[tuple[int, ...], str]] = {}
     for key, binding in ctx.matches(patterns[0]):
         if key in ctx.consumed:
             continue
-        e = binding.pop(rule.stack, 0) if rule.stack else 0
-        groups.setdefault(tuple(sorted(binding.items())), {})[e] = key
+        element = tuple(binding.pop(name) for name in rule.stacks)
+        groups.setdefault(tuple(sorted(binding.items())), {})[element] = key
     out = []
     for items, found in groups.items():
         binding = dict(items)
-        count = max(found) + 1
-        bound = ctx.scope.bound(rule.stack) if rule.stack else None
-        count = bound if bound is not None else count
-        keys = []
-        for pattern in patterns:
-            row = []
-            for e in range(count):
-                key = ctx.fmt(pattern, {**binding, **({rule.stack: e} if rule.stack else {})})
-                if key not in ctx.shapes and rule.stack:
-                    raise CkptconvError(
-                        f"{ctx.where}: {key!r} is missing ({len(found)} of {count} {rule.stack}s present)"
-                    )
-                if key not in ctx.shapes:
-                    lead = next(iter(found.values()))
-                    raise CkptconvError(
-                        f"{ctx.where}: {lead!r} needs {key!r}, which the checkpoint does not have"
-                    )
-                row.append(key)
-            shapes = {ctx.shapes[k] for k in row}
-            if len(shapes) != 1:
-                raise CkptconvError(
-                    f"{ctx.where}: {row[0]!r} and the other {rule.stack}s differ in shape {sorted(shapes)}"
-                )
-            keys.append(row)
-        out.append((binding, keys))
+        counts = tuple(_count(ctx, name, [e[i] for e in found]) for i, name in enumerate(rule.stacks))
+        keys = [_row(ctx, rule, pattern, binding, counts, found) for pattern in patterns]
+        out.append((binding, counts, keys))
     return out
+
+
+def _count(ctx: _Ctx, name: str, seen: list[int]) -> int:
+    """How many elements a stacked placeholder has: its range's bound, else the highest one seen plus 1."""
+    bound = ctx.scope.bound(name)
+    return bound if bound is not None else max(seen) + 1
+
+
+def _flat(element: tuple[int, ...], counts: tuple[int, ...]) -> int:
+    """The row-major position of `element` among `counts` elements per stacked dim (0 with no stack)."""
+    index = 0
+    for e, n in zip(element, counts, strict=True):
+        index = index * n + e
+    return index
+
+
+def _row(
+    ctx: _Ctx,
+    rule: Rule,
+    pattern: str,
+    binding: dict[str, int],
+    counts: tuple[int, ...],
+    found: dict[tuple[int, ...], str],
+) -> list[str]:
+    """The keys of `pattern` for every element (row-major), all present and of one shape."""
+    row = []
+    for element in itertools.product(*(range(n) for n in counts)):
+        key = ctx.fmt(pattern, {**binding, **dict(zip(rule.stacks, element, strict=True))})
+        if key not in ctx.shapes and rule.stacks:
+            what = " and ".join(rule.stacks)
+            raise CkptconvError(
+                f"{ctx.where}: {key!r} is missing ({len(found)} of {math.prod(counts)} {what}s present)"
+            )
+        if key not in ctx.shapes:
+            lead = next(iter(found.values()))
+            raise CkptconvError(f"{ctx.where}: {lead!r} needs {key!r}, which the checkpoint does not have")
+        row.append(key)
+    shapes = {ctx.shapes[k] for k in row}
+    if len(shapes) != 1:
+        what = " and ".join(rule.stacks)
+        raise CkptconvError(f"{ctx.where}: {row[0]!r} and the other {what}s differ in shape {sorted(shapes)}")
+    return row
 
 
 def _copies(ctx: _Ctx, rule: Rule) -> None:
@@ -306,71 +334,6 @@ def _expand(ctx: _Ctx, pattern: str, binding: dict[str, int]) -> list[dict[str, 
     free = sorted(Pattern(pattern).placeholders - set(binding))
     values = [sorted(ctx.values(name)) for name in free]
     return [{**binding, **dict(zip(free, combo, strict=True))} for combo in itertools.product(*values)]
-
-
-def _drop(t: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
-    if dim is None:
-        return t
-    return t[:dim] + t[dim + 1 :]
-
-
-def _padded(ctx: _Ctx, rule: Rule, shape: tuple[int, ...]) -> int:
-    """The runtime size along `dim` of a narrowed tensor read back: `padded`, or rounded up to `multiple`."""
-    kept = shape[rule.dim]
-    if rule.padded is not None:
-        size = ctx.scope.size(rule.padded)
-    elif rule.multiple:
-        size = -(-kept // rule.multiple) * rule.multiple
-    else:
-        raise CkptconvError(
-            f"{ctx.where} rule {rule.number}: narrow needs `padded` or `multiple` to read back"
-        )
-    if size < kept:
-        raise CkptconvError(f"{ctx.where} rule {rule.number}: padded size {size} is less than {kept}")
-    return size
-
-
-def _resolve(ctx: _Ctx, spec: Sequence[int | str], shape: tuple[int, ...], what: str) -> tuple[int, ...]:
-    """A reshape's other shape for a tensor of `shape`: sizes from config.json; -1 first is dim 0 (a reshape
-    keeps it), and one other -1 takes what is left."""
-    numel = math.prod(shape)
-    dims = [-1 if d == -1 else ctx.scope.size(d) for d in spec]
-    if dims and dims[0] == -1 and shape:
-        dims[0] = shape[0]
-    known = math.prod(d for d in dims if d != -1)
-    if dims.count(-1) == 1 and known and numel % known == 0:
-        dims[dims.index(-1)] = numel // known
-    if math.prod(dims) != numel or any(d < 0 for d in dims):
-        raise CkptconvError(f"{ctx.where}: {list(shape)} does not reshape to {what} {list(spec)}")
-    return tuple(dims)
-
-
-def _reshaped(
-    ctx: _Ctx, rule: Rule, shape: tuple[int, ...], to_hf: bool, key: str
-) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """The HF shape of a runtime piece (and the piece's shape as the layout), or the piece's own shape."""
-    if rule.hf_shape is None or not to_hf:
-        return shape, None
-    out = _resolve(ctx, rule.hf_shape, shape, "hf_shape")
-    if not shape or not out or out[0] != shape[0]:
-        raise CkptconvError(f"{ctx.where}: {key!r}: a reshape must keep dim 0 ({list(shape)} -> {list(out)})")
-    return out, shape
-
-
-def _unreshaped(
-    ctx: _Ctx, rule: Rule, layout: tuple[int, ...], stack_dim: int | None, key: str
-) -> tuple[int, ...]:
-    """The runtime shape of a tensor whose parts are laid out like the HF tensors (`layout`)."""
-    inner = _drop(layout, stack_dim)
-    spec = rule.runtime_shape or ((inner[0], -1) if inner else ())
-    out = _resolve(ctx, spec, inner, "runtime_shape")
-    if stack_dim is not None:
-        out = (*out[:stack_dim], layout[stack_dim], *out[stack_dim:])
-    if out[0] != layout[0]:
-        raise CkptconvError(
-            f"{ctx.where}: {key!r}: a reshape must keep dim 0 ({list(layout)} -> {list(out)})"
-        )
-    return out
 
 
 __all__ = [

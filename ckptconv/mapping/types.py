@@ -39,7 +39,7 @@ class Rule:
     hf: tuple[str, ...]
     dim: int = 0
     sizes: tuple[int | str, ...] = ()
-    stack: str | None = None
+    stack: str | tuple[str, ...] | None = None  # as written: one placeholder, or several (consecutive dims)
     permute: str | None = None
     drop: bool = False
     tied: str | None = None
@@ -51,11 +51,18 @@ class Rule:
     groups: int | str | None = None
     narrow: int | str | None = None
     padded: int | str | None = None
-    multiple: int | None = None
+    multiple: int | str | None = None
     hf_shape: tuple[int | str, ...] | None = None
     runtime_shape: tuple[int | str, ...] | None = None
     duplicate: bool = False
     number: int = 0
+
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        """The stacked placeholders, in the order of their dims (from `stack_dim` on)."""
+        if self.stack is None:
+            return ()
+        return (self.stack,) if isinstance(self.stack, str) else self.stack
 
     @property
     def fused_is_runtime(self) -> bool:
@@ -89,6 +96,8 @@ class KeyMapping:
     hf_experts: str = "per_expert"  # the variant written to HF; both are read
     variants: tuple[str, ...] = field(default=())
     ranges: tuple[tuple[str, Range], ...] = ()
+    defaults: tuple[tuple[str, int], ...] = ()  # config key -> value when config.json lacks it
+    checkpoint: str = "dcp"  # what hf-to-dcp writes: a plain DCP, or a Megatron-Core one ("megatron")
 
 
 @dataclass

@@ -5,7 +5,9 @@ megatron-core's own loader. See docs/notes/megatron-torch-dist.md for what the c
 usage: megatron_save.py sharded OUT
        megatron_save.py gpt OUT [--moe] [--optimizer {dist,local,none}]
                                 [--sharding {dp_reshardable,fully_reshardable}] [--singleton-local-shards]
+                                [--qk-layernorm]
        megatron_save.py load OUT RESULT [OUT RESULT ...]
+       megatron_save.py load-gpt CONFIG CKPT RESULT [CONFIG CKPT RESULT ...]
 
 sharded  (2 ranks) a hand-built sharded state dict of megatron-core ShardedTensors in the layout Megatron-LM
          gives a GPT at TP=2: vocab-parallel embedding and output layer, layer-stacked (prepended layer
@@ -14,7 +16,8 @@ sharded  (2 ranks) a hand-built sharded state dict of megatron-core ShardedTenso
          checkpoint_version), saved with `dist_checkpointing.save(sharded_state_dict, OUT)`.
 gpt      (2 ranks) a tiny megatron-core GPTModel, local (non-TransformerEngine) spec: 2 layers, hidden 32,
          4 heads in 2 query groups (GQA), SwiGLU, RMSNorm, RoPE, untied output layer, vocab 50 padded to
-         64, bf16 (Float16Module) at TP=2, one Adam step through megatron's optimizer, saved the way
+         64, bf16 (Float16Module) at TP=2, norm weights drawn at random (not all ones), one Adam step
+         through megatron's optimizer, saved the way
          Megatron-LM 0.16's save_checkpoint does: {"model": model.sharded_state_dict(metadata),
          "optimizer": optimizer.sharded_state_dict(model_sd, metadata), "rng_state": ShardedObject,
          "args": Namespace, "iteration", "checkpoint_version", "opt_param_scheduler", ...} with
@@ -23,16 +26,24 @@ gpt      (2 ranks) a tiny megatron-core GPTModel, local (non-TransformerEngine) 
          DistributedOptimizer's distrib_optim_sharding_type (Megatron-LM's default dp_reshardable, or
          fully_reshardable as with --dist-ckpt-optim-fully-reshardable). --singleton-local-shards: the
          metadata flag NeMo 2 sets (per-layer keys, SwiGLU halves as separate keys). --moe: 3 experts
-         (SequentialMLP, top-2 router) in both layers.
+         (SequentialMLP, top-2 router) in both layers. --qk-layernorm: Qwen3's RMSNorm of each query and
+         key head (q_layernorm, k_layernorm).
 load     (any number of ranks) `dist_checkpointing.load` of each OUT with every tensor and ShardedObject in
          full (`load_sharded_metadata`); rank 0 torch.save's {"tensors": {key: tensor}, "common": {...}} to
          RESULT with Namespaces and numpy values made plain (loadable with weights_only=True).
+load-gpt (any number of ranks: TP = the world size) Megatron-LM's way of loading a model: the GPTModel that
+         gpt built (its options from CONFIG, the config.json gpt wrote) at this TP, `dist_checkpointing.load`
+         of its `sharded_state_dict(metadata)` from CKPT (metadata: CKPT's content_metadata), then
+         `load_state_dict(strict=True)`; rank 0 torch.save's {"model": every parameter gathered into the TP=1
+         layout, "logits": the logits of the fixed tokens, "tokens"} to RESULT.
 
 sharded and gpt also write OUT/../expected.pt (rank 0, plain torch.save, loadable with weights_only=True):
   "tensors": {checkpoint key: full global tensor}, computed here without megatron's checkpoint code;
   "shapes":  {checkpoint key: global shape};
   "common":  the non-tensor values saved (Namespaces as dicts);
   "model":   (gpt) {GPTModel.state_dict() name: full tensor}, the TP=1 in-memory names and layout;
+  "logits", "logits_tokens": (gpt) the eval-mode logits [2, 8, padded vocab] (fp32, gathered over TP) of a
+             fixed token batch [2, 8], computed with the weights saved;
   "objects": {ShardedObject key: value} where the values are plain;
   "dp_reshardable_index": (gpt, dp_reshardable) {flat optimizer key: [[model key, [index], start, end]]};
 and gpt writes OUT/../config.json (the model's sizes and the save options).
@@ -117,12 +128,17 @@ def main() -> None:
             "--sharding", choices=("dp_reshardable", "fully_reshardable"), default="dp_reshardable"
         )
         p.add_argument("--singleton-local-shards", action="store_true")
+        p.add_argument("--qk-layernorm", action="store_true")
         o = p.parse_args(sys.argv[3:])
-        save_gpt(out, o.moe, o.optimizer, o.sharding, o.singleton_local_shards)
+        save_gpt(out, o.moe, o.optimizer, o.sharding, o.singleton_local_shards, o.qk_layernorm)
     elif mode == "load":
         paths = [Path(a) for a in sys.argv[2:]]
         for ckpt, result in zip(paths[::2], paths[1::2], strict=True):
             load(ckpt, result)
+    elif mode == "load-gpt":
+        paths = [Path(a) for a in sys.argv[2:]]
+        for options, ckpt, result in zip(paths[::3], paths[1::3], paths[2::3], strict=True):
+            load_gpt(json.loads(options.read_text()), ckpt, result)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     stop_results_manager()
@@ -279,6 +295,8 @@ GPT = {
     "position_embedding_type": "rope",
     "share_embeddings_and_output_weights": False,
     "params_dtype": "bfloat16",
+    "layernorm_epsilon": 1e-5,
+    "rotary_base": 10000,
 }
 MOE = {"num_moe_experts": 3, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
 
@@ -323,25 +341,22 @@ def _stack(entries: dict[tuple[int, ...], torch.Tensor]) -> torch.Tensor:
     return torch.stack([_stack({i[1:]: t for i, t in entries.items() if i[0] == f}) for f in firsts])
 
 
-def save_gpt(out: Path, moe: bool, optimizer: str, sharding: str, singleton: bool) -> None:
-    import random
-
-    import numpy as np
+def build_gpt(options: dict[str, Any]) -> tuple[Any, Any]:
+    """The tiny GPTModel (GPT, plus MOE with `num_moe_experts`, and `qk_layernorm`) at TP = the world size,
+    wrapped in Float16Module as Megatron-LM does for --bf16: (GPTModel, the wrapper)."""
     import torch.nn.functional as F
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-    from megatron.core.dist_checkpointing import ShardedObject
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    assert dist.get_world_size() == 2, "gpt: 2 ranks, TP=2"
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp = dist.get_world_size()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(1234)  # use_cpu_initialization: every rank draws the full weight and keeps its part
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)  # see the module docstring
+    moe = options.get("num_moe_experts") is not None
+    qk = bool(options.get("qk_layernorm", False))
     config = TransformerConfig(
         num_layers=GPT["num_layers"],
         hidden_size=GPT["hidden_size"],
@@ -353,16 +368,18 @@ def save_gpt(out: Path, moe: bool, optimizer: str, sharding: str, singleton: boo
         activation_func=F.silu,
         add_bias_linear=False,
         normalization="RMSNorm",
+        layernorm_epsilon=GPT["layernorm_epsilon"],
+        qk_layernorm=qk,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=2,
+        tensor_model_parallel_size=tp,
         use_cpu_initialization=True,
         params_dtype=torch.bfloat16,
         bf16=True,
         **(MOE if moe else {}),
     )
     spec = get_gpt_layer_local_spec(
-        num_experts=MOE["num_moe_experts"] if moe else None, normalization="RMSNorm"
+        num_experts=MOE["num_moe_experts"] if moe else None, normalization="RMSNorm", qk_layernorm=qk
     )
     if moe:
         from megatron.core.transformer.moe import moe_utils
@@ -375,10 +392,58 @@ def save_gpt(out: Path, moe: bool, optimizer: str, sharding: str, singleton: boo
             vocab_size=PADDED_VOCAB,
             max_sequence_length=GPT["max_position_embeddings"],
             position_embedding_type="rope",
+            rotary_base=GPT["rotary_base"],
             share_embeddings_and_output_weights=False,
         )
         # as Megatron-LM's get_model does for --bf16: every parameter (the torch norms too) becomes bf16
         model = Float16Module(config, gpt)
+    return gpt, model
+
+
+def distinct_norms(gpt: Any) -> None:
+    """Every norm weight (initialised to ones) set to 1 + 0.1 * randn from a seeded generator, the same on
+    every rank (norms are replicated over TP): a mapping that swapped two norms would show."""
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+
+
+def gpt_logits(model: Any) -> torch.Tensor:
+    """The model's logits [2, 8, padded vocab] (fp32, gathered over TP) for logits_tokens(), in eval mode."""
+    from megatron.core import parallel_state
+
+    model.eval()
+    tokens = logits_tokens()
+    with torch.no_grad(), cuda_on_cpu():
+        local = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None).float()
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def logits_tokens() -> torch.Tensor:
+    """The fixed token batch [2, 8] whose logits gpt and load-gpt record."""
+    return torch.randint(0, VOCAB_SIZE, (2, 8), generator=torch.Generator().manual_seed(7))
+
+
+def save_gpt(out: Path, moe: bool, optimizer: str, sharding: str, singleton: bool, qk: bool) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    assert dist.get_world_size() == 2, "gpt: 2 ranks, TP=2"
+    options: dict[str, Any] = {**(MOE if moe else {}), "qk_layernorm": qk}
+    gpt, model = build_gpt(options)
+    distinct_norms(gpt)
+    config = gpt.config
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     ddp = opt = None
     if optimizer != "none":
         distributed = optimizer == "dist"
@@ -407,6 +472,7 @@ def save_gpt(out: Path, moe: bool, optimizer: str, sharding: str, singleton: boo
             loss.backward()
             ddp.finish_grad_sync()
             opt.step()
+    logits = gpt_logits(model)  # of the weights saved (after the step)
     # Megatron-LM 0.16's metadata for sharded_state_dict (checkpointing.py), less its process group
     metadata = {
         "distrib_optim_sharding_type": sharding,
@@ -425,7 +491,7 @@ def save_gpt(out: Path, moe: bool, optimizer: str, sharding: str, singleton: boo
         "rng_tracker_states": {},
     }
     sd["rng_state"] = ShardedObject("rng_state", [rng], (1, 2), (0, tp_rank), replica_id=0)
-    args = argparse.Namespace(**GPT, **(MOE if moe else {}))
+    args = argparse.Namespace(**GPT, **(MOE if moe else {}), qk_layernorm=qk)
     common = {
         "args": args,
         "checkpoint_version": 3.0,
@@ -438,6 +504,7 @@ def save_gpt(out: Path, moe: bool, optimizer: str, sharding: str, singleton: boo
     dist_checkpointing.save(sd, str(out), content_metadata=metadata)
 
     expected = gpt_expected(gpt, opt, optimizer, sharding, singleton)
+    expected["logits"], expected["logits_tokens"] = logits, logits_tokens()
     if dist.get_rank() == 0:
         # megatron adds its dp_cp_group to `metadata` and drops it again from the saved content_metadata
         content = {k: v for k, v in metadata.items() if k != "dp_cp_group"}
@@ -445,35 +512,39 @@ def save_gpt(out: Path, moe: bool, optimizer: str, sharding: str, singleton: boo
         torch.save(expected, out.parent / "expected.pt")
         config_json = {**GPT, **(MOE if moe else {}), "optimizer": optimizer, "sharding": sharding}
         config_json["singleton_local_shards"] = singleton
+        config_json["qk_layernorm"] = qk
         (out.parent / "config.json").write_text(json.dumps(config_json, indent=1) + "\n")
+
+
+def gather(t: torch.Tensor, param: torch.nn.Parameter, name: str) -> torch.Tensor:
+    """`t` (the parameter `name`, or a state of it, as this TP rank holds it) in the TP=1 layout, with
+    plain all_gathers over its TP group (the SwiGLU fc1's halves each gathered on its own)."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return t.detach().clone()
+    expert = not getattr(param, "allreduce", True)
+    group = (
+        parallel_state.get_expert_tensor_parallel_group()
+        if expert
+        else parallel_state.get_tensor_model_parallel_group()
+    )
+    dim = param.partition_dim
+
+    def cat(x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x, dtype=torch.float32) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.detach().float().contiguous(), group=group)
+        return torch.cat(parts, dim).to(x.dtype)
+
+    if name.endswith("linear_fc1.weight"):  # SwiGLU: each rank holds [gate_r; up_r]
+        return torch.cat([cat(half) for half in t.chunk(2, dim)], dim)
+    return cat(t)
 
 
 def gpt_expected(gpt: Any, opt: Any, optimizer: str, sharding: str, singleton: bool) -> dict[str, Any]:
     """Every parameter (and its optimizer state) gathered over TP into the TP=1 layout with plain
     all_gathers, then placed under its checkpoint key(s) by `checkpoint_keys`: what the checkpoint should
     hold, computed without megatron's sharded_state_dict or checkpoint code."""
-    from megatron.core import parallel_state
-
-    def gather(t: torch.Tensor, param: torch.nn.Parameter, name: str) -> torch.Tensor:
-        if not getattr(param, "tensor_model_parallel", False):
-            return t.detach().clone()
-        expert = not getattr(param, "allreduce", True)
-        group = (
-            parallel_state.get_expert_tensor_parallel_group()
-            if expert
-            else parallel_state.get_tensor_model_parallel_group()
-        )
-        dim = param.partition_dim
-
-        def cat(x: torch.Tensor) -> torch.Tensor:
-            parts = [torch.empty_like(x, dtype=torch.float32) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, x.detach().float().contiguous(), group=group)
-            return torch.cat(parts, dim).to(x.dtype)
-
-        if name.endswith("linear_fc1.weight"):  # SwiGLU: each rank holds [gate_r; up_r]
-            return torch.cat([cat(half) for half in t.chunk(2, dim)], dim)
-        return cat(t)
-
     states: dict[int, dict[str, torch.Tensor]] = {}  # id(model param) -> its optimizer tensors
     if opt is not None:
         inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
@@ -541,6 +612,31 @@ def gpt_expected(gpt: Any, opt: Any, optimizer: str, sharding: str, singleton: b
 
 
 # --- load: megatron's own reader ------------------------------------------------------------------------
+
+
+def load_gpt(options: dict[str, Any], ckpt: Path, result: Path) -> None:
+    """Megatron-LM's way to load a model: the same GPTModel built at TP = the world size, its
+    `sharded_state_dict(metadata)` (metadata: the checkpoint's content_metadata, {} without one) filled by
+    `dist_checkpointing.load` (megatron's default strictness) and put into the model with
+    `load_state_dict(strict=True)`. Rank 0 saves {"model": every parameter in the TP=1 layout, "logits": the
+    logits of logits_tokens(), "tokens"} to RESULT."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    gpt, model = build_gpt(options)
+    with torch.no_grad():  # nothing of the model as built survives: whatever the load misses shows as 0
+        for p in gpt.parameters():
+            p.zero_()
+    metadata = dist_checkpointing.load_content_metadata(str(ckpt)) or {}
+    with cuda_on_cpu():
+        # under "model", as Megatron-LM asks for it: the common values land beside it
+        sharded = {"model": gpt.sharded_state_dict(metadata=metadata)}
+        loaded = dist_checkpointing.load(sharded, str(ckpt))
+    gpt.load_state_dict(loaded["model"], strict=True)
+    full = {name: gather(p, p, name) for name, p in gpt.named_parameters()}
+    logits = gpt_logits(model)
+    if dist.get_rank() == 0:
+        torch.save({"model": full, "logits": logits, "tokens": logits_tokens()}, result)
+    parallel_state.destroy_model_parallel()
 
 
 def load(out: Path, result: Path) -> None:

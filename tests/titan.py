@@ -5,6 +5,7 @@ datasets and a newer huggingface_hub), so `titan_dir()` installs the pins of tes
 once, with `pip install --no-deps --target`, into .cache/torchtitan-0.3.0 under the repository, and
 `run_adapter()` runs tests/workers/titan_adapter.py with that directory on PYTHONPATH in front of the venv's
 own site-packages (torch, safetensors and transformers come from the venv, through the same interpreter).
+`run_titan_job()` runs a torchrun job (such as tests/workers/titan_checkpoint.py) with the same PYTHONPATH.
 
 A failed install raises: a test that needs torchtitan fails rather than skips.
 """
@@ -68,3 +69,22 @@ def run_adapter(
             f"torchtitan {family} {direction} of {src} failed ({proc.returncode}):\n"
             f"{proc.stdout}\n{proc.stderr}"
         )
+
+
+def run_titan_job(nproc: int, worker: Path, *args: str, timeout: int = 300) -> None:
+    """`python -m torch.distributed.run --standalone --nproc-per-node NPROC WORKER ARGS...` with the same
+    PYTHONPATH as `run_adapter` (torchtitan 0.3.0's install in front of the venv's site-packages): a
+    torchrun job (gloo, CPU) that uses torchtitan's own training components, such as
+    tests/workers/titan_checkpoint.py. Raises RuntimeError with the job's output when it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += [str(worker), *args]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env=_env(str(titan_dir())),
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

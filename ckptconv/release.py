@@ -107,8 +107,13 @@ def select_tensors(ckpt: DcpCheckpoint, prefix: str | None, keep_trainer_state: 
     else:
         strip = ""
         chosen = [fqn for fqn in ckpt.tensors if group_of(ckpt, fqn) not in NON_MODEL_GROUPS]
-        dropped = sorted(
-            {str(group_of(ckpt, f)) for f in ckpt.tensors if group_of(ckpt, f) in NON_MODEL_GROUPS}
+        dropped = sorted(  # a 0-d progress tensor (train_state.step) is stashed, not dropped
+            {
+                str(g)
+                for f, spec in ckpt.tensors.items()
+                if (g := group_of(ckpt, f)) in NON_MODEL_GROUPS
+                and (spec.shape or kind_of(g, f) != "progress")
+            }
         )
         if dropped:
             notes.append(f"not converting the {', '.join(repr(g) for g in dropped)} state")

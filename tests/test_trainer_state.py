@@ -220,3 +220,18 @@ def test_inspect_and_verify_say_what_a_megatron_release_takes(
     assert run(capsys, "dcp-to-hf", str(megatron_ckpt), str(out), "--dtype", "keep")[0] == 0
     code, err = run(capsys, "verify", str(megatron_ckpt), str(out))
     assert code == 0, err
+
+
+def test_a_stashed_step_tensor_is_not_called_dropped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = {
+        "w": torch.ones(2),
+        "optimizer": {"w": {"exp_avg": torch.ones(2)}},
+        "train_state": {"step": torch.tensor(3, dtype=torch.int32)},
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    code, err = run(capsys, "dcp-to-hf", str(tmp_path / "c"), str(tmp_path / "o"))
+    assert code == 0, err
+    assert "not converting the 'optimizer' state" in err and "train_state" not in err
+    assert _stash(tmp_path / "o")["train_state.step"].value == 3

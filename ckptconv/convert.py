@@ -19,6 +19,7 @@ from .copy_from import copy_non_weights
 from .dcp_save import save_dcp
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
+from .formats import megatron_out
 from .formats.dcp import DcpCheckpoint, open_dcp
 from .formats.dcp_reader import DcpReader, RowPiece
 from .formats.files import exists, is_directory, read_regular
@@ -278,6 +279,8 @@ def hf_to_dcp(
             config=model_config,
             allow_unmapped=allow_unmapped,
         )
+        if key_mapping is not None and key_mapping.checkpoint == "megatron":
+            plan = megatron_out.with_extra_state(plan)
         return plan, model_config, target, hf
 
     plan, model_config, target, hf = everyone(world, prepare)
@@ -302,7 +305,7 @@ def hf_to_dcp(
         world,
         target,
         lambda staging: save_dcp(plan, staging, world, ui),
-        lambda staging: _keep_config(staging, config_file if mapping else None),
+        lambda staging: _finish_dcp(staging, plan, config_file if mapping else None),
         (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None,
         ui.warn,
     )
@@ -315,6 +318,13 @@ def _first_file(*directories: Path | None) -> Path | None:
     """The config.json of the first of `directories` that has one (--copy-from's, then the DCP's own)."""
     found = (d / CONFIG_FILE for d in directories if d is not None)
     return next((p for p in found if exists(p)), None)
+
+
+def _finish_dcp(staging: Path, plan: DcpSavePlan, config_file: Path | None) -> None:
+    """Rank 0, hf-to-dcp: the config a mapping read, and Megatron's side files for a megatron mapping."""
+    _keep_config(staging, config_file)
+    if any(megatron_out.is_extra_state(item.key) for item in plan.stash):  # with_extra_state added them
+        megatron_out.write_side_files(staging, megatron_out.iteration_of(plan.stash))
 
 
 def _keep_config(staging: Path, config_file: Path | None) -> None:

@@ -36,9 +36,7 @@ from ckptconv.formats.megatron_out import (
     BACKENDS,
     CHECKPOINT_VERSION,
     extra_state_objects,
-    write_side_files,
 )
-from ckptconv.stash import StashedItem, read_stash, write_stash
 
 PRESET = "megatron-gpt"
 # name -> the worker's gpt options
@@ -140,17 +138,6 @@ def hf_expected(model: dict[str, torch.Tensor], meg: dict[str, Any], fused: bool
     return out
 
 
-def add_extra_state(hf_dir: Path, dcp_shapes: dict[str, tuple[int, ...]]) -> None:
-    """Megatron's `_extra_state` objects for the weights hf-to-dcp writes, put into the HF directory's stash
-    so that hf-to-dcp writes them: until convert.py writes them (see megatron_out.extra_state_objects)."""
-    buffer = io.BytesIO()
-    torch.save([None], buffer)
-    items = [i for i in read_stash(hf_dir) if "._extra_state/" not in i.key]
-    for key, value in extra_state_objects(dcp_shapes).items():
-        items.append(StashedItem(key, (key,), buffer.getvalue(), value, True))
-    write_stash(hf_dir, items)
-
-
 class Case:
     """One checkpoint megatron wrote, its conversions, and what megatron loads back from them."""
 
@@ -193,10 +180,7 @@ class Case:
         back_config["tensor_model_parallel_size"] = meg["tensor_model_parallel_size"]
         (self.root / "back_config.json").write_text(json.dumps(back_config))
         args = ("--mapping", PRESET, "--config", str(self.root / "back_config.json"))
-        cli("hf-to-dcp", str(self.hf), str(self.root / "plain"), *args)  # the weights hf-to-dcp writes
-        add_extra_state(self.hf, {k: t.shape for k, t in open_dcp(self.root / "plain").tensors.items()})
-        cli("hf-to-dcp", str(self.hf), str(self.back), *args)
-        write_side_files(self.back, None)  # until convert.py writes them
+        cli("hf-to-dcp", str(self.hf), str(self.back), *args)  # with metadata.json, common.pt, _extra_state
 
 
 @pytest.fixture(scope="session")
@@ -290,7 +274,12 @@ def test_hf_to_dcp_writes_megatrons_stacked_keys(cases: dict[str, Case], name: s
         assert {k: v for k, v in saved.items() if not k.startswith("optimizer.")} == want
     assert json.loads((case.back / "metadata.json").read_text()) == BACKENDS
     common = torch.load(case.back / "common.pt", weights_only=True)
-    assert common == {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    iteration = torch.load(case.ckpt.parent / "expected.pt", weights_only=True)["common"]["iteration"]
+    assert iteration == 1  # megatron's, through dcp-to-hf's stash and back
+    assert common == {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    # the _extra_state objects megatron's load asks for, written by hf-to-dcp itself
+    objects = {k for k in spec.items if "._extra_state/" in k}
+    assert objects == set(extra_state_objects({k: tuple(t.shape) for k, t in spec.tensors.items()}))
 
 
 @pytest.mark.slow

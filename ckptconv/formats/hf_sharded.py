@@ -138,7 +138,7 @@ def open_sharded(path: Path) -> DcpCheckpoint:
             )
         tensors[key] = TensorSpec(key, dtypes[key], shape, tuple(parts))
     split = _split_file(path) or split
-    paths = {key: (key,) for key in tensors}
+    paths: dict[str, tuple[str | int, ...]] = {key: (key,) for key in tensors}
     return DcpCheckpoint(path, tensors, {}, paths, stamps, kind="torch-hf-distributed", file_split=split)
 
 

@@ -31,12 +31,19 @@ The checkpoint holds model weights only (no optimizer state, no `rng_state`): lo
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..stash import StashedItem
+
+if TYPE_CHECKING:
+    from ..plan import DcpSavePlan
 
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -92,6 +99,31 @@ def extra_state_objects(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list
             name = f"{module}._extra_state/shard_{_dotted(index)}_{_dotted(grid)}"
             out[name] = [None]
     return out
+
+
+def is_extra_state(key: str) -> bool:
+    return "._extra_state/shard_" in key
+
+
+def with_extra_state(plan: DcpSavePlan) -> DcpSavePlan:
+    """`plan` with the `_extra_state` objects megatron's load asks for among its stashed items, instead of any
+    the stash brought (named for another layout, such as a singleton_local_shards source)."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save([None], buffer)
+    objects = extra_state_objects({t.key: t.shape for t in plan.tensors})
+    kept = [item for item in plan.stash if not is_extra_state(item.key)]
+    added = [StashedItem(key, (key,), buffer.getvalue(), value, True) for key, value in objects.items()]
+    return dataclasses.replace(plan, stash=(*kept, *added))
+
+
+def iteration_of(stash: Sequence[StashedItem]) -> int | None:
+    """The `iteration` a stash carries (a Megatron source's, through dcp-to-hf), None without one."""
+    for item in stash:
+        if item.key == "iteration" and item.has_value and type(item.value) is int:
+            return item.value
+    return None
 
 
 def _dotted(values: tuple[int, ...]) -> str:

@@ -235,3 +235,24 @@ def test_a_stashed_step_tensor_is_not_called_dropped(
     assert code == 0, err
     assert "not converting the 'optimizer' state" in err and "train_state" not in err
     assert _stash(tmp_path / "o")["train_state.step"].value == 3
+
+
+@pytest.mark.slow
+def test_megatron_hand_built_sharded_state_dict(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sharded state dict of megatron ShardedTensors built by hand (TP split, prepended layer axis, replica
+    ids, fp32 and bf16) with a per-rank ShardedObject, saved by megatron's dist_checkpointing.save."""
+    ckpt = tmp_path_factory.mktemp("megatron_sharded") / "ckpt"
+    run_megatron(2, "sharded", str(ckpt))
+    expected = torch.load(ckpt.parent / "expected.pt", weights_only=True)
+    out = tmp_path / "out"
+    code, err = run(capsys, "dcp-to-hf", str(ckpt), str(out), "--dtype", "keep")
+    assert code == 0, err
+    got = load_file(out / "model.safetensors")
+    assert got.keys() == expected["tensors"].keys()
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in expected["tensors"].items())
+    items = _stash(out)
+    assert items["iteration"].value == expected["common"]["iteration"]
+    assert items["args"].value == expected["common"]["args"]
+    assert "'rng_state' (2)" in err and not any(k.startswith("rng_state") for k in items)

@@ -2,8 +2,9 @@
 
 The writer lays out a file exactly as `safetensors.torch.save` does (same header, same data order, same
 padding), but takes tensors one at a time, so no process ever holds a whole output file.
-Call order: `SafetensorsWriter(path, entries)` writes the header; `write(key, tensor)` once per entry in
-entry order; `close()` checks that every byte was written.
+Call order: `SafetensorsWriter(path, entries)` writes the header; `write(key, tensor)` once per entry, in any
+order (each lands at its offset: a quantized weight and its scale are written together, though safetensors
+lays the fp32 scales out before the fp8 weights); `close()` checks that every entry was written.
 """
 
 from __future__ import annotations
@@ -60,39 +61,49 @@ def header_bytes(entries: Sequence[Entry], metadata: dict[str, str] | None = Non
 class SafetensorsWriter:
     def __init__(self, path: Path, entries: Sequence[Entry]) -> None:
         self.path = path
-        self.entries = list(entries)
-        self._next = 0
+        self.entries = {e.key: e for e in entries}
+        header = header_bytes(list(entries))
+        self._offsets = dict(
+            zip(
+                self.entries,
+                itertools.accumulate((e.nbytes for e in entries), initial=len(header)),
+                strict=False,
+            )
+        )
+        self._left = set(self.entries)
         try:
-            self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
-            self._file.write(header_bytes(self.entries))
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise CkptconvError(
-                f"{path}: cannot write ({e.strerror}); check free space and permissions"
-            ) from None
+            raise self._error(e) from None
+        self._pwrite(memoryview(header), 0)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
-        entry = self.entries[self._next]
-        assert entry.key == key and tensor.dtype == entry.dtype and tuple(tensor.shape) == entry.shape, key
+        entry = self.entries[key]
+        assert key in self._left and tensor.dtype == entry.dtype and tuple(tensor.shape) == entry.shape, key
         if entry.nbytes:
-            try:
-                self._file.write(byte_view(tensor.contiguous()))
-            except OSError as e:
-                raise CkptconvError(
-                    f"{self.path}: cannot write ({e.strerror}); check free space and permissions"
-                ) from None
-        self._next += 1
+            self._pwrite(byte_view(tensor.contiguous()), self._offsets[key])
+        self._left.discard(key)
+
+    def _pwrite(self, data: memoryview, offset: int) -> None:
+        try:
+            while data:
+                n = os.pwrite(self._fd, data, offset)
+                data, offset = data[n:], offset + n
+        except OSError as e:
+            raise self._error(e) from None
+
+    def _error(self, e: OSError) -> CkptconvError:
+        return CkptconvError(f"{self.path}: cannot write ({e.strerror}); check free space and permissions")
 
     def close(self) -> None:
-        assert self._next == len(self.entries), (
-            f"{self.path}: {len(self.entries) - self._next} tensors missing"
-        )
+        assert not self._left, f"{self.path}: {len(self._left)} tensors missing"
         try:
-            self._file.close()
+            os.close(self._fd)
         except OSError as e:
-            raise CkptconvError(f"{self.path}: cannot write ({e.strerror})") from None
+            raise self._error(e) from None
 
     def abort(self) -> None:
-        self._file.close()
+        os.close(self._fd)
 
 
 class RowReader:

@@ -1,0 +1,64 @@
+"""Block FP8, as DeepSeek-V3 releases and transformers' "fp8" quantization store it.
+
+A 2-D weight [R, C] is stored as `float8_e4m3fn` [R, C] plus `weight_scale_inv` [ceil(R/128), ceil(C/128)]:
+the dequantization multiplier of each 128x128 block (edge blocks are the part that exists), `w ~ q * s`.
+
+    quantize   (DeepSeek's `act_quant`, xtuner, Megatron-Bridge; not transformers' own, which multiplies by
+               448/amax and rounds differently): s = amax(|block|) / 448 in fp32 (1.0 for an all-zero
+               block), q = (w / s).clamp(-448, 448).to(float8_e4m3fn)
+    dequantize (torch's QuantizedHuggingFaceStorageReader): (q.float() * s.float()).to(dtype), the fp32
+               product rounded once
+
+Both work on any rows [lo, hi) of a weight whose bounds are multiples of the block (or the end), so a weight
+is quantized one row slab at a time and a reader dequantizes only the rows it needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+BLOCK = 128
+SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
+
+
+def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
+    """[R, C] -> [ceil(R/block), ceil(C/block)]."""
+    rows, cols = shape
+    return (-(-rows // block), -(-cols // block))
+
+
+def quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a weight [r, C] (r a multiple of `block`, or the weight's last rows) -> (fp8 [r, C], fp32 scales
+    [ceil(r/block), ceil(C/block)])."""
+    rows, cols = w.shape
+    sr, sc = scale_shape((rows, cols), block)
+    x = torch.nn.functional.pad(w.to(torch.float32), (0, sc * block - cols, 0, sr * block - rows))
+    x = x.view(sr, block, sc, block)
+    amax = x.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(sr * block, sc * block)[:rows, :cols].contiguous(), scale
+
+
+def quantize_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> None:
+    """`quantize` a whole weight [R, C] into `q` (fp8 [R, C]) and `scale`, one slab of `block` rows at a time
+    (the fp32 working copy is one slab, not the weight)."""
+    for i, lo in enumerate(range(0, w.shape[0], block)):
+        q_rows, s_row = quantize(w[lo : lo + block], block)
+        q[lo : lo + block] = q_rows
+        scale[i] = s_row[0]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
+    """Rows of a weight (fp8 [r, C], starting at a multiple of `block`) and their scale rows
+    [ceil(r/block), ceil(C/block)] (any float dtype) -> [r, C] in `dtype`."""
+    rows, cols = q.shape
+    s = scale.to(torch.float32).repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return (q.to(torch.float32) * s).to(dtype)
+
+
+def scale_rows(lo: int, hi: int, block: int = BLOCK) -> tuple[int, int]:
+    """The scale rows that cover weight rows [lo, hi)."""
+    return lo // block, -(-hi // block)

@@ -29,6 +29,8 @@ from .cli_options import (
     OverwriteOpt,
     PrefixOpt,
     ProgressOpt,
+    QuantizeOpt,
+    QuantizeSkipOpt,
     QuietOpt,
     ReadOpt,
     RevisionOpt,
@@ -95,6 +97,8 @@ def dcp_to_hf_cmd(
     ] = None,
     keep_trainer_state: KeepTrainerStateOpt = False,
     keep_file_split: KeepFileSplitOpt = False,
+    quantize: QuantizeOpt = None,
+    quantize_skip: QuantizeSkipOpt = None,
     verify: VerifyOpt = False,
     trust_pickle: TrustOpt = False,
     quiet: QuietOpt = False,
@@ -132,6 +136,8 @@ def dcp_to_hf_cmd(
             hf_experts=hf_experts,
             keep_trainer_state=keep_trainer_state,
             keep_file_split=keep_file_split,
+            quantize=quantize,
+            quantize_skip=quantize_skip or (),
             verify=verify,
         )
         summary = plan_summary(result.plan)
@@ -145,6 +151,7 @@ def dcp_to_hf_cmd(
                     "seconds": round(result.seconds, 3),
                     "verified": verify and result.written,
                     "copied": result.copied,
+                    "config_edits": result.config_edits,
                     **summary,
                 }
             )
@@ -158,6 +165,8 @@ def dcp_to_hf_cmd(
                 f"wrote {out}: {len(result.plan.files)} file(s), {summary['num_tensors']} tensors, "
                 f"{human_bytes(result.plan.total_size)} in {result.seconds:.1f}s on {world.size} rank(s)"
             )
+            for edit in result.config_edits:
+                ui.info(f"config.json: {edit}")
 
 
 @app.command("hf-to-dcp")

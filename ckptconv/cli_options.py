@@ -80,6 +80,22 @@ KeepFileSplitOpt = Annotated[
         "NeMo Automodel's .hf_metadata) instead of splitting by --max-shard-size.",
     ),
 ]
+QuantizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--quantize",
+        help="fp8: write linear weights as block FP8 (float8_e4m3fn + weight_scale_inv per 128x128 block), "
+        "as DeepSeek-V3 / transformers' fp8 releases do.",
+    ),
+]
+QuantizeSkipOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--quantize-skip",
+        help="Regex (repeatable) on the output key: weights left unquantized (besides embeddings, norms, "
+        "router gates and lm_head).",
+    ),
+]
 AllowUnmappedOpt = Annotated[
     bool, typer.Option("--allow-unmapped", help="Pass keys no mapping rule covers through unchanged.")
 ]

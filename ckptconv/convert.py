@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from . import outcheck, outdir, sources
 from . import verify as verify_mod
@@ -21,20 +21,20 @@ from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats import megatron_out
 from .formats.dcp import DcpCheckpoint, open_dcp
-from .formats.dcp_reader import DcpReader, RowPiece
+from .formats.dcp_reader import RowPiece
 from .formats.files import exists, is_directory, read_regular
 from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
 from .formats.hf_sharded import HF_METADATA_DIR
-from .formats.safetensors_io import Entry, SafetensorsWriter
-from .gather import gather_tensors
+from .hf_write import ReadPath, follow_config, write_shards
+from .hf_write import write_files as write_files  # live.save_hf writes through it
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
+from .quant.policy import QuantPolicy
 from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
-from .unshard import Item, check_read_pieces, direct_rows, direct_tensors
+from .unshard import check_read_pieces
 from .world import World, everyone, on_main
 
-ReadPath = Literal["direct", "gather"]
 DEFAULT_BUCKET = 128 * 10**6
 
 
@@ -44,6 +44,7 @@ class Result:
     plan: HfSavePlan
     seconds: float = 0.0
     copied: list[str] = field(default_factory=list)
+    config_edits: list[str] = field(default_factory=list)  # what the copied config.json was changed to say
     written: bool = False
 
 
@@ -81,6 +82,8 @@ def dcp_to_hf(
     hf_experts: str | None = None,
     keep_trainer_state: bool = False,
     keep_file_split: bool = False,
+    quantize: str | None = None,
+    quantize_skip: Sequence[str] = (),
     verify: bool = False,
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`. Collective."""
@@ -91,6 +94,9 @@ def dcp_to_hf(
         DcpCheckpoint, HfSavePlan, int, dict[str, Any], outcheck.Output | None, Path | None
     ]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
+        if quantize_skip and not quantize:
+            raise CkptconvError("--quantize-skip applies with --quantize fp8")
+        quant = QuantPolicy(quantize, quantize_skip) if quantize else None
         shard_bytes = parse_size(max_shard_size)
         bucket = parse_size(bucket_size, "--bucket-size")
         if copy_from is not None and not copy_from.is_dir():
@@ -119,6 +125,7 @@ def dcp_to_hf(
             allow_unmapped=allow_unmapped,
             keep_trainer_state=keep_trainer_state,
             file_split=ckpt.file_split if keep_file_split else None,
+            quantize=quant,
         )
         return ckpt, plan, bucket, model_config, target, described
 
@@ -145,7 +152,7 @@ def dcp_to_hf(
     pieces: list[RowPiece] = []
 
     def write(staging: Path) -> None:
-        pieces.extend(_write_shards(plan, ckpt, staging, world, ui, bucket, read_path))
+        pieces.extend(write_shards(plan, ckpt, staging, world, ui, bucket, read_path))
 
     def check(staging: Path) -> None:
         check_read_pieces(world, ckpt, pieces)
@@ -153,57 +160,15 @@ def dcp_to_hf(
             _check(world, ui, source, lambda _: verify_mod.hf_side("output", staging))
 
     def finish(staging: Path) -> list[str]:
-        return _finish(plan, ckpt, staging, described, ui)
+        copied = _finish(plan, ckpt, staging, described, ui)
+        if CONFIG_FILE in copied:
+            result.config_edits = follow_config(staging / CONFIG_FILE, plan, parse_dtype_flag(dtype))
+        return copied
 
     result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
     result.seconds = time.perf_counter() - start
     result.written = True
     return result
-
-
-def _write_shards(
-    plan: HfSavePlan,
-    ckpt: DcpCheckpoint,
-    staging: Path,
-    world: World,
-    ui: Ui,
-    bucket: int,
-    read_path: ReadPath,
-) -> list[RowPiece]:
-    """This rank's files into `staging`; returns the chunks' pieces it read (some rows of a chunk)."""
-    with DcpReader(ckpt) as reader:
-        if read_path == "gather":
-            items = gather_tensors(plan, world, direct_rows(reader), bucket)
-        else:
-            items = direct_tensors(plan, world, reader, bucket)
-        write_files(plan, items, staging, world, ui)
-        return reader.pieces()
-
-
-def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: World, ui: Ui) -> None:
-    """Write this rank's files of `plan` from `items` (its tensors in file order, as unshard yields them)."""
-    mine = plan.files_of(world.rank)
-    with ui.bytes_progress(
-        f"writing {len(mine)} of {len(plan.files)} files", sum(f.nbytes for f in mine)
-    ) as progress:
-        writer: SafetensorsWriter | None = None
-        try:
-            for f, t, tensor in items:
-                if writer is None or writer.path.name != f.name:
-                    if writer is not None:
-                        writer.close()
-                    writer = SafetensorsWriter(
-                        staging / f.name, [Entry(x.hf_key, x.dtype, x.shape) for x in f.tensors]
-                    )
-                writer.write(t.hf_key, tensor)
-                del tensor  # not held while the next tensor is assembled
-                progress.advance(t.nbytes)
-            if writer is not None:
-                writer.close()
-        except BaseException:
-            if writer is not None:
-                writer.abort()
-            raise
 
 
 def _check(

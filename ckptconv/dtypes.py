@@ -98,6 +98,10 @@ class DtypePolicy:
                 return torch.float32
         return dtype if self.target is None else self.target
 
+    def forces_fp32(self, hf_key: str) -> bool:
+        """Whether an --fp32 pattern matches `hf_key` (it then beats --quantize too)."""
+        return any(compiled.search(hf_key) for compiled in self._compiled)
+
     def unmatched(self) -> list[str]:
         """The --fp32 patterns that matched no floating tensor so far."""
         return [p.pattern for p in self._compiled if p.pattern not in self._matched]

@@ -25,6 +25,7 @@ from .formats.dcp import DcpCheckpoint
 from .formats.hf import HfCheckpoint, StoredTensor
 from .mapping.rules import KeyMapping, Part, Target, map_keys
 from .mapping.rules import whole as _whole
+from .quant.policy import QuantPolicy
 from .release import Selection, select_tensors
 from .specs import NonTensorItem, TensorSpec
 from .stash import StashedItem
@@ -59,6 +60,12 @@ class OutTensor:
     op: str = "rename"
     layout: tuple[int, ...] | None = None  # the shape the parts address (a reshape), when not `shape`
     padded: bool = False  # some elements come from no part: zeros
+    quant: str | None = None  # "fp8": assembled in the source dtype, written quantized with its scale
+
+    @property
+    def work_dtype(self) -> torch.dtype:
+        """The dtype the tensor is assembled in: its own, or for a quantized one its source's."""
+        return self.src.dtype if self.quant else self.dtype
 
     @property
     def src(self) -> TensorSpec:
@@ -95,6 +102,7 @@ class HfSavePlan:
     world_size: int
     scalars: tuple[TensorSpec, ...] = ()  # 0-d progress tensors (`train_state.step`), stashed as values
     common: tuple[StashedItem, ...] = ()  # Megatron's common.pt values
+    quantization: dict[str, Any] | None = None  # --quantize: the release's config.json quantization_config
 
     @property
     def total_size(self) -> int:
@@ -200,12 +208,20 @@ def plan_dcp_to_hf(
     allow_unmapped: bool = False,
     keep_trainer_state: bool = False,
     file_split: dict[str, int] | None = None,
+    quantize: QuantPolicy | None = None,
 ) -> HfSavePlan:
     """`file_split` ({source key: file number from 1}, `--keep-file-split`) puts each tensor in the file the
-    source's writer put it in, instead of splitting by `max_shard_size`."""
+    source's writer put it in, instead of splitting by `max_shard_size`. `quantize` makes the weights it
+    selects block FP8, each with its `weight_scale_inv` in the same file."""
     selection, mapped, unmapped = mapped_tensors(
         ckpt, policy, prefix, mapping, config, allow_unmapped, keep_trainer_state
     )
+    quantization: dict[str, Any] | None = None
+    quant_warnings: list[str] = []
+    if quantize is not None:
+        from .quant.outs import quantize_outs
+
+        mapped, quantization, quant_warnings = quantize_outs(mapped, quantize, policy)
     outs = {t.hf_key: t for t in sorted(mapped, key=lambda t: natural_key(t.hf_key))}
     notes = selection.notes
     if unmapped:
@@ -213,10 +229,13 @@ def plan_dcp_to_hf(
             f"--allow-unmapped: {len(unmapped)} key(s) passed through unchanged: {', '.join(unmapped)}",
         )
     if file_split is None:
-        by_file = split_state_dict_into_shards_factory(
+        scales = {t.hf_key.removesuffix("_scale_inv"): t.nbytes for t in outs.values() if t.op == "fp8_scale"}
+        by_file = split_state_dict_into_shards_factory(  # a weight and its scale: one storage, one file
             outs,
-            get_storage_size=lambda t: t.nbytes,
-            get_storage_id=lambda t: None,
+            get_storage_size=lambda t: t.nbytes + scales.get(t.hf_key, 0),
+            get_storage_id=lambda t: (
+                t.hf_key.removesuffix("_scale_inv") if t.quant or t.op == "fp8_scale" else None
+            ),
             filename_pattern=SAFETENSORS_PATTERN,
             max_shard_size=max_shard_size,
         ).filename_to_tensors
@@ -226,9 +245,9 @@ def plan_dcp_to_hf(
     groups = [data_order([outs[k] for k in by_file[name]]) for name in names]
     owners = assign_owners([sum(t.nbytes for t in g) for g in groups], world_size)
     files = tuple(OutFile(name, g, owner) for name, g, owner in zip(names, groups, owners, strict=True))
-    warnings = (*policy.warnings(), *selection.warnings)
+    warnings = (*policy.warnings(), *selection.warnings, *quant_warnings)
     return HfSavePlan(
-        files, selection.stash, notes, warnings, world_size, selection.scalars, selection.common
+        files, selection.stash, notes, warnings, world_size, selection.scalars, selection.common, quantization
     )
 
 

@@ -176,6 +176,7 @@ def plan_summary(plan: HfSavePlan) -> dict[str, Any]:
         "total_size": plan.total_size,
         "num_tensors": sum(len(f.tensors) for f in plan.files),
         "stash": plan.stashed,
+        "quantization": plan.quantization,
         "world_size": plan.world_size,
         "notes": list(plan.notes),
         "warnings": list(plan.warnings),

@@ -74,8 +74,9 @@ def assemble(t: OutTensor, rows: RowsFn, reader: DcpReader | None = None) -> tor
 
 
 def new_out(t: OutTensor) -> torch.Tensor:
-    """The output tensor to fill: zeros where no part lands (padding), else uninitialised."""
-    return (torch.zeros if t.padded else torch.empty)(t.shape, dtype=t.dtype)
+    """The output tensor to fill: zeros where no part lands (padding), else uninitialised; a weight to be
+    quantized is assembled in its source dtype."""
+    return (torch.zeros if t.padded else torch.empty)(t.shape, dtype=t.work_dtype)
 
 
 def laid_out(out: torch.Tensor, t: OutTensor) -> torch.Tensor:
@@ -221,7 +222,9 @@ def needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec, int, int]]:
 
 
 def write_order(plan: HfSavePlan, rank: int) -> list[tuple[OutFile, OutTensor]]:
-    return [(f, t) for f in plan.files_of(rank) for t in f.tensors]
+    """This rank's tensors to assemble, file by file in layout order; a quantized weight's scale is written
+    with its weight, not assembled on its own."""
+    return [(f, t) for f in plan.files_of(rank) for t in f.tensors if t.op != "fp8_scale"]
 
 
 def direct_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_bytes: int) -> Iterator[Item]:

@@ -30,8 +30,8 @@ def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
 
 
 def quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of a weight [r, C] (r a multiple of `block`, or the weight's last rows) -> (fp8 [r, C], fp32 scales
-    [ceil(r/block), ceil(C/block)])."""
+    """Rows of a weight [r, C] (r a multiple of `block`, or the weight's last rows) -> (fp8 [r, C],
+    fp32 scales [ceil(r/block), ceil(C/block)])."""
     rows, cols = w.shape
     sr, sc = scale_shape((rows, cols), block)
     x = torch.nn.functional.pad(w.to(torch.float32), (0, sc * block - cols, 0, sr * block - rows))

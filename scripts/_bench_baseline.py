@@ -6,6 +6,9 @@ format_utils: `dcp_to_torch_save(CKPT, OUT/tmp.pt)`, `torch.load(weights_only=Tr
               cast floating tensors to bf16, `safetensors.torch.save_file(OUT/model.safetensors)`.
 dcp_load:     preallocate the full tensors from `FileSystemReader(CKPT).read_metadata()`,
               `dcp.load(no_dist=True)` into them, cast to bf16, `huggingface_hub.save_torch_state_dict(OUT)`.
+dcp_load_fp8: as dcp_load, then every 2-D `*.weight` but embeddings, norms, router gates and lm_head block-FP8
+              quantized with torch ops, the whole tensor at once (DeepSeek-V3's math, as `--quantize fp8`:
+              fp32 copy, 128x128 amax / 448, divide, clamp, cast; `weight_scale_inv` beside).
 hf_storage_writer (under torchrun): every rank `dcp.load`s its `Shard(0)` rows of the "model" group into
               DTensors, casts them to bf16, and `dcp.save`s them with torch's own HuggingFaceStorageWriter
               (save_distributed=True, enable_consolidation=True): per-rank shards, then torch's consolidation
@@ -37,7 +40,8 @@ PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")  # HF: one ten
 
 
 def to_bf16(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
+    wide = (torch.float64, torch.float32, torch.float16)  # fp8 stays fp8
+    return {k: v.to(torch.bfloat16) if v.dtype in wide else v for k, v in sd.items()}
 
 
 def split_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -91,6 +95,40 @@ def dcp_load(ckpt: Path, out: Path) -> None:
     model = to_bf16(split_experts({k.removeprefix(GROUP): v for k, v in sd.items()}))
     del sd
     save_torch_state_dict(model, out)
+
+
+def quantize_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        linear = k.endswith(".weight") or re.search(r"_E(FD|DF)\.\d+$", k)  # stacked experts' views
+        if v.dim() != 2 or not linear or re.search(r"embed|lm_head|norm|(^|\.)gate\.weight$|router", k):
+            out[k] = v
+            continue
+        rows, cols = v.shape
+        sr, sc = -(-rows // 128), -(-cols // 128)
+        x = torch.nn.functional.pad(v.float(), (0, sc * 128 - cols, 0, sr * 128 - rows)).view(
+            sr, 128, sc, 128
+        )
+        amax = x.abs().amax(dim=(1, 3))
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        q = (x / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        out[k] = q.view(sr * 128, sc * 128)[:rows, :cols].contiguous()
+        out[k + "_scale_inv"] = scale
+    return out
+
+
+def dcp_load_fp8(ckpt: Path, out: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    metadata = FileSystemReader(ckpt).read_metadata()
+    sd: dict[str, torch.Tensor] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(GROUP) and isinstance(md, TensorStorageMetadata):
+            sd[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
+    model = quantize_fp8(split_experts({k.removeprefix(GROUP): v for k, v in sd.items()}))
+    del sd
+    save_torch_state_dict(to_bf16(model), out)
 
 
 def hf_storage_writer(ckpt: Path, out: Path) -> None:
@@ -149,6 +187,7 @@ def main() -> None:
     modes = {
         "format_utils": format_utils,
         "dcp_load": dcp_load,
+        "dcp_load_fp8": dcp_load_fp8,
         "hf_storage_writer": hf_storage_writer,
         "load_file_dcp_save": load_file_dcp_save,
     }

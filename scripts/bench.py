@@ -198,6 +198,20 @@ METHODS: tuple[Method, ...] = (
         "convert",
         lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load", str(c), str(o)],
     ),
+    Method(
+        "ckptconv_fp8",
+        "ckptconv 1r --quantize fp8",
+        1,
+        "convert",
+        lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f), "--quantize", "fp8"],
+    ),
+    Method(
+        "dcp_load_fp8",
+        "dcp.load+quantize+save",
+        1,
+        "convert",
+        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load_fp8", str(c), str(o)],
+    ),
 )
 STARTUP = tuple(m for m in METHODS if m.kind == "startup")
 MEMORY_METHODS: tuple[Method, ...] = (  # see scripts/_bench_memory.py
@@ -563,6 +577,8 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
                 f"dcp-to-hf @{size}: ckptconv {NPROC} ranks (direct) is {_faster(t2, fu)} than "
                 f"format_utils+save_file, {_faster(t2, dl)} than dcp.load+save_torch_state_dict"
             )
+            q, qb = rep.seconds("ckptconv_fp8"), rep.seconds("dcp_load_fp8")
+            lines.append(f"dcp-to-hf @{size}: --quantize fp8 is {_faster(q, qb)} than dcp.load+quantize+save")
             keys = ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")
         parts = [f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}" for k in keys]
         lines.append(f"{rep.direction} @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
@@ -583,7 +599,7 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
 
 
 RSS_KEYS = {
-    "dcp-to-hf": ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather"),
+    "dcp-to-hf": ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather", "ckptconv_fp8"),
     "hf-to-dcp": ("h_ckptconv_1", "h_ckptconv_2"),
     "memory": (),
 }

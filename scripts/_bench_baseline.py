@@ -128,7 +128,8 @@ def dcp_load_fp8(ckpt: Path, out: Path) -> None:
     dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
     model = quantize_fp8(split_experts({k.removeprefix(GROUP): v for k, v in sd.items()}))
     del sd
-    save_torch_state_dict(to_bf16(model), out)
+    scales = {k: v for k, v in model.items() if k.endswith("_scale_inv")}  # fp32, as released
+    save_torch_state_dict({**to_bf16(model), **scales}, out)
 
 
 def hf_storage_writer(ckpt: Path, out: Path) -> None:

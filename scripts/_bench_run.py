@@ -16,7 +16,6 @@ import psutil
 POLL_SECONDS = 0.02
 
 
-
 class TreeMonitor(threading.Thread):
     """Samples the RSS of a process and all its descendants until stopped; keeps the peaks."""
 

@@ -23,6 +23,8 @@ from .files import Stamp, inside, listdir, mode_of, open_regular, pread_exact, r
 if TYPE_CHECKING:
     import torch
 
+    from .hf_quant import Quantized
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library refuses a larger header
@@ -44,6 +46,7 @@ class StoredTensor:
     data_offset: int  # absolute offset of the first byte in `file`
     nbytes: int
     stamp: Stamp | None = None  # the file's identity when its header was read: a reader refuses another
+    quant: Quantized | None = None  # a dequantized weight: its stored parts (then file.. is its first part's)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -228,7 +231,7 @@ def _counts(value: Any) -> bool:
 @dataclass(frozen=True)
 class HfCheckpoint:
     path: Path  # the directory, or the single .safetensors file
-    tensors: dict[str, StoredTensor]  # in file order, then header order
+    tensors: dict[str, StoredTensor]  # in file order, then header order; a quantized weight as one (hf_quant)
     files: tuple[Path, ...]
 
     @property
@@ -262,7 +265,7 @@ def open_hf(path: Path) -> HfCheckpoint:
     if mode is None:
         raise CkptconvError(f"{path}: no such file or directory")
     if not stat.S_ISDIR(mode):
-        return HfCheckpoint(path, _unsharded(path, *read_header(path)), (path,))
+        return HfCheckpoint(path, _dequantized(_unsharded(path, *read_header(path)), None, None), (path,))
     root = checkpoint_root(path)
     index_path = path / INDEX_FILE
     weight_map = _weight_map(index_path, root) if mode_of(index_path) is not None else None
@@ -291,7 +294,19 @@ def open_hf(path: Path) -> HfCheckpoint:
             raise CkptconvError(
                 f"{index_path}: lists {missing[0]!r} in {weight_map[missing[0]]}, which does not hold it"
             )
-    return HfCheckpoint(path, tensors, tuple(files))
+    return HfCheckpoint(path, _dequantized(tensors, path, root), tuple(files))
+
+
+def _dequantized(
+    tensors: dict[str, StoredTensor], directory: Path | None, root: Path | None
+) -> dict[str, StoredTensor]:
+    """Quantized weights (block FP8, MXFP4) as one logical tensor each, in the dtype config.json names
+    (`hf_quant`); config.json is read only when some tensor looks quantized."""
+    from . import hf_quant
+
+    if not hf_quant.might_be_quantized(tensors):
+        return tensors
+    return hf_quant.logical_tensors(tensors, hf_quant.read_config(directory, root))
 
 
 SHARDING_KEY = "DCP_SHARDING_INFO"  # torch's distributed HF writer: a rank's blocks, not whole tensors

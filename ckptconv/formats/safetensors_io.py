@@ -24,6 +24,7 @@ import torch
 from ..dtypes import st_name
 from ..errors import CkptconvError
 from .dcp_reader import byte_view
+from .dequant import quantized_block
 from .files import check_unchanged, open_regular, pread_exact
 from .hf import StoredTensor
 
@@ -120,18 +121,40 @@ class RowReader:
         self._fds: dict[Path, int] = {}
         self.bytes_read = 0
 
-    def rows(self, t: StoredTensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows [lo, hi) of `t` (a 0-d `t` whole), read into `out` if given (contiguous, right shape)."""
+    def rows(
+        self,
+        t: StoredTensor,
+        lo: int,
+        hi: int,
+        out: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Rows [lo, hi) of `t` (a 0-d `t` whole) in `dtype` (default `t.dtype`; a stored tensor is read as
+        it is, then cast), read into `out` if given (contiguous, right shape, that dtype). A quantized `t`
+        (`hf_quant`) is dequantized straight into `dtype`: the fp32 product rounded once, whatever `dtype`."""
+        if t.quant is not None:
+            sizes = (hi - lo, *t.shape[1:])
+            want = dtype or (out.dtype if out is not None else t.dtype)
+            return quantized_block(self, t, (lo, *(0,) * (len(t.shape) - 1)), sizes, want, out)
         if out is None:
             out = torch.empty((hi - lo, *t.shape[1:]) if t.shape else (), dtype=t.dtype)
         row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
         self._pread(t, t.data_offset + (lo * row_bytes if t.shape else 0), byte_view(out))
-        return out
+        return out if dtype is None else out.to(dtype)
 
-    def block(self, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-        """The block of `t` at `offsets` of `sizes` (a rank's shard on any dims), reading only its bytes: one
-        read per contiguous run of the block in the file, straight into place. When those runs are short
-        (< MIN_RUN_BYTES: a column shard of a narrow tensor), its whole rows are read and cut instead."""
+    def block(
+        self, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The block of `t` at `offsets` of `sizes` (a rank's shard on any dims) in `dtype` (as `rows`),
+        reading only its bytes: one read per contiguous run of the block in the file, straight into place.
+        When those runs are short (< MIN_RUN_BYTES: a column shard of a narrow tensor), its whole rows are
+        read and cut instead (a view). A quantized `t` reads only the parts and scales the block covers."""
+        if t.quant is not None:
+            return quantized_block(self, t, offsets, sizes, dtype or t.dtype)
+        block = self._stored_block(t, offsets, sizes)
+        return block if dtype is None else block.to(dtype)
+
+    def _stored_block(self, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         k = max((d for d in range(len(sizes)) if sizes[d] != t.shape[d]), default=0)
         if k == 0:
             return self.rows(t, offsets[0], offsets[0] + sizes[0]) if sizes else self.rows(t, 0, 1)

@@ -1,0 +1,88 @@
+"""Reading a block of a quantized HF weight (`hf_quant`'s logical tensor) as dequantized values.
+
+Only the stored rows (and column groups) the block covers are read, with only their scale rows:
+
+    block FP8  logical [R, C], block rows [r0, r1) x cols [c0, c1)
+               reads weight [r0, r1) x [c0 // b * b, c1) and scale rows / cols `fp8.scale_rows` of those
+    MXFP4      logical [E, I, O] (in = I = G*32, out = O), block [e0, e1) x [i0, i1) x [o0, o1)
+               reads blocks [e0, e1) x [o0, o1) x groups [i0 // 32, ceil(i1 / 32)) x 16, scales the same
+
+and dequantizes a slab at a time (FP8: one scale row of `b` weight rows; MXFP4: `MX_ROWS` stored rows of one
+expert), so the temporaries are a slab's, whatever the block. Values are the fp32 product rounded once to the
+`dtype` asked for (`quant.fp8.dequantize`, `quant.mxfp4.dequantize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..quant import fp8, mxfp4
+from .hf import StoredTensor
+
+if TYPE_CHECKING:
+    from .safetensors_io import RowReader
+
+MX_VALUES = 2**20  # MXFP4 values decoded at a time (fp32 temporaries of a few MiB)
+
+
+def quantized_block(
+    reader: RowReader,
+    t: StoredTensor,
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The block of logical tensor `t` at `offsets` of `sizes`, dequantized to `dtype` (into `out` if given:
+    contiguous, of `sizes` and `dtype`)."""
+    assert t.quant is not None
+    if out is None:
+        out = torch.empty(tuple(sizes), dtype=dtype)
+    if out.numel():
+        if t.quant.scheme == "fp8":
+            _fp8_block(reader, t, offsets, sizes, out)
+        else:
+            _mxfp4_block(reader, t, offsets, sizes, out)
+    return out
+
+
+def _fp8_block(
+    reader: RowReader, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor
+) -> None:
+    """Weight [R, C] fp8 + scale [ceil(R/b), ceil(C/b)] -> out [r1 - r0, c1 - c0], block row by block row."""
+    assert t.quant is not None
+    weight, scale = t.quant.parts
+    b = t.quant.block
+    (r0, c0), (nr, nc) = offsets, sizes
+    a0 = c0 // b * b  # the columns start where their first block does
+    q = reader.block(weight, (r0, a0), (nr, c0 + nc - a0))  # [nr, c1 - a0] fp8
+    s0, s1 = fp8.scale_rows(r0, r0 + nr, b)
+    k0, k1 = fp8.scale_rows(a0, c0 + nc, b)
+    s = reader.block(scale, (s0, k0), (s1 - s0, k1 - k0))  # [s1 - s0, k1 - k0]
+    for i in range(s0, s1):
+        lo, hi = max(r0, i * b), min(r0 + nr, (i + 1) * b)
+        rows = fp8.dequantize(q[lo - r0 : hi - r0], s[i - s0 : i - s0 + 1], out.dtype, b)
+        out[lo - r0 : hi - r0] = rows[:, c0 - a0 :]
+
+
+def _mxfp4_block(
+    reader: RowReader, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor
+) -> None:
+    """blocks [E, O, G, 16] + scales [E, O, G] -> out [e1 - e0, i1 - i0, o1 - o0], the logical [E, I, O]
+    (transposed) layout."""
+    assert t.quant is not None
+    blocks, scales = t.quant.parts
+    (e0, i0, o0), (ne, ni, no) = offsets, sizes
+    g0, g1 = i0 // mxfp4.GROUP, -(-(i0 + ni) // mxfp4.GROUP)
+    packed = reader.block(blocks, (e0, o0, g0, 0), (ne, no, g1 - g0, mxfp4.BYTES))  # [ne, no, g, 16]
+    exps = reader.block(scales, (e0, o0, g0), (ne, no, g1 - g0))  # [ne, no, g]
+    step = max(1, MX_VALUES // ((g1 - g0) * mxfp4.GROUP))  # stored rows decoded at a time
+    skip = i0 - g0 * mxfp4.GROUP
+    for e in range(ne):
+        for lo in range(0, no, step):
+            hi = min(lo + step, no)
+            values = mxfp4.dequantize(packed[e, lo:hi], exps[e, lo:hi], out.dtype)  # [hi - lo, g*32]
+            out[e, :, lo:hi] = values[:, skip : skip + ni].t()

@@ -1,0 +1,218 @@
+"""Quantized HF sources seen as their dequantized weights: stored pairs -> one logical tensor. No torch.
+
+    block FP8 (DeepSeek-V3, transformers "fp8"):
+        X [R, C] float8_e4m3fn + X_scale_inv [ceil(R/b), ceil(C/b)] (fp32, bf16 or fp16)  ->  X [R, C]
+    MXFP4 (gpt-oss; rows are the output dim, 32-value groups run along the input dim):
+        X_blocks [E, O, G, 16] uint8 + X_scales [E, O, G] uint8                          ->  X [E, G*32, O]
+        (transposed: the [E, in, out] layout of transformers' bf16 GptOssExperts)
+
+The logical tensor has the nominal dtype (config.json's `dtype` / `torch_dtype` when a float, else bf16): what
+`--dtype keep` writes. Its parts are read and dequantized by `dequant.quantized_block`; the scale keys are not
+tensors of their own. docs/notes/quantized-formats.md has the formats and the references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..dtype_names import ITEMSIZE
+from ..errors import CkptconvError
+from .files import mode_of, read_regular
+from .hf import StoredTensor
+
+FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size, the default of torch's quantized reader
+MXFP4_GROUP = 32  # values per E8M0 scale byte (16 bytes of two FP4 codes)
+SCALE_SUFFIX = "_scale_inv"
+BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+SCALE_DTYPES = ("float32", "bfloat16", "float16", "float8_e8m0fnu")
+NOMINAL_DTYPES = ("bfloat16", "float16", "float32")
+CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """How a logical tensor is stored: scheme "fp8" (parts: weight, scale; `block` rows and columns per scale)
+    or "mxfp4" (parts: blocks, scales; `block` values per scale)."""
+
+    scheme: str
+    parts: tuple[StoredTensor, StoredTensor]
+    block: int
+
+    @property
+    def scale(self) -> StoredTensor:
+        return self.parts[1]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes stored: the quantized values and their scales."""
+        return sum(p.nbytes for p in self.parts)
+
+
+def read_config(directory: Path | None, root: Path | None) -> dict[str, Any]:
+    """config.json of an HF directory ({} when there is none): its dtype and quantization_config."""
+    if directory is None or mode_of(directory / CONFIG_FILE) is None:
+        return {}
+    path = directory / CONFIG_FILE
+    try:
+        doc = json.loads(read_regular(path, root, MAX_CONFIG_BYTES))
+    except (ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict):
+        raise CkptconvError(f"{path}: not a JSON object; cannot tell how its quantized weights are stored")
+    return doc
+
+
+def might_be_quantized(tensors: Mapping[str, StoredTensor]) -> bool:
+    """Whether any key or dtype looks like a quantized weight (then config.json is worth reading)."""
+    return any(
+        k.endswith((SCALE_SUFFIX, BLOCKS_SUFFIX)) or t.dtype_name in FP8_DTYPES for k, t in tensors.items()
+    )
+
+
+def logical_tensors(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> dict[str, StoredTensor]:
+    """`tensors` (in order) with every quantized weight as one logical tensor in its weight's place and its
+    scales removed. A malformed pair is a one-line CkptconvError naming the key and its file."""
+    method = _quant_method(config)
+    nominal = nominal_dtype(config)
+    logical: dict[str, StoredTensor] = {}
+    for key, t in tensors.items():
+        if key.endswith(SCALE_SUFFIX):
+            logical[key[: -len(SCALE_SUFFIX)]] = _fp8(tensors, key, nominal, _fp8_block(config, t))
+        elif key.endswith(BLOCKS_SUFFIX) and _is_mxfp4(tensors, key, method):
+            logical[key[: -len(BLOCKS_SUFFIX)]] = _mxfp4(tensors, key, nominal)
+        elif key.endswith(SCALES_SUFFIX) and method == "mxfp4" and _blocks_key(key) not in tensors:
+            raise CkptconvError(f"{t.file}: MXFP4 scales {key!r} have no {_blocks_key(key)!r}")
+    if method == "fp8" or any(t.quant is not None and t.quant.scheme == "fp8" for t in logical.values()):
+        _no_unscaled_fp8(tensors, logical)
+    if not logical:
+        return tensors
+    at = {t.quant.parts[0].key: t for t in logical.values() if t.quant is not None}
+    parts = {p.key for t in logical.values() if t.quant is not None for p in t.quant.parts}
+    out: dict[str, StoredTensor] = {}
+    for key, t in tensors.items():
+        if key in logical and key not in parts:
+            raise CkptconvError(f"{t.file}: {key!r} is stored both as it is and as MXFP4 blocks and scales")
+        if key in at:
+            out[at[key].key] = at[key]  # in the place of its weight (or blocks)
+        elif key not in parts:
+            out[key] = t
+    return out
+
+
+def nominal_dtype(config: Mapping[str, Any]) -> str:
+    """config.json's `dtype` (transformers 5) or `torch_dtype` (older) when it is a float dtype, else bf16."""
+    name = config.get("dtype", config.get("torch_dtype"))
+    return name if isinstance(name, str) and name in NOMINAL_DTYPES else "bfloat16"
+
+
+def _quant_method(config: Mapping[str, Any]) -> str | None:
+    qc = config.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return method if isinstance(method, str) else None
+
+
+def _fp8_block(config: Mapping[str, Any], scale: StoredTensor) -> int:
+    """The square block of `quantization_config.weight_block_size` (128 when not given)."""
+    qc = config.get("quantization_config")
+    size = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    if size is None:
+        return FP8_BLOCK
+    if (
+        not isinstance(size, list)
+        or len(size) != 2
+        or not all(type(s) is int and s > 0 for s in size)
+        or size[0] != size[1]
+    ):
+        raise CkptconvError(
+            f"{scale.file}: {scale.key!r}: weight_block_size {size!r} in config.json is not supported "
+            "(square blocks [n, n] only)"
+        )
+    return int(size[0])
+
+
+def _fp8(tensors: Mapping[str, StoredTensor], key: str, nominal: str, block: int) -> StoredTensor:
+    """The logical tensor of the block-FP8 weight whose scale is `key`."""
+    scale, name = tensors[key], key[: -len(SCALE_SUFFIX)]
+    weight = tensors.get(name)
+    if weight is None:
+        raise CkptconvError(f"{scale.file}: block-FP8 scale {key!r} has no weight {name!r}")
+    where = f"{weight.file}: {name!r}"
+    if weight.dtype_name not in FP8_DTYPES:
+        raise CkptconvError(f"{where} is {weight.dtype_name}, not FP8, yet has a scale {key!r}")
+    if len(weight.shape) != 2:
+        raise CkptconvError(
+            f"{where}: block-FP8 weights of shape {list(weight.shape)} are not supported (2-D only; "
+            "checkpoints hold experts one by one)"
+        )
+    if scale.dtype_name not in SCALE_DTYPES:
+        raise CkptconvError(f"{scale.file}: {key!r} is {scale.dtype_name}, not a float scale")
+    want = tuple(-(-n // block) for n in weight.shape)
+    if scale.shape != want:
+        raise CkptconvError(
+            f"{scale.file}: {key!r} is {list(scale.shape)}, but {name!r} {list(weight.shape)} in "
+            f"{block}x{block} blocks needs {list(want)}"
+        )
+    return _logical(weight, name, weight.shape, nominal, Quantized("fp8", (weight, scale), block))
+
+
+def _blocks_key(scales_key: str) -> str:
+    return scales_key[: -len(SCALES_SUFFIX)] + BLOCKS_SUFFIX
+
+
+def _is_mxfp4(tensors: Mapping[str, StoredTensor], key: str, method: str | None) -> bool:
+    """Whether `key` (`X_blocks`) is MXFP4: config.json says mxfp4, or a uint8 `X_scales` goes with it and
+    the blocks are uint8 groups of 16 bytes."""
+    t, name = tensors[key], key[: -len(BLOCKS_SUFFIX)]
+    scales = tensors.get(name + SCALES_SUFFIX)
+    if method == "mxfp4":
+        if scales is None:
+            raise CkptconvError(f"{t.file}: MXFP4 blocks {key!r} have no scales {name + SCALES_SUFFIX!r}")
+        return True
+    return scales is not None and t.dtype_name == "uint8" and bool(t.shape) and t.shape[-1] == 16
+
+
+def _mxfp4(tensors: Mapping[str, StoredTensor], key: str, nominal: str) -> StoredTensor:
+    """The logical [E, G*32, O] tensor of MXFP4 blocks `key` [E, O, G, 16] and their scales [E, O, G]."""
+    name = key[: -len(BLOCKS_SUFFIX)]
+    blocks, scales = tensors[key], tensors[name + SCALES_SUFFIX]
+    for t in (blocks, scales):
+        if t.dtype_name != "uint8":
+            raise CkptconvError(f"{t.file}: MXFP4 {t.key!r} is {t.dtype_name}, not uint8")
+    if len(blocks.shape) != 4 or blocks.shape[3] != 16:
+        raise CkptconvError(
+            f"{blocks.file}: MXFP4 blocks {key!r} are {list(blocks.shape)}, not [experts, rows, groups, 16]"
+        )
+    if scales.shape != blocks.shape[:3]:
+        raise CkptconvError(
+            f"{scales.file}: MXFP4 scales {scales.key!r} are {list(scales.shape)}, but blocks {key!r} "
+            f"{list(blocks.shape)} need {list(blocks.shape[:3])}"
+        )
+    experts, rows, groups, _ = blocks.shape
+    shape = (experts, groups * MXFP4_GROUP, rows)
+    return _logical(blocks, name, shape, nominal, Quantized("mxfp4", (blocks, scales), MXFP4_GROUP))
+
+
+def _logical(
+    first: StoredTensor, key: str, shape: tuple[int, ...], nominal: str, quant: Quantized
+) -> StoredTensor:
+    """A logical tensor placed where its first part is (file, offset), sized as its dequantized values."""
+    nbytes = math.prod(shape) * ITEMSIZE[nominal]
+    return dataclasses.replace(first, key=key, dtype_name=nominal, shape=shape, nbytes=nbytes, quant=quant)
+
+
+def _no_unscaled_fp8(tensors: Mapping[str, StoredTensor], logical: Mapping[str, StoredTensor]) -> None:
+    """In a block-FP8 checkpoint every FP8 tensor has a scale."""
+    for key, t in tensors.items():
+        if t.dtype_name in FP8_DTYPES and key not in logical:
+            raise CkptconvError(
+                f"{t.file}: {key!r} is {t.dtype_name} with no {key + SCALE_SUFFIX!r}, in a block-FP8 "
+                "checkpoint: its values cannot be dequantized"
+            )

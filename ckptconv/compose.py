@@ -3,16 +3,19 @@
 DCP asks for each rank's `Shard(0)` rows of a tensor; every part whose target block meets those rows
 reads only the source rows it needs (a stacked expert its one HF tensor, a split its row range, a
 permuted tensor the rows of the heads involved; a part transposing dim 0 all rows of its block), a slab at a
-time, and places them (`blocks.place`), casting as torch does.
+time, and places them (`blocks.place`), casting as torch does. A quantized HF weight (`formats.hf_quant`) is
+read dequantized straight into the target's dtype: the fp32 product rounded once, never twice.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
 from .blocks import place
+from .dtype_names import short_name
 from .formats.hf import StoredTensor
 from .formats.safetensors_io import RowReader
 from .mapping.parts import Part, src_rows
@@ -31,13 +34,13 @@ def target_rows(
     """
     if not t.shape:
         stored, _ = t.parts[0]
-        return reader.rows(stored, 0, 1).to(t.dtype)
+        return reader.rows(stored, 0, 1, dtype=t.dtype)
     shape = (hi - lo, *t.shape[1:])
     if len(t.parts) == 1 and is_whole(*t.parts[0], t.shape):  # a plain rename: the rows as read
         stored = t.parts[0][0]
         if stored.dtype == t.dtype:
             return reader.rows(stored, lo, hi, out=_within(scratch, shape, t.dtype))
-        return reader.rows(stored, lo, hi).to(t.dtype)
+        return reader.rows(stored, lo, hi, dtype=t.dtype)
     out = _within(scratch, shape, t.dtype)
     out = torch.empty(shape, dtype=t.dtype) if out is None else out
     if t.padded:
@@ -53,7 +56,8 @@ def target_rows(
                 if stored.shape
                 else ((), ())
             )
-            place(view, part, box, reader.rows(stored, a, b), window=lo)
+            dtype = t.dtype if stored.quant is not None else None  # others: cast by `place`
+            place(view, part, box, reader.rows(stored, a, b, dtype=dtype), window=lo)
     return out
 
 
@@ -76,3 +80,30 @@ def _within(scratch: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.d
 def is_whole(stored: StoredTensor, part: Part, shape: tuple[int, ...]) -> bool:
     """All of the stored tensor, as it is, is all of the target."""
     return part.plain and stored.shape == part.src_sizes == part.dst_sizes == shape
+
+
+def dequantized_note(tensors: Iterable[DcpOutTensor]) -> str | None:
+    """hf-to-dcp's one line about the quantized HF weights its tensors read (None when there are none):
+    "dequantized 120 block-FP8 weights (128x128 blocks, *_scale_inv) and 4 MXFP4 expert tensors (*_blocks,
+    *_scales) to bf16 (the fp32 product rounded once); their scales are not written"."""
+    read: dict[str, set[str]] = {"fp8": set(), "mxfp4": set()}
+    blocks: set[str] = set()
+    dtypes: set[str] = set()
+    for t in tensors:
+        for stored, _ in t.parts:
+            if stored.quant is not None:
+                read[stored.quant.scheme].add(stored.key)
+                dtypes.add(short_name(t.dtype))
+                if stored.quant.scheme == "fp8":
+                    blocks.add(f"{stored.quant.block}x{stored.quant.block}")
+    what = []
+    if read["fp8"]:
+        what.append(f"{len(read['fp8'])} block-FP8 weights ({', '.join(sorted(blocks))} blocks, *_scale_inv)")
+    if read["mxfp4"]:
+        what.append(f"{len(read['mxfp4'])} MXFP4 expert tensors (*_blocks, *_scales)")
+    if not what:
+        return None
+    return (
+        f"dequantized {' and '.join(what)} to {', '.join(sorted(dtypes))} (the fp32 product rounded once); "
+        "their scales are not written"
+    )

@@ -258,6 +258,9 @@ def load_hf(
     the wider dtype (a DTensor with the same mesh and placements) and the key is listed in `replaced`.
     `dtype="bf16"` (or fp16, fp32) instead loads every floating key in that dtype, rounding if need be, and
     keys matching an `fp32` pattern load as fp32; a target of another dtype is replaced the same way.
+    A quantized weight (block FP8 with `weight_scale_inv`, MXFP4 `_blocks` + `_scales`: `formats.hf_quant`)
+    counts as config.json's dtype (bf16 when it names none), and each rank reads only its block's weight and
+    scale rows, dequantized straight into the dtype loaded (the fp32 product rounded once).
     `strict` raises on missing or unexpected keys.
     Not collective: ranks do not talk to each other.
     """
@@ -295,11 +298,13 @@ def load_hf(
                 raise CkptconvError(
                     f"load_hf: {key!r} is {list(src.shape)} in {path}, {list(spec.shape)} in the state dict"
                 )
-            values = _block(src, spec, reader)
             if forced is not None or any(re.search(pattern, key) for pattern in fp32):
                 want = policy.resolve(key, src.dtype)
             else:
                 want = torch.promote_types(src.dtype, spec.dtype)
+            # a quantized weight is dequantized straight into `want` (one rounding), others cast after reading
+            quantized = any(stored.quant is not None for stored, _ in src.parts)
+            values = _block(replace(src, dtype=want) if quantized else src, spec, reader)
             local = local_data(target)
             if want == local.dtype:
                 with torch.no_grad():
@@ -319,7 +324,7 @@ def _block(src: Any, spec: LoadSpec, reader: RowReader) -> torch.Tensor:
     if not spec.shape:
         return target_rows(src, 0, 1, reader)
     if len(src.parts) == 1 and is_whole(src.parts[0][0], src.parts[0][1], src.shape):
-        return reader.block(src.parts[0][0], spec.offsets, spec.sizes).to(src.dtype)
+        return reader.block(src.parts[0][0], spec.offsets, spec.sizes, dtype=src.dtype)
     rows = target_rows(src, spec.offsets[0], spec.offsets[0] + spec.sizes[0], reader)
     for dim in range(1, len(spec.shape)):
         rows = rows.narrow(dim, spec.offsets[dim], spec.sizes[dim])

@@ -77,19 +77,41 @@ class Side:
     read: Callable[[str], torch.Tensor]
     close: Callable[[], None]
     check_pieces: Callable[[World], None] = lambda world: None  # collective, after every read
+    dequantized: frozenset[str] = frozenset()  # quantized weights: read in the other side's dtype (`follow`)
 
 
 def hf_side(label: str, path: Path, keys: set[str] | None = None) -> Side:
-    """An HF directory or file; only `keys` of it if given."""
+    """An HF directory or file; only `keys` of it if given. A quantized weight (`formats.hf_quant`) is read
+    dequantized, in the dtype `shapes` gives it (config.json's, or the other side's after `follow`)."""
     hf = open_hf(path)
     reader = RowReader()
+    shapes = {k: (t.shape, t.dtype) for k, t in hf.tensors.items() if keys is None or k in keys}
 
     def read(key: str) -> torch.Tensor:
         t = hf.tensors[key]
-        return reader.rows(t, 0, t.shape[0] if t.shape else 1)
+        return reader.rows(t, 0, t.shape[0] if t.shape else 1, dtype=shapes[key][1])
 
-    shapes = {k: (t.shape, t.dtype) for k, t in hf.tensors.items() if keys is None or k in keys}
-    return Side(label, path, shapes, read, reader.close)
+    dequantized = frozenset(k for k in shapes if hf.tensors[k].quant is not None)
+    return Side(label, path, shapes, read, reader.close, dequantized=dequantized)
+
+
+def follow(side: Side, other: Side) -> None:
+    """Read `side`'s quantized weights in the (floating) dtype `other` holds them in: an fp32 DCP made from a
+    block-FP8 checkpoint holds the fp32 product, which a bf16 read would round."""
+    for key in side.dequantized & other.shapes.keys():
+        dtype = other.shapes[key][1]
+        if dtype.is_floating_point and dtype.itemsize > 1:
+            side.shapes[key] = (side.shapes[key][0], dtype)
+
+
+def dequantized_notes(*sides: Side) -> list[str]:
+    """What `verify`'s report says about the quantized weights it compared."""
+    return [
+        f"{s.label}: {len(s.dequantized)} quantized weights compared as their dequantized values (the fp32 "
+        "product rounded once to the other side's dtype)"
+        for s in sides
+        if s.dequantized
+    ]
 
 
 def dcp_side(
@@ -119,9 +141,12 @@ def dcp_side(
         return assemble(outs[key], rows, reader)
 
     shapes = {k: (t.shape, t.dtype) for k, t in outs.items()}
-    return Side(
+    side = Side(
         label, path, shapes, read, reader.close, lambda world: check_read_pieces(world, ckpt, reader.pieces())
     )
+    if like is not None:
+        follow(like, side)
+    return side
 
 
 def open_sides(
@@ -146,6 +171,8 @@ def open_sides(
             other = sides[1 - i]
             sides[i] = dcp_side(label, path, prefix, mapping, config or {}, allow_unmapped, like=other)
     assert sides[0] is not None and sides[1] is not None
+    follow(sides[0], sides[1])
+    follow(sides[1], sides[0])
     return sides[0], sides[1]
 
 
@@ -185,9 +212,9 @@ def verify_sides(a: Side, b: Side, world: World, ui: Ui, tolerance: Tolerance | 
         findings.extend(part)
     order = {k: i for i, k in enumerate(keys)}
     findings.sort(key=lambda f: order[f.key])
-    return Report(
-        str(a.path), str(b.path), len(common), sum(sizes), findings, tolerance, time.perf_counter() - start
-    )
+    seconds = time.perf_counter() - start
+    notes = dequantized_notes(a, b)
+    return Report(str(a.path), str(b.path), len(common), sum(sizes), findings, tolerance, seconds, notes)
 
 
 def _side(side: Side, key: str) -> dict[str, Any] | None:

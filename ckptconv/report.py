@@ -12,7 +12,7 @@ from .dtype_names import short_name
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, is_dcp_dir, open_dcp
 from .formats.files import exists, is_directory
-from .formats.hf import is_hf_dir, open_hf
+from .formats.hf import StoredTensor, is_hf_dir, open_hf
 from .ui import human_bytes
 
 if TYPE_CHECKING:
@@ -47,16 +47,7 @@ def inspect(path: Path) -> dict[str, Any]:
         kind = "dcp"
     elif is_hf_dir(path) or (not is_directory(path) and path.suffix == ".safetensors"):
         hf = open_hf(path)
-        tensors = [
-            {
-                "key": t.key,
-                "dtype": t.dtype_name,
-                "shape": list(t.shape),
-                "nbytes": t.nbytes,
-                "file": t.file.name,
-            }
-            for t in hf.tensors.values()
-        ]
+        tensors = [_hf_tensor(t) for t in hf.tensors.values()]
         extra = {"files": [f.name for f in hf.files]}
         kind = "safetensors"
     else:
@@ -72,6 +63,40 @@ def inspect(path: Path) -> dict[str, Any]:
         "dtypes": dict(sorted(histogram.items())),
         **extra,
         "tensors": tensors,
+    }
+
+
+def _hf_tensor(t: StoredTensor) -> dict[str, Any]:
+    """One tensor of an HF checkpoint; a quantized weight as one logical tensor: its stored dtype ("mxfp4" for
+    MXFP4 blocks), its logical shape (MXFP4: the [E, in, out] layout transformers loads), the bytes of all its
+    parts, and `quantized` (scheme, block size, where the scales are, the dtype it is read in)."""
+    if t.quant is None:
+        return {
+            "key": t.key,
+            "dtype": t.dtype_name,
+            "shape": list(t.shape),
+            "nbytes": t.nbytes,
+            "file": t.file.name,
+        }
+    values, scale = t.quant.parts
+    fp8 = t.quant.scheme == "fp8"
+    quantized = {
+        "scheme": t.quant.scheme,
+        "block_size": [t.quant.block, t.quant.block] if fp8 else t.quant.block,
+        "scale_key": scale.key,
+        "scale_dtype": scale.dtype_name,
+        "scale_file": scale.file.name,
+        "dequantized_dtype": t.dtype_name,
+    }
+    if not fp8:
+        quantized["blocks_key"] = values.key
+    return {
+        "key": t.key,
+        "dtype": values.dtype_name if fp8 else "mxfp4",
+        "shape": list(t.shape),
+        "nbytes": t.quant.nbytes,
+        "file": values.file.name,
+        "quantized": quantized,
     }
 
 
@@ -130,9 +155,12 @@ def render_inspect(info: dict[str, Any], console: Console) -> None:
     rows = [["key", "dtype", "shape", "bytes", "chunks" if info["format"] == "dcp" else "file"]]
     for t in info["tensors"]:
         where = str(len(t["chunks"])) if "chunks" in t else t["file"]
-        rows.append([t["key"], t["dtype"], str(t["shape"]), human_bytes(t["nbytes"]), where])
+        rows.append([t["key"], _dtype_cell(t), str(t["shape"]), human_bytes(t["nbytes"]), where])
     for line in _columns(rows, "  "):
         console.print(line, markup=False)
+    quantized = [t for t in info["tensors"] if "quantized" in t]
+    if quantized:
+        console.print(_quantized_line(quantized), markup=False)
     if info.get("non_tensor_items"):
         console.print("non-tensor items: " + ", ".join(info["non_tensor_items"]), markup=False)
     if info.get("writer") == "megatron":
@@ -149,6 +177,30 @@ def render_inspect(info: dict[str, Any], console: Console) -> None:
         )
         for note in release["notes"]:
             console.print(f"  {note}", markup=False)
+
+
+def _dtype_cell(t: dict[str, Any]) -> str:
+    """`float8_e4m3fn` or, for a quantized weight, `float8_e4m3fn [fp8 128x128 -> bfloat16]`."""
+    q = t.get("quantized")
+    if q is None:
+        return str(t["dtype"])
+    block = "x".join(map(str, q["block_size"])) if isinstance(q["block_size"], list) else str(q["block_size"])
+    return f"{t['dtype']} [{q['scheme']} {block} -> {q['dequantized_dtype']}]"
+
+
+def _quantized_line(tensors: list[dict[str, Any]]) -> str:
+    """The note under the table: how many weights are quantized, where their scales are, what reads them."""
+    fp8 = [t for t in tensors if t["quantized"]["scheme"] == "fp8"]
+    mx = [t for t in tensors if t["quantized"]["scheme"] == "mxfp4"]
+    what = []
+    if fp8:
+        what.append(f"{len(fp8)} block-FP8 weights (scales: KEY_scale_inv)")
+    if mx:
+        what.append(f"{len(mx)} MXFP4 expert tensors (KEY_blocks + KEY_scales, shown [E, in, out])")
+    return (
+        f"quantized: {', '.join(what)}; hf-to-dcp, verify and load_hf read them dequantized "
+        "(--dtype keep: the dtype after ->) and drop the scales"
+    )
 
 
 def plan_summary(plan: HfSavePlan) -> dict[str, Any]:
@@ -210,6 +262,14 @@ def render_plan(plan: HfSavePlan, console: Console) -> None:
         console.print("stashed non-tensor items: " + ", ".join(plan.stashed), markup=False)
 
 
+def _stored_dtype(t: StoredTensor) -> str:
+    """What an HF tensor is stored as: a quantized weight's stored type (`float8_e4m3fn`, `mxfp4`), which
+    hf-to-dcp dequantizes, else its dtype."""
+    if t.quant is None:
+        return short_name(t.dtype)
+    return t.quant.parts[0].dtype_name if t.quant.scheme == "fp8" else t.quant.scheme
+
+
 def dcp_plan_summary(plan: DcpSavePlan) -> dict[str, Any]:
     return {
         "tensors": [
@@ -218,7 +278,7 @@ def dcp_plan_summary(plan: DcpSavePlan) -> dict[str, Any]:
                 "sources": list(dict.fromkeys(stored.key for stored, _ in t.parts)),
                 "op": t.op,
                 "dtype": short_name(t.dtype),
-                "source_dtype": short_name(t.src.dtype),
+                "source_dtype": _stored_dtype(t.src),
                 "shape": list(t.shape),
                 "nbytes": t.nbytes,
                 "rows_per_rank": [list(plan.rows_of(t, r)) for r in range(plan.world_size)]
@@ -243,7 +303,7 @@ def render_dcp_plan(plan: DcpSavePlan, console: Console) -> None:
     )
     rows = [["key", "op", "source", "dtype", "shape", "bytes", "rows per rank"]]
     for t in plan.tensors:
-        src, dst = short_name(t.src.dtype), short_name(t.dtype)
+        src, dst = _stored_dtype(t.src), short_name(t.dtype)
         split = " ".join(f"{lo}:{hi}" for lo, hi in (plan.rows_of(t, r) for r in range(plan.world_size)))
         rows.append(
             [

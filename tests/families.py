@@ -338,3 +338,98 @@ def auto_class(family: str, **options: Any) -> Any:
 
 def hf_config(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+# Quantized sources (issue #17): the tiny models above at sizes that are not multiples of the 128 FP8 block,
+# then quantized the way the released checkpoints are.
+
+# left unquantized as DeepSeek / Qwen do: embeddings, heads (an MTP shared_head.head too), norms, routers
+FP8_SKIP = re.compile(r"embed|lm_head|shared_head\.head|norm|(^|\.)gate\.weight$|router")
+
+
+def sized(
+    family: str, path: Path, sizes: dict[str, int], dtype: torch.dtype = torch.bfloat16, **options: Any
+) -> Path:
+    """`tiny` with config attributes overridden by `sizes` (hidden_size=200, ...), saved in `dtype` (so
+    config.json says `"dtype": "bfloat16"`, as FP8 releases do); `mtp=N` as in `tiny`; returns `path`."""
+    import transformers as tf
+
+    cfg = config(family, **options)
+    for name, value in sizes.items():
+        setattr(cfg, name, value)
+    key = "qwen3_moe" if family == "qwen3" and options.get("moe") else family
+    torch.manual_seed(SEED)
+    getattr(tf, CLASSES[key][0])(cfg).to(dtype).save_pretrained(Path(path))
+    if family == "deepseek_v3" and options.get("mtp"):  # appended in fp32: made `dtype` like the rest
+        _append_mtp(Path(path), cfg.num_hidden_layers, options["mtp"])
+        _rewrite(Path(path), lambda tensors: {k: v.to(dtype) for k, v in tensors.items()})
+    return Path(path)
+
+
+def quantize_fp8(src: Path, dst: Path, scale_dtype: torch.dtype = torch.float32) -> list[str]:
+    """`src`'s model.safetensors with every 2-D linear weight (not embeddings, lm_head, norms, routers) in
+    block FP8 by DeepSeek's math (`ckptconv.quant.fp8.quantize`) plus its `weight_scale_inv` (in
+    `scale_dtype`), written by safetensors' own save_file into `dst`: the weights in
+    model-00001-of-00002.safetensors, the scales in model-00002-of-00002.safetensors, an index (torch's
+    quantized reader needs one), and config.json with DeepSeek-V3's quantization_config. Returns the
+    quantized weights' keys."""
+    from safetensors.torch import load_file, save_file
+
+    from ckptconv.quant import fp8
+
+    dst.mkdir(parents=True)
+    weights, scales = {}, {}
+    for key, value in load_file(src / "model.safetensors").items():
+        if value.dim() == 2 and key.endswith(".weight") and not FP8_SKIP.search(key):
+            weights[key], scale = fp8.quantize(value)
+            scales[key + fp8.SCALE_SUFFIX] = scale.to(scale_dtype)
+        else:
+            weights[key] = value
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    for name, part in zip(names, (weights, scales), strict=True):
+        save_file(part, dst / name, metadata={"format": "pt"})
+    weight_map = {k: names[0] for k in weights} | {k: names[1] for k in scales}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    doc = hf_config(src)
+    doc["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [fp8.BLOCK, fp8.BLOCK],
+    }
+    (dst / "config.json").write_text(json.dumps(doc, indent=2))
+    return [k.removesuffix(fp8.SCALE_SUFFIX) for k in scales]
+
+
+def pack_mxfp4(src: Path, dst: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A gpt_oss `src` (bf16 layout) with its experts in gpt-oss's MXFP4 layout: `mlp.experts.gate_up_proj`
+    [E, D, 2F] and `down_proj` [E, F, D] replaced by seeded random `_blocks` [E, out, in/32, 16] uint8 and
+    `_scales` [E, out, in/32] uint8 (exponents 118..130), as the research did; config.json with gpt-oss's
+    quantization_config. Returns {logical key: (blocks, scales)}."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    g = torch.Generator().manual_seed(SEED + 2)
+    out, packed = {}, {}
+    for key, value in load_file(src / "model.safetensors").items():
+        if not re.search(r"\.experts\.(gate_up|down)_proj$", key):
+            out[key] = value
+            continue
+        experts, inputs, outputs = value.shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 131, (experts, outputs, inputs // 32), dtype=torch.uint8, generator=g)
+        out[key + "_blocks"], out[key + "_scales"] = blocks, scales
+        packed[key] = (blocks, scales)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    doc = hf_config(src)
+    doc["quantization_config"] = {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }
+    (dst / "config.json").write_text(json.dumps(doc, indent=2))
+    return packed

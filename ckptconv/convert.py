@@ -14,6 +14,7 @@ from typing import Any
 
 from . import outcheck, outdir, sources
 from . import verify as verify_mod
+from .compose import dequantized_note
 from .copies import check_copies
 from .copy_from import copy_non_weights
 from .dcp_save import save_dcp
@@ -29,6 +30,7 @@ from .hf_write import ReadPath, follow_config, write_shards
 from .hf_write import write_files as write_files  # live.save_hf writes through it
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
+from .quant.config import dequantized_config
 from .quant.policy import QuantPolicy
 from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
@@ -253,6 +255,9 @@ def hf_to_dcp(
         check_copies(world, hf, plan.same)
     for warning in plan.warnings:
         ui.warn(warning)
+    note = dequantized_note(plan.tensors)
+    if note:
+        ui.info(note)
     result = DcpResult(out, path, plan)
     if target is None:
         return result
@@ -297,7 +302,7 @@ def _keep_config(staging: Path, config_file: Path | None) -> None:
     dcp.load ignores it), so dcp-to-hf, verify and inspect of this checkpoint map it back without --config."""
     if config_file is None or not exists(config_file):
         return
-    raw = read_regular(config_file, limit=MAX_CONFIG_BYTES)
+    raw = dequantized_config(read_regular(config_file, limit=MAX_CONFIG_BYTES))
     with outdir.naming(staging / CONFIG_FILE):
         (staging / CONFIG_FILE).write_bytes(raw)
 

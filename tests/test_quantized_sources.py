@@ -223,6 +223,9 @@ def test_torchtitan_mappings_read_the_dequantized_weights(
             outs[label] = tmp_path / f"{name}-{label}-dcp"
             code, err = run(capsys, "hf-to-dcp", str(src), str(outs[label]), "--mapping", mapping, *flags)
             assert code == 0, err
+            assert ("their scales are not written" in err) == (label == "quantized"), err
+            kept = json.loads((outs[label] / "config.json").read_text())  # beside .metadata, for the way back
+            assert "quantization_config" not in kept and kept["hidden_size"] == config["hidden_size"]
         want = load_plain(outs["plain"])
         assert_same(load_plain(outs["quantized"]), want)  # type: ignore[arg-type]
         for a, b, extra in (

@@ -147,8 +147,16 @@ def dcp_to_hf(
         ui.info(target.note)
 
     def source() -> verify_mod.Side:
+        quantized = frozenset(t.hf_key for f in plan.files for t in f.tensors if t.quant)
         return verify_mod.dcp_side(
-            "source", ckpt.path, prefix, mapping, model_config, allow_unmapped, variant=hf_experts
+            "source",
+            ckpt.path,
+            prefix,
+            mapping,
+            model_config,
+            allow_unmapped,
+            hf_experts,
+            quantized=quantized,
         )
 
     pieces: list[RowPiece] = []
@@ -159,7 +167,7 @@ def dcp_to_hf(
     def check(staging: Path) -> None:
         check_read_pieces(world, ckpt, pieces)
         if verify:
-            _check(world, ui, source, lambda _: verify_mod.hf_side("output", staging))
+            _check(world, ui, source, lambda a: verify_mod.hf_side("output", staging, like=a))
 
     def finish(staging: Path) -> list[str]:
         copied = _finish(plan, ckpt, staging, described, ui)

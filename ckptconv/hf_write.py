@@ -77,9 +77,7 @@ def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: W
 def _write_quantized(writer: SafetensorsWriter, t: OutTensor, tensor: torch.Tensor) -> int:
     """`--quantize fp8`: the weight [R, C] (in its source dtype) as FP8 and its `weight_scale_inv`, quantized
     one 128-row slab at a time; returns the bytes written."""
-    q = torch.empty(t.shape, dtype=fp8.FP8)
-    scale = torch.empty(fp8.scale_shape(t.shape), dtype=torch.float32)
-    fp8.quantize_into(tensor, q, scale)
+    q, scale = fp8.quantize_whole(tensor)
     writer.write(t.hf_key, q)
     writer.write(scale_key(t.hf_key), scale)
     return q.nbytes + scale.nbytes

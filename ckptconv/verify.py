@@ -31,6 +31,7 @@ from .formats.hf import open_hf
 from .formats.safetensors_io import RowReader
 from .mapping import VARIANTS, load_config, load_mapping
 from .plan import assign_owners, mapped_tensors, natural_key
+from .quant import fp8
 from .sources import any_source
 from .ui import Ui
 from .unshard import assemble, check_read_pieces, direct_rows
@@ -80,7 +81,7 @@ class Side:
     dequantized: frozenset[str] = frozenset()  # quantized weights: read in the other side's dtype (`follow`)
 
 
-def hf_side(label: str, path: Path, keys: set[str] | None = None) -> Side:
+def hf_side(label: str, path: Path, keys: set[str] | None = None, like: Side | None = None) -> Side:
     """An HF directory or file; only `keys` of it if given. A quantized weight (`formats.hf_quant`) is read
     dequantized, in the dtype `shapes` gives it (config.json's, or the other side's after `follow`)."""
     hf = open_hf(path)
@@ -92,7 +93,10 @@ def hf_side(label: str, path: Path, keys: set[str] | None = None) -> Side:
         return reader.rows(t, 0, t.shape[0] if t.shape else 1, dtype=shapes[key][1])
 
     dequantized = frozenset(k for k in shapes if hf.tensors[k].quant is not None)
-    return Side(label, path, shapes, read, reader.close, dequantized=dequantized)
+    side = Side(label, path, shapes, read, reader.close, dequantized=dequantized)
+    if like is not None:
+        follow(side, like)
+    return side
 
 
 def follow(side: Side, other: Side) -> None:
@@ -123,9 +127,12 @@ def dcp_side(
     allow_unmapped: bool,
     variant: str | None = None,
     like: Side | None = None,
+    quantized: frozenset[str] = frozenset(),
 ) -> Side:
     """A DCP directory seen as dcp-to-hf would write it, dtypes kept. With a mapping and no `variant`, in the
-    expert form (per expert or fused) that shares the most keys with the HF side `like`."""
+    expert form (per expert or fused) that shares the most keys with the HF side `like`. The `quantized` keys
+    (`dcp-to-hf --quantize fp8 --verify`) read as their block-FP8 round trip, dequantize(quantize(w)) in w's
+    dtype: what the FP8 output holds, read in this side's dtype, iff its bytes and scales are right."""
     ckpt = open_dcp(path)
     forms = VARIANTS if mapping and variant is None and like is not None else (variant,)
     candidates = []
@@ -138,11 +145,21 @@ def dcp_side(
     rows = direct_rows(reader)
 
     def read(key: str) -> torch.Tensor:
-        return assemble(outs[key], rows, reader)
+        tensor = assemble(outs[key], rows, reader)
+        if key in quantized:
+            q, scale = fp8.quantize_whole(tensor)
+            return fp8.dequantize(q, scale, tensor.dtype)
+        return tensor
 
     shapes = {k: (t.shape, t.dtype) for k, t in outs.items()}
     side = Side(
-        label, path, shapes, read, reader.close, lambda world: check_read_pieces(world, ckpt, reader.pieces())
+        label,
+        path,
+        shapes,
+        read,
+        reader.close,
+        lambda world: check_read_pieces(world, ckpt, reader.pieces()),
+        quantized,
     )
     if like is not None:
         follow(like, side)
@@ -285,4 +302,8 @@ def check_output(source: Side, output: Side, world: World, ui: Ui) -> None:
             + (f" (and {more} more)" if more else "")
             + "; nothing was written"
         )
-    ui.info(f"verified: {report.compared} tensors match the source bit for bit")
+    quantized = f" ({len(source.dequantized)} FP8 weights as the source's block-FP8 round trip)"
+    ui.info(
+        f"verified: {report.compared} tensors match the source bit for bit"
+        + (quantized if source.dequantized else "")
+    )

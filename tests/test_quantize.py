@@ -311,3 +311,33 @@ def test_torchtitan_deepseek_v3_to_an_fp8_release_with_mtp(
     loaded = _load(out)
     assert not loaded["info"]["missing_keys"], loaded["info"]
     shutil.rmtree(tmp_path / "dcp")
+
+
+def test_verify_checks_the_fp8_bytes_and_scales(
+    odd: tuple[Path, dict[str, torch.Tensor]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--verify compares the output with the source's block-FP8 round trip: exact when the bytes are
+    DeepSeek's, a mismatch (exit 1, nothing published) when the writer rounds otherwise (here: scales
+    rounded to bf16 first, as transformers' bf16 dequant helper does)."""
+    import types
+
+    from ckptconv import hf_write
+    from ckptconv.quant import fp8
+
+    src = str(odd[0] / "dcp")
+    code, err = run(capsys, "dcp-to-hf", src, str(tmp_path / "ok"), "--quantize", "fp8", "--verify")
+    assert code == 0, err
+    assert "verified: 21 tensors match the source bit for bit (14 FP8 weights" in err
+
+    def bf16_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = fp8.quantize_whole(w)[1].to(torch.bfloat16).float()
+        grid = scale.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+        return (w.float() / grid).clamp(-448.0, 448.0).to(FP8), scale
+
+    monkeypatch.setattr(hf_write, "fp8", types.SimpleNamespace(quantize_whole=bf16_scales))
+    code, err = run(capsys, "dcp-to-hf", src, str(tmp_path / "bad"), "--quantize", "fp8", "--verify")
+    assert code == 1 and "--verify: the output differs from" in err, err
+    assert not (tmp_path / "bad").exists()

@@ -51,6 +51,14 @@ def quantize_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: 
         scale[i] = s_row[0]
 
 
+def quantize_whole(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_into` new tensors: a whole weight [R, C] -> (fp8 [R, C], fp32 scales)."""
+    q = torch.empty(w.shape, dtype=FP8)
+    scale = torch.empty(scale_shape(tuple(w.shape), block), dtype=torch.float32)
+    quantize_into(w, q, scale, block)
+    return q, scale
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
     """Rows of a weight (fp8 [r, C], starting at a multiple of `block`) and their scale rows
     [ceil(r/block), ceil(C/block)] (any float dtype) -> [r, C] in `dtype`."""

@@ -25,7 +25,7 @@ from .layout import Box, intersect
 from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
 from .schedule import Holding, Job, Placement, Round, ShardStep, plan_job, shard_steps, slabs
 from .specs import ChunkSpec, TensorSpec
-from .unshard import assemble, narrow
+from .unshard import assemble, narrow, write_order
 
 Item = tuple[OutFile, OutTensor, torch.Tensor]
 
@@ -149,9 +149,7 @@ def live_jobs(
         boxes = slabs(h.shape, h.dtype.itemsize, rows, budget)
         chunks = tuple(ChunkSpec(o, s, "", 0, 0, "torch_save") for o, s in boxes)
         specs[fqn] = TensorSpec(fqn, short_name(h.dtype), h.shape, chunks)
-    streams = [
-        [(f, _repoint(t, specs)) for f in plan.files_of(r) for t in f.tensors] for r in range(plan.world_size)
-    ]
+    streams = [[(f, _repoint(t, specs)) for f, t in write_order(plan, r)] for r in range(plan.world_size)]
     depth = max(map(len, streams), default=0)
     order = [stream[k] for k in range(depth) for stream in streams if k < len(stream)]
     index: dict[tuple[str, tuple[int, ...]], int] = {}

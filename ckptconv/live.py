@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import convert, outcheck, outdir
+from . import outcheck, outdir
 from .allgather import TorchCollective, describe, emit, group_handles, holdings, live_jobs, run_rounds
 from .compose import is_whole, target_rows
 from .copy_from import copy_non_weights
@@ -31,9 +31,11 @@ from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
 from .formats.hf import INDEX_FILE, open_hf, write_index
 from .formats.safetensors_io import RowReader
+from .hf_write import follow_config, write_files
 from .layout import tiling_problem
-from .mapping import load_mapping
+from .mapping import CONFIG_FILE, load_mapping
 from .plan import mapped_tensors, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
+from .quant.policy import QuantPolicy
 from .schedule import Holding, ShardStep, plan_rounds
 from .specs import ChunkSpec, TensorSpec
 from .stash import StashedItem, json_exact, write_stash
@@ -151,12 +153,15 @@ def save_hf(
     extra: Mapping[str, Any] | None = None,
     config: Mapping[str, Any] | None = None,
     overwrite: bool = True,
+    quantize: str | None = None,
+    quantize_skip: Sequence[str] = (),
 ) -> SaveReport:
     """Collective (call on every rank): write `state_dict` as HF safetensors into the directory `path`.
 
     Values: DTensors with any placements, plain tensors (the same on every rank), or other objects, which go
     with `extra` to `ckptconv_state.json` like dcp-to-hf's stash. The files are those `dcp-to-hf` writes for
-    the same weights and flags. Rank 0 publishes `path` atomically after every rank succeeded.
+    the same weights and flags (`quantize="fp8"`: an FP8 release, as `--quantize fp8`; a config.json from
+    `copy_from` follows what was written). Rank 0 publishes `path` atomically after every rank succeeded.
     """
     world, out = _world(), Path(path)
     tensors: dict[str, torch.Tensor] = {}
@@ -177,6 +182,8 @@ def save_hf(
     def prepare() -> Any:
         holding = holdings(everyone_described)
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
+        if quantize_skip and not quantize:
+            raise CkptconvError("save_hf: quantize_skip applies with quantize='fp8'")
         plan = plan_dcp_to_hf(
             _live_checkpoint(holding, paths),
             policy,
@@ -184,6 +191,7 @@ def save_hf(
             world_size=world.size,
             mapping=load_mapping(mapping) if mapping else None,
             config=dict(config or {}),
+            quantize=QuantPolicy(quantize, quantize_skip) if quantize else None,
         )
         target = outcheck.target(
             out, overwrite, [("copy_from", _path(copy_from))], "overwrite=True", world.is_main
@@ -204,14 +212,12 @@ def save_hf(
                 write_index(staging, plan.weight_map, plan.total_size)
         if others:
             write_stash(staging, [_stashed(p, v) for p, v in others])
-        if copy_from is not None:
-            copy_non_weights(Path(copy_from), staging)
+        if copy_from is not None and CONFIG_FILE in copy_non_weights(Path(copy_from), staging):
+            follow_config(staging / CONFIG_FILE, plan, parse_dtype_flag(dtype))
 
     results = run_rounds(jobs, rounds, world.rank, local, TorchCollective(handles))
     items = emit(order, needs, world.rank, results, jobs)
-    outdir.atomically(
-        world, target, lambda staging: convert.write_files(plan, items, staging, world, ui), finish
-    )
+    outdir.atomically(world, target, lambda staging: write_files(plan, items, staging, world, ui), finish)
     return SaveReport(
         [f.name for f in plan.files],
         plan.total_size,

@@ -58,6 +58,16 @@ def test_save_hf_writes_what_dcp_to_hf_writes(saved: dict[str, Path], tmp_path: 
         )
         assert proc.returncode == 0, proc.stderr
         assert tree_sha256(out) == tree_sha256(saved[name] / "live"), name
+        fp8 = tmp_path / f"{name}-fp8"  # save_hf(quantize="fp8") is dcp-to-hf --quantize fp8
+        flags = ("--fp32", "A_log$", "--max-shard-size", "300", "--quantize", "fp8")
+        proc = ckptconv("dcp-to-hf", str(saved[name] / "dcp"), str(fp8), *flags)
+        assert proc.returncode == 0, proc.stderr
+        digest = tree_sha256(fp8)
+        assert any(
+            n.endswith("_scale_inv")
+            for n in json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"]
+        )
+        assert digest == tree_sha256(saved[name] / "live_fp8"), name
     stash = json.loads((saved["fsdp2-2"] / "live" / "ckptconv_state.json").read_text())
     assert stash["items"] == [{"key": "step", "path": ["step"], "value": 7}]
 

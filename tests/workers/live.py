@@ -1,7 +1,8 @@
 """Under torchrun: ckptconv.save_hf / load_hf inside a "training job" holding a sharded Tiny model.
 
 usage: live.py save OUT LAYOUT   seeded model (no training step: the same values at any world size), sharded
-                                 per LAYOUT (fsdp2 | mesh2d); save_hf -> OUT/live, dcp.save -> OUT/dcp (for
+                                 per LAYOUT (fsdp2 | mesh2d); save_hf -> OUT/live (and quantize="fp8" ->
+                                 OUT/live_fp8), dcp.save -> OUT/dcp (for
                                  dcp-to-hf to compare against), rank 0 writes the full values to OUT/ref.pt
                                  and save_hf's report (+ the number of shard steps) to OUT/report.json
        live.py load OUT LAYOUT   a differently seeded bf16 model sharded per LAYOUT; load_hf(OUT/live); rank 0
@@ -40,6 +41,8 @@ def main() -> None:
     sd = model.state_dict()
     if mode == "save":
         report = ckptconv.save_hf(sd, out / "live", extra={"step": 7}, max_shard_size=300, bucket_size=BUCKET)
+        fp8 = {"quantize": "fp8", "max_shard_size": 300, "bucket_size": BUCKET}
+        ckptconv.save_hf(sd, out / "live_fp8", extra={"step": 7}, **fp8)
         dcp.save({"model": sd, "step": 7}, checkpoint_id=str(out / "dcp"))
         ref = {k: full(v) for k, v in sd.items()}
         if dist.get_rank() == 0:

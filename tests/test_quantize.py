@@ -341,3 +341,25 @@ def test_verify_checks_the_fp8_bytes_and_scales(
     code, err = run(capsys, "dcp-to-hf", src, str(tmp_path / "bad"), "--quantize", "fp8", "--verify")
     assert code == 1 and "--verify: the output differs from" in err, err
     assert not (tmp_path / "bad").exists()
+
+
+def test_requantizing_a_dequantized_release_gives_its_bytes(
+    odd: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FP8 release -> hf-to-dcp (dequantized, bf16) -> dcp-to-hf --quantize fp8: the same FP8 weight bytes;
+    the scales move only by the bf16 rounding of each block's max (the source was fp32)."""
+    root, _ = odd
+    first, back, again = tmp_path / "fp8", tmp_path / "dcp", tmp_path / "again"
+    assert run(capsys, "dcp-to-hf", str(root / "dcp"), str(first), "--quantize", "fp8")[0] == 0
+    code, err = run(capsys, "hf-to-dcp", str(first), str(back))
+    assert code == 0 and "dequantized 14 block-FP8 weights" in err, err
+    assert run(capsys, "dcp-to-hf", str(back), str(again), "--quantize", "fp8")[0] == 0
+    a, b = load_file(first / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        if a[key].dtype == FP8:
+            assert same_bytes(a[key], b[key]), key
+        elif key.endswith("_scale_inv"):
+            assert ((a[key] - b[key]).abs() <= a[key] * 2**-8).all(), key
+        else:
+            assert same_bytes(a[key], b[key]), key

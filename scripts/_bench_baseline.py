@@ -83,18 +83,21 @@ def format_utils(ckpt: Path, out: Path) -> None:
     tmp.unlink()
 
 
-def dcp_load(ckpt: Path, out: Path) -> None:
-    from huggingface_hub import save_torch_state_dict
-
+def load_model(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The "model" group of a DCP checkpoint: `dcp.load` into tensors preallocated from its metadata."""
     metadata = FileSystemReader(ckpt).read_metadata()
     sd: dict[str, torch.Tensor] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(GROUP) and isinstance(md, TensorStorageMetadata):
             sd[key] = torch.empty(md.size, dtype=md.properties.dtype)
     dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
-    model = to_bf16(split_experts({k.removeprefix(GROUP): v for k, v in sd.items()}))
-    del sd
-    save_torch_state_dict(model, out)
+    return {k.removeprefix(GROUP): v for k, v in sd.items()}
+
+
+def dcp_load(ckpt: Path, out: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    save_torch_state_dict(to_bf16(split_experts(load_model(ckpt))), out)
 
 
 def quantize_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -120,14 +123,7 @@ def quantize_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def dcp_load_fp8(ckpt: Path, out: Path) -> None:
     from huggingface_hub import save_torch_state_dict
 
-    metadata = FileSystemReader(ckpt).read_metadata()
-    sd: dict[str, torch.Tensor] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(GROUP) and isinstance(md, TensorStorageMetadata):
-            sd[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load(sd, checkpoint_id=ckpt, no_dist=True)
-    model = quantize_fp8(split_experts({k.removeprefix(GROUP): v for k, v in sd.items()}))
-    del sd
+    model = quantize_fp8(split_experts(load_model(ckpt)))
     scales = {k: v for k, v in model.items() if k.endswith("_scale_inv")}  # fp32, as released
     save_torch_state_dict({**to_bf16(model), **scales}, out)
 

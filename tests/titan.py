@@ -56,19 +56,7 @@ def run_adapter(
     if family not in FAMILIES:
         raise ValueError(f"unknown torchtitan family {family!r}; one of {FAMILIES}")
     cmd = [sys.executable, str(WORKER), family, direction, json.dumps(config), str(src), str(dst)]
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        env=_env(str(titan_dir())),
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"torchtitan {family} {direction} of {src} failed ({proc.returncode}):\n"
-            f"{proc.stdout}\n{proc.stderr}"
-        )
+    _run(cmd, timeout, f"torchtitan {family} {direction} of {src}")
 
 
 def run_titan_job(nproc: int, worker: Path, *args: str, timeout: int = 300) -> None:
@@ -78,13 +66,14 @@ def run_titan_job(nproc: int, worker: Path, *args: str, timeout: int = 300) -> N
     tests/workers/titan_checkpoint.py. Raises RuntimeError with the job's output when it fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += [str(worker), *args]
+    _run(cmd, timeout, " ".join(cmd))
+
+
+def _run(cmd: list[str], timeout: int, what: str) -> None:
+    """`cmd` with torchtitan 0.3.0's install on PYTHONPATH; RuntimeError with its output when it fails."""
+    env = _env(str(titan_dir()))
     proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        env=_env(str(titan_dir())),
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
+        cmd, capture_output=True, text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

@@ -8,4 +8,6 @@ venv=.venv
 [ "${CKPTCONV_DEPS:-locked}" = latest ] && venv=.venv-latest
 "$venv/bin/ruff" check ckptconv tests scripts
 "$venv/bin/mypy"
-"$venv/bin/python" -m pytest -p no:cacheprovider --durations=15 "$@"
+# two workers (CKPTCONV_TEST_WORKERS): each test module runs whole on one of them, the megatron modules on
+# the same one (they share megatron-core's checkpoints); tests/conftest.py groups them
+"$venv/bin/python" -m pytest -p no:cacheprovider --durations=15 -n "${CKPTCONV_TEST_WORKERS:-2}" --dist loadgroup "$@"

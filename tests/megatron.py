@@ -12,8 +12,10 @@ A failed install raises: a test that needs megatron-core fails rather than skips
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,3 +83,18 @@ def run_megatron(nproc: int, *args: str, timeout: int = 300) -> None:
     if returncode != 0:
         how = f"timed out after {timeout} s" if returncode is None else f"failed ({returncode})"
         raise RuntimeError(f"{' '.join(cmd)} {how}:\n{output}")
+
+
+_SAVED: dict[tuple[str, ...], Path] = {}
+
+
+def saved(*args: str) -> Path:
+    """The checkpoint `megatron_save.py MODE OUT [options]` writes for ARGS = (MODE, options...) on 2 ranks,
+    once per test session whichever module asks first (megatron runs cost ~10 s each): OUT = DIR/ckpt, with
+    the worker's expected.pt and config.json in DIR. Read-only for the tests sharing it; removed at exit."""
+    if args not in _SAVED:
+        root = Path(tempfile.mkdtemp(prefix="ckptconv-megatron-"))
+        atexit.register(shutil.rmtree, root, True)
+        run_megatron(2, args[0], str(root / "ckpt"), *args[1:])
+        _SAVED[args] = root / "ckpt"
+    return _SAVED[args]

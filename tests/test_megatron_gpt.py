@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from megatron import run_megatron
+from megatron import run_megatron, saved
 from test_dcp_to_hf import load_dir, same_bits
 
 from ckptconv.cli import main
@@ -38,10 +38,11 @@ from ckptconv.formats.megatron_out import (
     extra_state_objects,
 )
 
+pytestmark = pytest.mark.xdist_group("megatron")  # megatron.saved checkpoints: one worker
 PRESET = "megatron-gpt"
 # name -> the worker's gpt options
 CASES: dict[str, tuple[str, ...]] = {
-    "llama": ("--optimizer", "dist"),
+    "llama": (),  # the harness's "gpt": Megatron-LM's defaults (DistributedOptimizer, dp_reshardable)
     "qwen3_singleton": ("--qk-layernorm", "--singleton-local-shards", "--optimizer", "none"),
     "qwen3_moe": ("--moe", "--qk-layernorm", "--optimizer", "none"),
     "qwen3_moe_singleton": ("--moe", "--qk-layernorm", "--singleton-local-shards", "--optimizer", "none"),
@@ -143,7 +144,8 @@ class Case:
 
     def __init__(self, root: Path, name: str) -> None:
         self.root = root / name
-        self.ckpt = self.root / "ckpt"
+        self.root.mkdir()
+        self.ckpt = saved("gpt", *CASES[name])  # shared with the other megatron tests
         self.hf = self.root / "hf"
         self.back = self.root / "back"
 
@@ -156,11 +158,11 @@ class Case:
 
     @property
     def meg(self) -> dict[str, Any]:
-        return json.loads((self.root / "config.json").read_text())
+        return json.loads((self.ckpt.parent / "config.json").read_text())
 
     @property
     def expected(self) -> dict[str, Any]:
-        return torch.load(self.root / "expected.pt", weights_only=True)
+        return torch.load(self.ckpt.parent / "expected.pt", weights_only=True)
 
     def loaded(self, tp: int) -> dict[str, Any]:
         return torch.load(self.root / f"loaded_tp{tp}.pt", weights_only=True)
@@ -188,13 +190,16 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """Every case saved by megatron, converted both ways, and loaded back by megatron at TP=1 and TP=2."""
     root = tmp_path_factory.mktemp("megatron_gpt")
     built = {name: Case(root, name) for name in CASES}
-    for name, case in built.items():
-        run_megatron(2, "gpt", str(case.ckpt), *CASES[name])
+    for case in built.values():
         case.convert()
     for tp in TP_SIZES:
         args = []
         for case in built.values():
-            args += [str(case.root / "config.json"), str(case.back), str(case.root / f"loaded_tp{tp}.pt")]
+            args += [
+                str(case.ckpt.parent / "config.json"),
+                str(case.back),
+                str(case.root / f"loaded_tp{tp}.pt"),
+            ]
         run_megatron(tp, "load-gpt", *args)
     return built
 

@@ -26,7 +26,9 @@ from typing import Any
 
 import pytest
 import torch
-from megatron import MEGATRON_DIR, REQUIREMENTS, VERSION, megatron_dir, run_megatron
+from megatron import MEGATRON_DIR, REQUIREMENTS, VERSION, megatron_dir, run_megatron, saved
+
+pytestmark = pytest.mark.xdist_group("megatron")  # megatron.saved checkpoints: one worker
 
 # checkpoint name -> the worker's arguments after OUT
 CASES: dict[str, tuple[str, ...]] = {
@@ -83,9 +85,9 @@ NUMPY_GLOBALS = {"_codecs.encode", "numpy._core.multiarray._reconstruct", "numpy
 
 @cache
 def _built(root: Path, name: str) -> Path:
-    ckpt = root / name / "ckpt"
-    run_megatron(2, CASES[name][0], str(ckpt), *CASES[name][1:])
-    return ckpt
+    """The checkpoint of case `name` (`megatron.saved`: once per session, shared with the other megatron
+    tests; `root` is where this module writes its own files)."""
+    return saved(*CASES[name])
 
 
 @pytest.fixture(scope="session")
@@ -99,9 +101,9 @@ def loaded(megatron_root: Path) -> dict[str, dict[str, Any]]:
     args = []
     for name in CASES:
         ckpt = _built(megatron_root, name)
-        args += [str(ckpt), str(ckpt.parent / "loaded.pt")]
+        args += [str(ckpt), str(megatron_root / f"{name}-loaded.pt")]
     run_megatron(1, "load", *args)
-    return {n: torch.load(megatron_root / n / "loaded.pt", weights_only=True) for n in CASES}
+    return {n: torch.load(megatron_root / f"{n}-loaded.pt", weights_only=True) for n in CASES}
 
 
 def _expected(ckpt: Path) -> dict[str, Any]:

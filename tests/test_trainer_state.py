@@ -20,13 +20,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from megatron import run_megatron
+from megatron import saved
 from safetensors.torch import load_file
 from test_bad_input import run
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from ckptconv.cli import main
 from ckptconv.stash import read_stash
+
+pytestmark = pytest.mark.xdist_group("megatron")  # megatron.saved checkpoints: one worker
 
 
 class Backend(enum.Enum):  # a class of the trainer's own, as Megatron-LM's args hold (AttnBackend, ...)
@@ -119,10 +121,8 @@ def test_keep_trainer_state_stashes_scheduler_and_dataloader(
 
 
 @pytest.fixture(scope="module")
-def megatron_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    ckpt = tmp_path_factory.mktemp("megatron") / "ckpt"
-    run_megatron(2, "gpt", str(ckpt))  # DistributedOptimizer (dp_reshardable), rng_state, TP=2
-    return ckpt
+def megatron_ckpt() -> Path:
+    return saved("gpt")  # DistributedOptimizer (dp_reshardable), rng_state, TP=2; shared with other tests
 
 
 @pytest.mark.slow
@@ -238,13 +238,10 @@ def test_a_stashed_step_tensor_is_not_called_dropped(
 
 
 @pytest.mark.slow
-def test_megatron_hand_built_sharded_state_dict(
-    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_megatron_hand_built_sharded_state_dict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A sharded state dict of megatron ShardedTensors built by hand (TP split, prepended layer axis, replica
     ids, fp32 and bf16) with a per-rank ShardedObject, saved by megatron's dist_checkpointing.save."""
-    ckpt = tmp_path_factory.mktemp("megatron_sharded") / "ckpt"
-    run_megatron(2, "sharded", str(ckpt))
+    ckpt = saved("sharded")
     expected = torch.load(ckpt.parent / "expected.pt", weights_only=True)
     out = tmp_path / "out"
     code, err = run(capsys, "dcp-to-hf", str(ckpt), str(out), "--dtype", "keep")

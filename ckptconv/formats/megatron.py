@@ -153,6 +153,12 @@ def _opaque(name: str) -> type[Opaque]:
     return type("Opaque", (Opaque,), {"name": name})
 
 
+def _getattr(owner: Any, name: Any) -> Opaque:
+    """`builtins.getattr(Enum, "member")`, as some Python 3.11 releases (3.11.2 among them) pickle an enum
+    member: an opaque record named after both, the attribute never looked up."""
+    return _opaque(f"{getattr(owner, 'name', type(owner).__name__)}.{name}")()
+
+
 def _path(*parts: Any) -> str:
     return str(PurePosixPath(*(str(p) for p in parts)))
 
@@ -165,6 +171,8 @@ _STAND_INS: dict[tuple[str, str], Any] = {
     ("pathlib", "PurePosixPath"): _path,
     ("pathlib", "Path"): _path,
     ("torch", "Size"): tuple,
+    ("builtins", "getattr"): _getattr,
+    ("__builtin__", "getattr"): _getattr,  # the same in protocol 2, which torch.save uses
     ("torch._utils", "_rebuild_tensor_v2"): _opaque("a tensor"),
     ("torch._utils", "_rebuild_parameter"): _opaque("a tensor"),
     **{("torch", name): name for name in ITEMSIZE},  # a dtype is pickled as the global torch.<name>

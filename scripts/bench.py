@@ -67,237 +67,29 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import _bench_memory as memory
 import psutil
-from _bench_memory import ensure_release, largest_tensor_bytes, release_of
+from _bench_memory import ensure_release, largest_tensor_bytes
+from _bench_methods import (
+    BY_KEY,
+    DIRECTIONS,
+    GIB,
+    MEMORY_METHODS,
+    NPROC,
+    PY,
+    REFERENCE,
+    ROOT,
+    SCRIPTS,
+    SHAPES,
+    Method,
+    torchrun,
+)
 from _bench_run import CommandFailed, Sample, run_measured
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
-PY = sys.executable
-GIB = 1024**3
-NPROC = 2
-
-Kind = Literal["io", "startup", "convert"]
-
-
-def torchrun(*args: str) -> list[str]:
-    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}", *args]
-
-
-def two_nodes(*args: str) -> list[str]:
-    """Two torchrun "nodes" of one process each on this machine, meeting through c10d on 127.0.0.1."""
-    port = 29000 + os.getpid() % 1000
-    one = " ".join(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-id",
-            "bench",
-            "--rdzv-conf",
-            "is_host={host}",
-            *args,
-        ]
-    )
-    both = f"{one.format(host=1)} & a=$!; {one.format(host=0)} & b=$!; wait $a; x=$?; wait $b; exit $((x|$?))"
-    return ["bash", "-c", both]
-
-
-def ckptconv_args(ckpt: Path, out: Path, flags: Flags) -> list[str]:
-    return ["dcp-to-hf", str(ckpt), str(out), "--dtype", "bf16", "--quiet", "--overwrite", *flags]
-
-
-Flags = tuple[str, ...]  # what ckptconv needs to know about a checkpoint shape (the key mapping)
-SHAPES: dict[str, Flags] = {"dense": (), "moe": ("--mapping", "torchtitan-qwen3")}
-
-
-@dataclass(frozen=True)
-class Method:
-    key: str
-    label: str
-    ranks: int
-    kind: Kind
-    argv: Callable[[Path, Path, Flags], list[str]]  # (input, output dir, ckptconv's flags) -> command line
-
-    @property
-    def startup_key(self) -> str:
-        """The start-up row whose time is subtracted to get this method's time "beyond start-up"."""
-        return "torchrun_import" if self.ranks > 1 else "import_torch"
-
-
-METHODS: tuple[Method, ...] = (
-    Method("cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
-    Method("import_torch", "import torch", 1, "startup", lambda c, o, f: [PY, "-c", "import torch"]),
-    Method(
-        "torchrun_import",
-        "torchrun import torch",
-        NPROC,
-        "startup",
-        lambda c, o, f: torchrun("--no-python", PY, "-c", "import torch"),
-    ),
-    Method(
-        "ckptconv_1",
-        "ckptconv 1 rank",
-        1,
-        "convert",
-        lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f)],
-    ),
-    Method(
-        "ckptconv_2_direct",
-        f"ckptconv {NPROC}r direct",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "direct"),
-    ),
-    Method(
-        "ckptconv_2_nodes",
-        "ckptconv 2 nodes x 1",
-        NPROC,
-        "convert",
-        lambda c, o, f: two_nodes("-m", "ckptconv", *ckptconv_args(c, o, f)),
-    ),
-    Method(
-        "ckptconv_2_gather",
-        f"ckptconv {NPROC}r gather",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather"),
-    ),
-    Method(
-        "format_utils",
-        "format_utils+save_file",
-        1,
-        "convert",
-        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "format_utils", str(c), str(o)],
-    ),
-    Method(
-        "hf_writer",
-        f"torch HF writer {NPROC}r",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun(str(SCRIPTS / "_bench_baseline.py"), "hf_storage_writer", str(c), str(o)),
-    ),
-    Method(
-        "dcp_load",
-        "dcp.load+save_torch_sd",
-        1,
-        "convert",
-        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load", str(c), str(o)],
-    ),
-    Method(
-        "ckptconv_fp8",
-        "ckptconv 1r --quantize fp8",
-        1,
-        "convert",
-        lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f), "--quantize", "fp8"],
-    ),
-    Method(
-        "dcp_load_fp8",
-        "dcp.load+quantize+save",
-        1,
-        "convert",
-        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load_fp8", str(c), str(o)],
-    ),
-)
-STARTUP = tuple(m for m in METHODS if m.kind == "startup")
-MEMORY_METHODS: tuple[Method, ...] = (  # see scripts/_bench_memory.py
-    *STARTUP,
-    next(m for m in METHODS if m.key == "ckptconv_1"),
-    Method(
-        "m_verify_1",
-        "verify 1 rank",
-        1,
-        "convert",
-        lambda c, o, f: [PY, "-m", "ckptconv", "verify", str(c), str(release_of(c)), *f],
-    ),
-    Method(
-        "m_verify_atol",
-        "verify 1r --atol",
-        1,
-        "convert",
-        lambda c, o, f: [PY, "-m", "ckptconv", "verify", str(c), str(release_of(c)), "--atol", "1e-2", *f],
-    ),
-    Method(
-        "m_verify_2",
-        f"verify {NPROC}r",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun("-m", "ckptconv", "verify", str(c), str(release_of(c)), *f),
-    ),
-    Method(
-        "m_convert_verify",
-        "dcp-to-hf --verify 1r",
-        1,
-        "convert",
-        lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f), "--verify"],
-    ),
-    Method(
-        "m_gather_128",
-        f"gather {NPROC}r 128MB",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather"),
-    ),
-    Method(
-        "m_gather_32",
-        f"gather {NPROC}r 32MB",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun(
-            "-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather", "--bucket-size", "32MB"
-        ),
-    ),
-)
-HF_TO_DCP_METHODS: tuple[Method, ...] = (
-    Method("h_cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
-    *STARTUP,
-    Method(
-        "h_ckptconv_1",
-        "ckptconv 1 rank",
-        1,
-        "convert",
-        lambda c, o, f: [PY, "-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite", *f],
-    ),
-    Method(
-        "h_ckptconv_2",
-        f"ckptconv {NPROC}r",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun("-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite", *f),
-    ),
-    Method(
-        "h_load_save",
-        "load_file+dcp.save",
-        1,
-        "convert",
-        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "load_file_dcp_save", str(c), str(o)],
-    ),
-)
-DIRECTIONS: dict[str, tuple[Method, ...]] = {
-    "dcp-to-hf": METHODS,
-    "hf-to-dcp": HF_TO_DCP_METHODS,
-    "memory": MEMORY_METHODS,
-}
-REFERENCE = {
-    "dcp-to-hf": ("ckptconv_1", "cp"),
-    "hf-to-dcp": ("h_ckptconv_1", "h_cp"),
-    "memory": ("ckptconv_1", "cp"),
-}  # (ckptconv 1 rank, cp)
-BY_KEY = {m.key: m for methods in DIRECTIONS.values() for m in methods}
 
 
 def log(msg: str) -> None:

@@ -22,12 +22,13 @@ import torch
 from .dtype_names import short_name
 from .errors import CkptconvError
 from .layout import Box, intersect
-from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
+from .plan import HfSavePlan, OutTensor, SourcePart
 from .schedule import Holding, Job, Placement, Round, ShardStep, plan_job, shard_steps, slabs
 from .specs import ChunkSpec, TensorSpec
-from .unshard import assemble, narrow, write_order
+from .unshard import assemble, narrow, needed_box
+from .writes import Write
 
-Item = tuple[OutFile, OutTensor, torch.Tensor]
+Item = tuple[Write, torch.Tensor]
 
 
 class Collective(Protocol):
@@ -130,35 +131,37 @@ def holdings(everyone: Sequence[Sequence[Described]]) -> dict[str, Holding]:
 
 def live_jobs(
     plan: HfSavePlan, holding: Mapping[str, Holding], budget: int
-) -> tuple[list[Job], list[tuple[OutFile, OutTensor]], list[tuple[int, ...]]]:
+) -> tuple[list[Job], list[Write], list[tuple[int, ...]]]:
     """Pure: the jobs that bring the plan's source tensors to every rank, in the order the writers consume
     them; that order (the writers' streams interleaved tensor by tensor, so every writer is busy), with the
     plan's tensors re-pointed at the jobs' blocks (each job block is a "chunk" to `unshard.assemble`); and the
     jobs each of those tensors reads."""
     ranges: dict[str, list[tuple[int, int]]] = {}  # the dim-0 rows each part reads, per source tensor
-    for f in plan.files:
-        for t in f.tensors:
-            for sp in t.parts:
-                rows = ranges.setdefault(sp.spec.fqn, [])
-                if sp.part.src_sizes:
-                    offsets, sizes = sp.part.src_box()
-                    rows.append((offsets[0], offsets[0] + sizes[0]))
+    for w in plan.writes:
+        for sp in w.tensor.parts:
+            rows = ranges.setdefault(sp.spec.fqn, [])
+            box = needed_box(sp, w.window)
+            if sp.part.src_sizes and box is not None:
+                rows.append((box[0][0], box[0][0] + box[1][0]))
     specs: dict[str, TensorSpec] = {}
     for fqn, rows in ranges.items():
         h = holding[fqn]
         boxes = slabs(h.shape, h.dtype.itemsize, rows, budget)
         chunks = tuple(ChunkSpec(o, s, "", 0, 0, "torch_save") for o, s in boxes)
         specs[fqn] = TensorSpec(fqn, short_name(h.dtype), h.shape, chunks)
-    streams = [[(f, _repoint(t, specs)) for f, t in write_order(plan, r)] for r in range(plan.world_size)]
+    streams = [
+        [replace(w, tensor=_repoint(w.tensor, specs)) for w in plan.writes_of(r)]
+        for r in range(plan.world_size)
+    ]
     depth = max(map(len, streams), default=0)
     order = [stream[k] for k in range(depth) for stream in streams if k < len(stream)]
     index: dict[tuple[str, tuple[int, ...]], int] = {}
     jobs: list[Job] = []
     needs = []
-    for _, t in order:
+    for w in order:
         mine = []
-        for sp in t.parts:
-            for chunk in _touched(sp):
+        for sp in w.tensor.parts:
+            for chunk in _touched(sp, w.window):
                 key = (sp.spec.fqn, chunk.offsets)
                 if key not in index:
                     index[key] = len(jobs)
@@ -166,9 +169,9 @@ def live_jobs(
                 mine.append(index[key])
         needs.append(tuple(dict.fromkeys(mine)))
     readers: dict[int, set[int]] = {}
-    for (f, _), read in zip(order, needs, strict=True):
+    for w, read in zip(order, needs, strict=True):
         for j in read:
-            readers.setdefault(j, set()).add(f.owner)
+            readers.setdefault(j, set()).add(w.rank)
     jobs = [replace(job, readers=tuple(sorted(readers[j]))) for j, job in enumerate(jobs)]
     return jobs, order, needs
 
@@ -177,9 +180,11 @@ def _repoint(t: OutTensor, specs: Mapping[str, TensorSpec]) -> OutTensor:
     return replace(t, parts=tuple(replace(sp, spec=specs[sp.spec.fqn]) for sp in t.parts))
 
 
-def _touched(sp: SourcePart) -> list[ChunkSpec]:
-    """The job blocks (chunks of the re-pointed spec) that a part reads."""
-    box = sp.part.src_box()
+def _touched(sp: SourcePart, window: tuple[int, int] | None) -> list[ChunkSpec]:
+    """The job blocks (chunks of the re-pointed spec) that a part reads (for target rows `window`)."""
+    box = needed_box(sp, window)
+    if box is None:
+        return []
     return [c for c in sp.spec.chunks if not c.sizes or intersect((c.offsets, c.sizes), box) is not None]
 
 
@@ -318,7 +323,7 @@ class TorchCollective:
 
 
 def emit(
-    order: Sequence[tuple[OutFile, OutTensor]],
+    order: Sequence[Write],
     needs: Sequence[tuple[int, ...]],
     rank: int,
     results: Iterator[tuple[int, torch.Tensor | None]],
@@ -326,7 +331,7 @@ def emit(
 ) -> Iterator[Item]:
     """This rank's output tensors in file order, each assembled as soon as the jobs it reads are done; a
     gathered block is dropped once the last of this rank's tensors reading it is out (at once if none)."""
-    mine = [i for i, (f, _) in enumerate(order) if f.owner == rank]
+    mine = [i for i, w in enumerate(order) if w.rank == rank]
     last_use: dict[int, int] = {}
     for n, i in enumerate(mine):
         for j in needs[i]:
@@ -344,8 +349,8 @@ def emit(
             assert value is not None, "a job this rank reads was not sent to it"
             got[j] = value
         while k < len(mine) and all(x in got for x in needs[mine[k]]):
-            f, t = order[mine[k]]
-            yield f, t, assemble(t, rows)
+            w = order[mine[k]]
+            yield w, assemble(w.tensor, rows, window=w.window)
             for x in needs[mine[k]]:
                 if last_use[x] == k:
                     del got[x]

@@ -36,6 +36,7 @@ from .cli_options import (
     RevisionOpt,
     TrustOpt,
     VerifyOpt,
+    WriteGranularityOpt,
 )
 from .cli_output import print_json as _print_json
 from .cli_output import trust as _trust
@@ -89,6 +90,7 @@ def dcp_to_hf_cmd(
     dry_run: DryRunOpt = False,
     bucket_size: BucketOpt = "128MB",
     read: ReadOpt = "direct",
+    write_granularity: WriteGranularityOpt = "tensor",
     mapping: MappingOpt = None,
     config: ConfigOpt = None,
     allow_unmapped: AllowUnmappedOpt = False,
@@ -139,6 +141,7 @@ def dcp_to_hf_cmd(
             quantize=quantize,
             quantize_skip=quantize_skip or (),
             verify=verify,
+            write_granularity=write_granularity,  # type: ignore[arg-type]
         )
         summary = plan_summary(result.plan)
         if json_out:
@@ -152,6 +155,7 @@ def dcp_to_hf_cmd(
                     "verified": verify and result.written,
                     "copied": result.copied,
                     "config_edits": result.config_edits,
+                    "ranks": [r.to_json() for r in result.ranks],
                     **summary,
                 }
             )

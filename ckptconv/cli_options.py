@@ -46,6 +46,14 @@ BucketOpt = Annotated[
 ReadOpt = Annotated[
     str, typer.Option("--read", help="direct: writers read chunks from storage; gather: ranks read and send.")
 ]
+WriteGranularityOpt = Annotated[
+    str,
+    typer.Option(
+        "--write-granularity",
+        help="tensor: every rank writes its share of every file in place; "
+        "file: each file written whole by one rank (storage without concurrent writes to one file).",
+    ),
+]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Only warnings and errors on stderr.")]
 ProgressOpt = Annotated[
     bool | None,

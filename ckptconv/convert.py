@@ -26,7 +26,7 @@ from .formats.dcp_reader import RowPiece
 from .formats.files import exists, is_directory, read_regular
 from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
 from .formats.hf_sharded import HF_METADATA_DIR
-from .hf_write import ReadPath, follow_config, write_shards
+from .hf_write import RankBytes, ReadPath, follow_config, write_shards
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .quant.config import dequantized_config
@@ -35,6 +35,7 @@ from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
 from .unshard import check_read_pieces
 from .world import World, everyone, on_main
+from .writes import GRANULARITIES, Granularity
 
 DEFAULT_BUCKET = 128 * 10**6
 
@@ -47,6 +48,7 @@ class Result:
     copied: list[str] = field(default_factory=list)
     config_edits: list[str] = field(default_factory=list)  # what the copied config.json was changed to say
     written: bool = False
+    ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote
 
 
 def _return_freed_memory() -> None:
@@ -86,6 +88,7 @@ def dcp_to_hf(
     quantize: str | None = None,
     quantize_skip: Sequence[str] = (),
     verify: bool = False,
+    write_granularity: Granularity = "tensor",
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`. Collective."""
     start = time.perf_counter()
@@ -98,6 +101,8 @@ def dcp_to_hf(
         if quantize_skip and not quantize:
             raise CkptconvError("--quantize-skip applies with --quantize fp8")
         quant = QuantPolicy(quantize, quantize_skip) if quantize else None
+        if write_granularity not in GRANULARITIES:
+            raise CkptconvError(f"--write-granularity {write_granularity!r} is not one of tensor, file")
         shard_bytes = parse_size(max_shard_size)
         bucket = parse_size(bucket_size, "--bucket-size")
         if copy_from is not None and not copy_from.is_dir():
@@ -127,6 +132,7 @@ def dcp_to_hf(
             keep_trainer_state=keep_trainer_state,
             file_split=ckpt.file_split if keep_file_split else None,
             quantize=quant,
+            write_granularity=write_granularity,
         )
         return ckpt, plan, bucket, model_config, target, described
 
@@ -159,9 +165,11 @@ def dcp_to_hf(
         )
 
     pieces: list[RowPiece] = []
+    mine = [RankBytes(world.rank, 0, 0)]
 
     def write(staging: Path) -> None:
-        pieces.extend(write_shards(plan, ckpt, staging, world, ui, bucket, read_path))
+        read, mine[0] = write_shards(plan, ckpt, staging, world, ui, bucket, read_path)
+        pieces.extend(read)
 
     def check(staging: Path) -> None:
         check_read_pieces(world, ckpt, pieces)
@@ -175,6 +183,7 @@ def dcp_to_hf(
         return copied
 
     result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
+    result.ranks = world.all_gather_object(mine[0])
     result.seconds = time.perf_counter() - start
     result.written = True
     return result

@@ -17,11 +17,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .plan import HfSavePlan, OutFile, OutTensor
+from .plan import HfSavePlan
 from .schedule import plan_rounds
 from .specs import ChunkSpec, TensorSpec
-from .unshard import Item, RowsFn, laid_out, needed_chunks, new_out, place, row_slabs, rows_box, write_order
+from .unshard import Item, RowsFn, laid_out, needed_chunks, new_out, place, row_slabs, rows_box
 from .world import World
+from .writes import Write
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,9 +40,9 @@ def reader_rank(file: str, world_size: int) -> int:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Rows [r0, r1) of a stored chunk, read by `reader` and needed by `writer` for `tensor`."""
+    """Rows [r0, r1) of a stored chunk, read by `reader` and needed by `writer` for `write`."""
 
-    tensor: OutTensor
+    write: Write
     spec: TensorSpec
     chunk: ChunkSpec
     r0: int
@@ -58,15 +59,13 @@ class Transfer:
         return math.prod(self.shape) * self.spec.dtype.itemsize
 
 
-def round_transfers(
-    round_: list[tuple[int, list[tuple[OutFile, OutTensor]]]], world_size: int
-) -> list[Transfer]:
+def round_transfers(round_: list[tuple[int, list[Write]]], world_size: int) -> list[Transfer]:
     """Pure: every block that moves (or is read locally) in one round, in the same order on every rank."""
     return [
-        Transfer(t, spec, chunk, r0, r1, reader_rank(chunk.file, world_size), writer)
+        Transfer(w, spec, chunk, r0, r1, reader_rank(chunk.file, world_size), writer)
         for writer, bucket in round_
-        for _, t in bucket
-        for spec, chunk, r0, r1 in needed_chunks(t)
+        for w in bucket
+        for spec, chunk, r0, r1 in needed_chunks(w.tensor, w.window)
     ]
 
 
@@ -79,19 +78,17 @@ class _Fetch:
     keys: tuple[Hashable, ...] = (("p2p", torch.uint8),)
 
 
-def gather_rounds(
-    plan: HfSavePlan, bucket_bytes: int
-) -> list[list[tuple[int, list[tuple[OutFile, OutTensor]]]]]:
+def gather_rounds(plan: HfSavePlan, bucket_bytes: int) -> list[list[tuple[int, list[Write]]]]:
     """Pure: the shared scheduler's rounds (`schedule.plan_rounds`) with one budget per writer: round k holds
     the k-th bucket of every writer's stream (each <= bucket_bytes of source bytes, or one larger tensor)."""
-    stream = [(rank, f, t) for rank in range(plan.world_size) for f, t in write_order(plan, rank)]
-    rounds = plan_rounds([_Fetch(rank, t.src_nbytes) for rank, _, t in stream], bucket_bytes)
+    stream = [(rank, w) for rank in range(plan.world_size) for w in plan.writes_of(rank)]
+    rounds = plan_rounds([_Fetch(rank, w.src_nbytes) for rank, w in stream], bucket_bytes)
     out = []
     for r in rounds:
-        buckets: dict[int, list[tuple[OutFile, OutTensor]]] = {}
+        buckets: dict[int, list[Write]] = {}
         for j in r.started:
-            rank, f, t = stream[j]
-            buckets.setdefault(rank, []).append((f, t))
+            rank, w = stream[j]
+            buckets.setdefault(rank, []).append(w)
         out.append(sorted(buckets.items()))
     return out
 
@@ -135,15 +132,16 @@ def gather_tensors(plan: HfSavePlan, world: World, source: RowsFn, bucket_bytes:
     larger row) beside the round's output tensors, never a source-dtype copy of a tensor."""
     for round_ in gather_rounds(plan, bucket_bytes):
         mine = dict(round_).get(world.rank, [])
-        outs = {t.hf_key: new_out(t) for _, t in mine}
+        outs = {id(w): new_out(w.tensor, w.window) for w in mine}
         for step in split_round(round_transfers(round_, world.size), bucket_bytes):
             for tr, data in _exchange(step, world, source):
-                for sp in tr.tensor.parts:
+                w = tr.write
+                view = outs[id(w)] if w.window else laid_out(outs[id(w)], w.tensor)
+                for sp in w.tensor.parts:
                     if sp.spec.fqn == tr.spec.fqn:
-                        view = laid_out(outs[tr.tensor.hf_key], tr.tensor)
-                        place(view, sp, rows_box(tr.chunk, tr.r0, tr.r1), data)
-        for f, t in mine:
-            yield f, t, outs.pop(t.hf_key)
+                        place(view, sp, rows_box(tr.chunk, tr.r0, tr.r1), data, w.window)
+        for w in mine:
+            yield w, outs.pop(id(w))
 
 
 def _exchange(step: list[Transfer], world: World, source: RowsFn) -> Iterator[tuple[Transfer, torch.Tensor]]:

@@ -1,11 +1,12 @@
-"""dcp-to-hf's write: this rank's safetensors files from the tensors unshard (or gather) assembles, weights
-quantized on the way when the plan says so, and the copied config.json made to follow what was written."""
+"""dcp-to-hf's write: this rank's byte ranges of the safetensors files (`writes`) from the tensors unshard (or
+gather) assembles, each in place, weights quantized on the way when the plan says so, and the copied
+config.json made to follow what was written."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -22,6 +23,7 @@ from .quant.policy import scale_key
 from .ui import Ui
 from .unshard import Item, direct_rows, direct_tensors
 from .world import World
+from .writes import bytes_per_rank
 
 ReadPath = Literal["direct", "gather"]
 
@@ -34,44 +36,63 @@ def write_shards(
     ui: Ui,
     bucket: int,
     read_path: ReadPath,
-) -> list[RowPiece]:
-    """This rank's files into `staging`; returns the chunks' pieces it read (some rows of a chunk)."""
+) -> tuple[list[RowPiece], RankBytes]:
+    """This rank's writes into `staging`; returns the chunks' pieces it read (some rows of a chunk) and the
+    bytes it read and wrote."""
     with DcpReader(ckpt) as reader:
         if read_path == "gather":
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
         else:
             items = direct_tensors(plan, world, reader, bucket)
-        write_files(plan, items, staging, world, ui)
-        return reader.pieces()
+        written = write_files(plan, items, staging, world, ui)
+        return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written)
 
 
-def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: World, ui: Ui) -> None:
-    """Write this rank's files of `plan` from `items` (its tensors in file order, as unshard yields them)."""
-    mine = plan.files_of(world.rank)
-    with ui.bytes_progress(
-        f"writing {len(mine)} of {len(plan.files)} files", sum(f.nbytes for f in mine)
-    ) as progress:
+class RankBytes(NamedTuple):
+    """What one rank read from the source and wrote to the output (the `ranks` of the --json report)."""
+
+    rank: int
+    bytes_read: int
+    bytes_written: int
+
+    def to_json(self) -> dict[str, int]:
+        return self._asdict()
+
+
+def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: World, ui: Ui) -> int:
+    """Write this rank's byte ranges of the plan's files (`plan.writes_of`) from `items` (its writes with
+    their data, in order, as unshard yields them), each in place; returns the bytes written."""
+    mine = plan.writes_of(world.rank)
+    files = len({w.file.name for w in mine})
+    headed = {w.file.name for w in mine if w.header}
+    nbytes = bytes_per_rank(plan.writes, plan.world_size)[world.rank]
+    written = done = 0
+    with ui.bytes_progress(f"writing {files} of {len(plan.files)} files", nbytes) as progress:
         writer: SafetensorsWriter | None = None
         try:
-            for f, t, tensor in items:
-                if writer is None or writer.path.name != f.name:
+            for w, tensor in items:
+                if writer is None or writer.path.name != w.file.name:
                     if writer is not None:
                         writer.close()
-                    writer = SafetensorsWriter(
-                        staging / f.name, [Entry(x.hf_key, x.dtype, x.shape) for x in f.tensors]
-                    )
-                if t.quant:
-                    progress.advance(_write_quantized(writer, t, tensor))
+                        written += writer.bytes_written
+                    entries = [Entry(x.hf_key, x.dtype, x.shape) for x in w.file.tensors]
+                    writer = SafetensorsWriter(staging / w.file.name, entries, header=w.file.name in headed)
+                if w.tensor.quant:
+                    progress.advance(_write_quantized(writer, w.tensor, tensor))
                 else:
-                    writer.write(t.hf_key, tensor)
-                    progress.advance(t.nbytes)
+                    writer.write(w.tensor.hf_key, tensor, w.start)
+                    progress.advance(w.nbytes)
+                done += 1
                 del tensor  # not held while the next tensor is assembled
             if writer is not None:
                 writer.close()
+                written += writer.bytes_written
         except BaseException:
             if writer is not None:
                 writer.abort()
             raise
+    assert done == len(mine), f"rank {world.rank}: {len(mine) - done} planned writes never came"
+    return written
 
 
 def _write_quantized(writer: SafetensorsWriter, t: OutTensor, tensor: torch.Tensor) -> int:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,6 +41,7 @@ from .specs import ChunkSpec, TensorSpec
 from .stash import StashedItem, json_exact, write_stash
 from .ui import Ui
 from .world import World, everyone
+from .writes import GRANULARITIES, Granularity
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ def save_hf(
     overwrite: bool = True,
     quantize: str | None = None,
     quantize_skip: Sequence[str] = (),
+    write_granularity: str = "tensor",
 ) -> SaveReport:
     """Collective (call on every rank): write `state_dict` as HF safetensors into the directory `path`.
 
@@ -162,6 +164,8 @@ def save_hf(
     with `extra` to `ckptconv_state.json` like dcp-to-hf's stash. The files are those `dcp-to-hf` writes for
     the same weights and flags (`quantize="fp8"`: an FP8 release, as `--quantize fp8`; a config.json from
     `copy_from` follows what was written). Rank 0 publishes `path` atomically after every rank succeeded.
+    `write_granularity`: "tensor" (every rank writes its share of every file) or "file" (one rank per file),
+    as dcp-to-hf's `--write-granularity`.
     """
     world, out = _world(), Path(path)
     tensors: dict[str, torch.Tensor] = {}
@@ -192,6 +196,7 @@ def save_hf(
             mapping=load_mapping(mapping) if mapping else None,
             config=dict(config or {}),
             quantize=QuantPolicy(quantize, quantize_skip) if quantize else None,
+            write_granularity=_granularity(write_granularity),
         )
         target = outcheck.target(
             out, overwrite, [("copy_from", _path(copy_from))], "overwrite=True", world.is_main
@@ -225,6 +230,12 @@ def save_hf(
         sum(len(r.batches) for r in rounds),
         max((sum(r.nbytes.values()) for r in rounds), default=0),
     )
+
+
+def _granularity(value: str) -> Granularity:
+    if value not in GRANULARITIES:
+        raise CkptconvError(f"save_hf: write_granularity={value!r} is not one of 'tensor', 'file'")
+    return cast(Granularity, value)
 
 
 def _path(value: str | Path | None) -> Path | None:

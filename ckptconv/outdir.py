@@ -196,7 +196,7 @@ def _os_error(staging: Path, e: OSError) -> CkptconvError:
 def atomically(
     world: World,
     out: Output,
-    write: Callable[[Path], None],
+    write: Callable[[Path], object],
     finish: Callable[[Path], T],
     check: Callable[[Path], None] | None = None,
     say: Callable[[str], None] = lambda message: None,

@@ -1,11 +1,12 @@
 """Pure planning: specs x key selection x dtype policy x max shard size x world size -> a save plan.
 
-dcp-to-hf: `plan_dcp_to_hf` -> `HfSavePlan` (files, their keys in layout order, the rank writing each).
+dcp-to-hf: `plan_dcp_to_hf` -> `HfSavePlan` (files, their keys in layout order, which rank writes which of
+their bytes: `writes`).
 hf-to-dcp: `plan_hf_to_dcp` -> `DcpSavePlan` (keys, dtypes, the rows each rank saves).
 
 Every rank computes the same plan from the same `.metadata`, with no I/O and no collectives. That is what
 makes `--dry-run` free and the output bytes independent of the number of ranks: ranks only decide who writes
-which file, never what a file contains.
+which bytes, never what a file contains.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .quant.policy import QuantPolicy
 from .release import Selection, select_tensors
 from .specs import NonTensorItem, TensorSpec
 from .stash import StashedItem
+from .writes import Granularity, Write, plan_writes
 
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
 
@@ -86,7 +88,7 @@ class OutTensor:
 class OutFile:
     name: str
     tensors: tuple[OutTensor, ...]  # in the order safetensors lays out data (see data_order)
-    owner: int  # the rank that writes this file
+    owner: int  # the rank that writes this file whole under --write-granularity file
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +105,7 @@ class HfSavePlan:
     scalars: tuple[TensorSpec, ...] = ()  # 0-d progress tensors (`train_state.step`), stashed as values
     common: tuple[StashedItem, ...] = ()  # Megatron's common.pt values
     quantization: dict[str, Any] | None = None  # --quantize: the release's config.json quantization_config
+    writes: tuple[Write, ...] = ()  # every byte range of the files' data and the rank that writes it
 
     @property
     def total_size(self) -> int:
@@ -121,8 +124,9 @@ class HfSavePlan:
     def weight_map(self) -> dict[str, str]:
         return {t.hf_key: f.name for f in self.files for t in f.tensors}
 
-    def files_of(self, rank: int) -> list[OutFile]:
-        return [f for f in self.files if f.owner == rank]
+    def writes_of(self, rank: int) -> list[Write]:
+        """`rank`'s writes, in file order."""
+        return [w for w in self.writes if w.rank == rank]
 
 
 def natural_key(key: str) -> tuple[tuple[int, int | str], ...]:
@@ -209,10 +213,12 @@ def plan_dcp_to_hf(
     keep_trainer_state: bool = False,
     file_split: dict[str, int] | None = None,
     quantize: QuantPolicy | None = None,
+    write_granularity: Granularity = "tensor",
 ) -> HfSavePlan:
     """`file_split` ({source key: file number from 1}, `--keep-file-split`) puts each tensor in the file the
     source's writer put it in, instead of splitting by `max_shard_size`. `quantize` makes the weights it
-    selects block FP8, each with its `weight_scale_inv` in the same file."""
+    selects block FP8, each with its `weight_scale_inv` in the same file. `write_granularity`: which rank
+    writes which bytes (`writes.plan_writes`)."""
     selection, mapped, unmapped = mapped_tensors(
         ckpt, policy, prefix, mapping, config, allow_unmapped, keep_trainer_state
     )
@@ -247,7 +253,15 @@ def plan_dcp_to_hf(
     files = tuple(OutFile(name, g, owner) for name, g, owner in zip(names, groups, owners, strict=True))
     warnings = (*policy.warnings(), *selection.warnings, *quant_warnings)
     return HfSavePlan(
-        files, selection.stash, notes, warnings, world_size, selection.scalars, selection.common, quantization
+        files,
+        selection.stash,
+        notes,
+        warnings,
+        world_size,
+        selection.scalars,
+        selection.common,
+        quantization,
+        plan_writes(files, world_size, write_granularity),
     )
 
 

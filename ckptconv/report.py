@@ -14,6 +14,7 @@ from .formats.dcp import DcpCheckpoint, is_dcp_dir, open_dcp
 from .formats.files import exists, is_directory
 from .formats.hf import StoredTensor, is_hf_dir, open_hf
 from .ui import human_bytes
+from .writes import bytes_per_rank
 
 if TYPE_CHECKING:
     from .mapping.rules import KeyMapping, Mapped, Target
@@ -203,12 +204,33 @@ def _quantized_line(tensors: list[dict[str, Any]]) -> str:
     )
 
 
+def file_writers(plan: HfSavePlan) -> dict[str, list[int]]:
+    """{file name: the ranks writing its bytes}."""
+    out: dict[str, set[int]] = {f.name: set() for f in plan.files}
+    for w in plan.writes:
+        out[w.file.name].add(w.rank)
+    return {name: sorted(ranks) for name, ranks in out.items()}
+
+
+def _ranks(ranks: list[int]) -> str:
+    """ "rank 3", "ranks 0-2, 5"."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
 def plan_summary(plan: HfSavePlan) -> dict[str, Any]:
+    writers = file_writers(plan)
     return {
         "files": [
             {
                 "name": f.name,
-                "rank": f.owner,
+                "ranks": writers[f.name],
                 "nbytes": f.nbytes,
                 "tensors": [
                     {
@@ -230,6 +252,7 @@ def plan_summary(plan: HfSavePlan) -> dict[str, Any]:
         "stash": plan.stashed,
         "quantization": plan.quantization,
         "world_size": plan.world_size,
+        "planned_bytes_written": bytes_per_rank(plan.writes, plan.world_size),
         "notes": list(plan.notes),
         "warnings": list(plan.warnings),
     }
@@ -241,8 +264,11 @@ def render_plan(plan: HfSavePlan, console: Console) -> None:
         f"{human_bytes(plan.total_size)}, {plan.world_size} rank(s)",
         markup=False,
     )
+    writers = file_writers(plan)
     for f in plan.files:
-        console.print(f"{f.name}  written by rank {f.owner}  {human_bytes(f.nbytes)}", markup=False)
+        console.print(
+            f"{f.name}  written by {_ranks(writers[f.name])}  {human_bytes(f.nbytes)}", markup=False
+        )
         rows = [["key", "op", "source", "dtype", "shape", "bytes"]]
         for t in f.tensors:
             src, dst = short_name(t.src.dtype), short_name(t.dtype)

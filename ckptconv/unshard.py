@@ -24,11 +24,13 @@ from . import blocks
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
 from .layout import Box, intersect
-from .plan import HfSavePlan, OutFile, OutTensor, SourcePart
+from .mapping.parts import src_rows
+from .plan import HfSavePlan, OutTensor, SourcePart
 from .specs import ChunkSpec, TensorSpec
 from .world import World, on_main
+from .writes import Write
 
-Item = tuple[OutFile, OutTensor, torch.Tensor]
+Item = tuple[Write, torch.Tensor]  # a write of the plan and its data (the tensor, or its rows)
 
 
 RowsFn = Callable[[TensorSpec, ChunkSpec, int, int], torch.Tensor]  # rows [r0, r1) of a stored chunk
@@ -53,30 +55,37 @@ def _slab(nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
-def assemble(t: OutTensor, rows: RowsFn, reader: DcpReader | None = None) -> torch.Tensor:
-    """The output tensor `t` in its dtype, from the stored chunks `rows` returns (and `reader`, if direct).
+def assemble(
+    t: OutTensor, rows: RowsFn, reader: DcpReader | None = None, window: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """The output tensor `t` in its dtype, from the stored chunks `rows` returns (and `reader`, if direct);
+    with `window` (lo, hi) only its rows [lo, hi) of its laid-out dim 0, laid out (a `writes.Write` slab).
 
     A part that is a whole stored tensor is filled chunk by chunk straight into place (`_fill_whole`); any
-    other part (a block of a stacked or fused tensor, a permuted one) reads only the rows of the chunks that
-    intersect its block, at most `SLAB_BYTES` at a time, each cast into its place in the output as it comes:
-    besides the output, this holds one slab of rows (never a source-dtype copy of the part).
+    other part (a block of a stacked or fused tensor, a permuted one, or any part of a slab) reads only the
+    rows of the chunks that intersect its block, at most `SLAB_BYTES` at a time, each cast into its place in
+    the output as it comes: besides the output, this holds one slab of rows (never a source-dtype copy).
     """
-    out = new_out(t)
-    view = laid_out(out, t)
+    out = new_out(t, window)
+    view = out if window else laid_out(out, t)
     for sp in t.parts:
-        if sp.whole and sp.spec.shape == t.shape and reader is not None:
+        if window is None and sp.whole and sp.spec.shape == t.shape and reader is not None:
             _fill_whole(reader, sp.spec, out)
             continue
-        for chunk, r0, r1 in _part_rows(sp):
+        for chunk, r0, r1 in _part_rows(sp, window):
             for lo, hi in row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
-                place(view, sp, rows_box(chunk, lo, hi), rows(sp.spec, chunk, lo, hi))
+                place(view, sp, rows_box(chunk, lo, hi), rows(sp.spec, chunk, lo, hi), window)
     return out
 
 
-def new_out(t: OutTensor) -> torch.Tensor:
+def new_out(t: OutTensor, window: tuple[int, int] | None = None) -> torch.Tensor:
     """The output tensor to fill: zeros where no part lands (padding), else uninitialised; a weight to be
-    quantized is assembled in its source dtype."""
-    return (torch.zeros if t.padded else torch.empty)(t.shape, dtype=t.work_dtype)
+    quantized is assembled in its source dtype. With `window`: its rows [lo, hi), laid out."""
+    make = torch.zeros if t.padded else torch.empty
+    if window is None:
+        return make(t.shape, dtype=t.work_dtype)
+    shape = t.layout or t.shape
+    return make((window[1] - window[0], *shape[1:]), dtype=t.work_dtype)
 
 
 def laid_out(out: torch.Tensor, t: OutTensor) -> torch.Tensor:
@@ -84,16 +93,31 @@ def laid_out(out: torch.Tensor, t: OutTensor) -> torch.Tensor:
     return out.view(t.layout) if t.layout else out
 
 
-def _part_rows(sp: SourcePart) -> list[tuple[ChunkSpec, int, int]]:
-    """The stored chunks of `sp`'s tensor that intersect its block, each with the rows [r0, r1) it needs."""
+def _part_rows(sp: SourcePart, window: tuple[int, int] | None = None) -> list[tuple[ChunkSpec, int, int]]:
+    """The stored chunks of `sp`'s tensor that intersect its block (the part of it that target rows `window`
+    need), each with the rows [r0, r1) it needs."""
+    box = needed_box(sp, window)
+    if box is None:
+        return []
     out = []
     for chunk in _unique_chunks(sp.spec):
-        inter = intersect((chunk.offsets, chunk.sizes), sp.part.src_box())
+        inter = intersect((chunk.offsets, chunk.sizes), box)
         if inter is None:
             continue
         r0 = inter[0][0] - chunk.offsets[0] if chunk.sizes else 0
         out.append((chunk, r0, r0 + inter[1][0] if chunk.sizes else 1))
     return out
+
+
+def needed_box(sp: SourcePart, window: tuple[int, int] | None) -> Box | None:
+    """The block of `sp`'s source that target rows `window` (None: all) need; None if they need none."""
+    offsets, sizes = sp.part.src_box()
+    if window is None or not sizes:
+        return offsets, sizes
+    need = src_rows(sp.part, *window)
+    if need is None:
+        return None
+    return (need[0], *offsets[1:]), (need[1] - need[0], *sizes[1:])
 
 
 def row_slabs(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int, limit: int) -> list[tuple[int, int]]:
@@ -111,10 +135,12 @@ def rows_box(chunk: ChunkSpec, r0: int, r1: int) -> Box:
     return (chunk.offsets[0] + r0, *chunk.offsets[1:]), (r1 - r0, *chunk.sizes[1:])
 
 
-def place(out: torch.Tensor, sp: SourcePart, box: Box, data: torch.Tensor) -> None:
+def place(
+    out: torch.Tensor, sp: SourcePart, box: Box, data: torch.Tensor, window: tuple[int, int] | None = None
+) -> None:
     """Cast what `data` (the block `box` of `sp`'s stored tensor) holds of `sp` into its place in `out` (the
-    output tensor as `laid_out` gives it); see `blocks.place`."""
-    blocks.place(out, sp.part, box, data)
+    output tensor as `laid_out` gives it, or with `window` its rows [lo, hi)); see `blocks.place`."""
+    blocks.place(out, sp.part, box, data, window[0] if window else None)
 
 
 def direct_rows(reader: DcpReader) -> RowsFn:
@@ -197,22 +223,15 @@ def _unique_chunks(spec: TensorSpec) -> list[ChunkSpec]:
     return list(seen.values())
 
 
-def needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec, int, int]]:
-    """The stored chunks `t` reads from (those intersecting one of its parts' blocks), each with the row
-    range [r0, r1) of the chunk those blocks need: a part that is one expert of a stacked tensor needs one
-    expert's rows of the chunk, not the chunk."""
+def needed_chunks(
+    t: OutTensor, window: tuple[int, int] | None = None
+) -> list[tuple[TensorSpec, ChunkSpec, int, int]]:
+    """The stored chunks `t` (its rows `window`) reads from (those intersecting one of its parts' blocks),
+    each with the row range [r0, r1) of the chunk those blocks need: a part that is one expert of a stacked
+    tensor needs one expert's rows of the chunk, not the chunk."""
     out: dict[tuple[str, tuple[int, ...]], tuple[TensorSpec, ChunkSpec, int, int]] = {}
     for sp in t.parts:
-        box = sp.part.src_box()
-        for chunk in _unique_chunks(sp.spec):
-            if not chunk.sizes:
-                out.setdefault((sp.spec.fqn, chunk.offsets), (sp.spec, chunk, 0, 1))
-                continue
-            inter = intersect((chunk.offsets, chunk.sizes), box)
-            if inter is None:
-                continue
-            r0 = inter[0][0] - chunk.offsets[0]
-            r1 = r0 + inter[1][0]
+        for chunk, r0, r1 in _part_rows(sp, window):
             key = (sp.spec.fqn, chunk.offsets)
             if key in out:
                 _, _, a, b = out[key]
@@ -221,25 +240,20 @@ def needed_chunks(t: OutTensor) -> list[tuple[TensorSpec, ChunkSpec, int, int]]:
     return list(out.values())
 
 
-def write_order(plan: HfSavePlan, rank: int) -> list[tuple[OutFile, OutTensor]]:
-    """This rank's tensors to assemble, file by file in layout order; a quantized weight's scale is written
-    with its weight, not assembled on its own."""
-    return [(f, t) for f in plan.files_of(rank) for t in f.tensors if t.op != "fp8_scale"]
-
-
 def direct_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_bytes: int) -> Iterator[Item]:
-    """This rank's output tensors in file order, read directly, up to `bucket_bytes` ahead in threads."""
-    pending: deque[tuple[OutFile, OutTensor, Future[torch.Tensor]]] = deque()
+    """This rank's writes (`plan.writes_of`) with their data, in file order, read directly, up to
+    `bucket_bytes` ahead in threads."""
+    pending: deque[tuple[Write, Future[torch.Tensor]]] = deque()
     in_flight = 0
     rows = direct_rows(reader)
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptconv-read") as pool:
-        for f, t in write_order(plan, world.rank):
-            while pending and in_flight + t.nbytes > bucket_bytes:
-                done_f, done_t, future = pending.popleft()
-                in_flight -= done_t.nbytes
-                yield done_f, done_t, future.result()
-            pending.append((f, t, pool.submit(assemble, t, rows, reader)))
-            in_flight += t.nbytes
+        for w in plan.writes_of(world.rank):
+            while pending and in_flight + w.nbytes > bucket_bytes:
+                done, future = pending.popleft()
+                in_flight -= done.nbytes
+                yield done, future.result()
+            pending.append((w, pool.submit(assemble, w.tensor, rows, reader, w.window)))
+            in_flight += w.nbytes
         while pending:
-            done_f, done_t, future = pending.popleft()
-            yield done_f, done_t, future.result()
+            done, future = pending.popleft()
+            yield done, future.result()

@@ -157,9 +157,11 @@ def test_gather_rounds_respect_the_budget() -> None:
     rounds = gather_rounds(plan, bucket_bytes=2048)
     for round_ in rounds:
         for _, bucket in round_:
-            assert sum(t.src.nbytes for _, t in bucket) <= 2048 or len(bucket) == 1
-    streamed = {r: [t.hf_key for round_ in rounds for w, b in round_ if w == r for _, t in b] for r in (0, 1)}
-    assert streamed == {r: [t.hf_key for f in plan.files_of(r) for t in f.tensors] for r in (0, 1)}
+            assert sum(w.src_nbytes for w in bucket) <= 2048 or len(bucket) == 1
+    streamed = {
+        r: [w.tensor.hf_key for round_ in rounds for k, b in round_ if k == r for w in b] for r in (0, 1)
+    }
+    assert streamed == {r: [w.tensor.hf_key for w in plan.writes_of(r)] for r in (0, 1)}
     assert [reader_rank(f"__{r}_0.distcp", 3) for r in range(5)] == [0, 1, 2, 0, 1]
 
 
@@ -250,10 +252,11 @@ def test_gather_moves_one_experts_rows_per_output_within_the_budget(tmp_path: Pa
         transfers = round_transfers(round_, 2)
         for writer in (0, 1):
             moved = [tr for tr in transfers if tr.writer == writer]
-            assert sum(tr.nbytes for tr in moved) <= budget or len({tr.tensor.hf_key for tr in moved}) == 1
+            keys = {tr.write.tensor.hf_key for tr in moved}
+            assert sum(tr.nbytes for tr in moved) <= budget or len(keys) == 1
         for tr in transfers:
             if tr.spec.fqn == "model.w1":
-                expert = int(tr.tensor.hf_key.split(".")[1])
+                expert = int(tr.write.tensor.hf_key.split(".")[1])
                 assert tr.shape == (1, 6, 4) and tr.chunk.offsets[0] + tr.r0 == expert
                 assert tr.reader == (0 if expert < 4 else 1)  # the rank that stored that expert
         assert round_transfers(round_, 2) == transfers  # pure: every rank computes the same

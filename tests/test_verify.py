@@ -178,11 +178,11 @@ def test_verify_flag_refuses_to_publish_a_wrong_output(
 
     real_write = SafetensorsWriter.write
 
-    def corrupting_write(self: SafetensorsWriter, key: str, tensor: torch.Tensor) -> None:
+    def corrupting_write(self: SafetensorsWriter, key: str, tensor: torch.Tensor, start: int = 0) -> None:
         if key == "layers.0.up.weight":
             tensor = tensor.clone()
             tensor.view(-1)[0] += 1
-        real_write(self, key, tensor)
+        real_write(self, key, tensor, start)
 
     monkeypatch.setattr(SafetensorsWriter, "write", corrupting_write)
     out = tmp_path / "out"

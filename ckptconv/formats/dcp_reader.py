@@ -53,6 +53,7 @@ class DcpReader:
         self._crcs: dict[tuple[str, int], int] = {}  # (file, data offset) -> CRC-32 of a whole zip entry
         self._pieces: list[RowPiece] = []  # parts of checkable chunks read in pieces, checked at the end
         self._lock = threading.Lock()
+        self.bytes_read = 0  # every byte read from the checkpoint's files, by every thread
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -84,6 +85,8 @@ class DcpReader:
     def pread(self, rel: str, offset: int, out: memoryview) -> None:
         """Fill `out` with the bytes of `rel` at `offset`, or raise naming the file and what is wrong."""
         pread_exact(self._fd(rel), self.ckpt.path / rel, offset, out)
+        with self._lock:
+            self.bytes_read += len(out)
 
     def read_bytes(self, rel: str, offset: int, length: int) -> bytes:
         buf = bytearray(length)

@@ -1,10 +1,13 @@
 """Tensor bytes in and out of safetensors files: a streaming writer and a row / block reader.
 
 The writer lays out a file exactly as `safetensors.torch.save` does (same header, same data order, same
-padding), but takes tensors one at a time, so no process ever holds a whole output file.
-Call order: `SafetensorsWriter(path, entries)` writes the header; `write(key, tensor)` once per entry, in any
-order (each lands at its offset: a quantized weight and its scale are written together, though safetensors
-lays the fp32 scales out before the fp8 weights); `close()` checks that every entry was written.
+padding), but takes tensors (or row slabs of them) one at a time, in any order, each `pwrite` at its offset:
+no process ever holds a whole output file, and several processes can write one file at once.
+Call order: `SafetensorsWriter(path, entries, header=...)` opens the file (creating it, never truncating it:
+other ranks may be writing it too) and, with `header=True` (one writer per file), writes the header;
+`write(key, tensor, start)` per range of an entry's bytes (a quantized weight and its scale are written
+together, though safetensors lays the fp32 scales out before the fp8 weights); `close()`. Every byte of the
+file is written by exactly one writer (`writes.plan_writes`), so the file is complete once all have closed.
 """
 
 from __future__ import annotations
@@ -60,36 +63,40 @@ def header_bytes(entries: Sequence[Entry], metadata: dict[str, str] | None = Non
 
 
 class SafetensorsWriter:
-    def __init__(self, path: Path, entries: Sequence[Entry]) -> None:
+    def __init__(self, path: Path, entries: Sequence[Entry], *, header: bool = True) -> None:
         self.path = path
+        self.bytes_written = 0
         self.entries = {e.key: e for e in entries}
-        header = header_bytes(list(entries))
+        head = header_bytes(list(entries))
         self._offsets = dict(
             zip(
                 self.entries,
-                itertools.accumulate((e.nbytes for e in entries), initial=len(header)),
+                itertools.accumulate((e.nbytes for e in entries), initial=len(head)),
                 strict=False,
             )
         )
-        self._left = set(self.entries)
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise self._error(e) from None
-        self._pwrite(memoryview(header), 0)
+        if header:
+            self._pwrite(memoryview(head), 0)
 
-    def write(self, key: str, tensor: torch.Tensor) -> None:
+    def write(self, key: str, tensor: torch.Tensor, start: int = 0) -> None:
+        """`tensor`'s bytes at byte `start` of entry `key` (the whole entry: its shape; a slab: its rows)."""
         entry = self.entries[key]
-        assert key in self._left and tensor.dtype == entry.dtype and tuple(tensor.shape) == entry.shape, key
-        if entry.nbytes:
-            self._pwrite(byte_view(tensor.contiguous()), self._offsets[key])
-        self._left.discard(key)
+        view = byte_view(tensor.contiguous())
+        whole = start == 0 and tuple(tensor.shape) == entry.shape
+        assert tensor.dtype == entry.dtype and (whole or start + len(view) <= entry.nbytes), key
+        if len(view):
+            self._pwrite(view, self._offsets[key] + start)
 
     def _pwrite(self, data: memoryview, offset: int) -> None:
         try:
             while data:
                 n = os.pwrite(self._fd, data, offset)
                 data, offset = data[n:], offset + n
+                self.bytes_written += n
         except OSError as e:
             raise self._error(e) from None
 
@@ -97,7 +104,6 @@ class SafetensorsWriter:
         return CkptconvError(f"{self.path}: cannot write ({e.strerror}); check free space and permissions")
 
     def close(self) -> None:
-        assert not self._left, f"{self.path}: {len(self._left)} tensors missing"
         try:
             os.close(self._fd)
         except OSError as e:

@@ -238,6 +238,7 @@ def hf_to_dcp_cmd(
                     "seconds": round(result.seconds, 3),
                     "verified": verify and result.written,
                     "written_files": sorted(p.name for p in out.iterdir()) if result.written else [],
+                    "ranks": [r.to_json() for r in result.ranks],
                     **summary,
                 }
             )

@@ -26,7 +26,7 @@ from .formats.dcp_reader import RowPiece
 from .formats.files import exists, is_directory, read_regular
 from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
 from .formats.hf_sharded import HF_METADATA_DIR
-from .hf_write import RankBytes, ReadPath, follow_config, write_shards
+from .hf_write import ReadPath, follow_config, write_shards
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .quant.config import dequantized_config
@@ -35,7 +35,7 @@ from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
 from .unshard import check_read_pieces
 from .world import World, everyone, on_main
-from .writes import GRANULARITIES, Granularity
+from .writes import GRANULARITIES, Granularity, RankBytes
 
 DEFAULT_BUCKET = 128 * 10**6
 
@@ -287,14 +287,20 @@ def hf_to_dcp(
     def output(staging: Path, hf: verify_mod.Side) -> verify_mod.Side:  # in the HF side's expert form
         return verify_mod.dcp_side("output", staging, prefix, mapping, model_config, allow_unmapped, like=hf)
 
+    mine = [RankBytes(world.rank, 0, 0)]
+
+    def write(staging: Path) -> None:
+        mine[0] = save_dcp(plan, staging, world, ui)
+
     outdir.atomically(
         world,
         target,
-        lambda staging: save_dcp(plan, staging, world, ui),
+        write,
         lambda staging: _finish_dcp(staging, plan, config_file if mapping else None),
         (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None,
         ui.warn,
     )
+    result.ranks = world.all_gather_object(mine[0])
     result.seconds = time.perf_counter() - start
     result.written = True
     return result
@@ -330,3 +336,4 @@ class DcpResult:
     plan: DcpSavePlan
     seconds: float = 0.0
     written: bool = False
+    ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote

@@ -15,9 +15,12 @@ from .formats.safetensors_io import RowReader
 from .plan import DcpOutTensor, DcpSavePlan
 from .ui import Ui
 from .world import World
+from .writes import RankBytes
 
 
-def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> None:
+def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> RankBytes:
+    """This rank's rows of every tensor into `staging` (collective); returns the bytes it read and the
+    bytes of the data files it wrote."""
     from .formats.dcp_writer import write_dcp  # torch.distributed.checkpoint: about 1 s to import
 
     state_dict, raw_items, scalars = _dcp_state_dict(plan, world)
@@ -35,6 +38,8 @@ def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> None:
             write_dcp(staging, state_dict, read_rows, raw_items, progress.advance)
         finally:
             reader.close()
+    written = sum(p.stat().st_size for p in staging.glob(f"__{world.rank}_*.distcp"))
+    return RankBytes(world.rank, reader.bytes_read, written)
 
 
 def _dcp_state_dict(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
@@ -23,7 +23,7 @@ from .quant.policy import scale_key
 from .ui import Ui
 from .unshard import Item, direct_rows, direct_tensors
 from .world import World
-from .writes import bytes_per_rank
+from .writes import RankBytes, bytes_per_rank
 
 ReadPath = Literal["direct", "gather"]
 
@@ -46,17 +46,6 @@ def write_shards(
             items = direct_tensors(plan, world, reader, bucket)
         written = write_files(plan, items, staging, world, ui)
         return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written)
-
-
-class RankBytes(NamedTuple):
-    """What one rank read from the source and wrote to the output (the `ranks` of the --json report)."""
-
-    rank: int
-    bytes_read: int
-    bytes_written: int
-
-    def to_json(self) -> dict[str, int]:
-        return self._asdict()
 
 
 def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: World, ui: Ui) -> int:

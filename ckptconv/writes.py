@@ -20,7 +20,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 if TYPE_CHECKING:
     from .plan import OutFile, OutTensor
@@ -83,6 +83,17 @@ class Write:
         return (
             self.tensor.src_nbytes if self.whole else -(-self.tensor.src_nbytes * (self.hi - self.lo) // rows)
         )
+
+
+class RankBytes(NamedTuple):
+    """What one rank read from the source and wrote to the output (the `ranks` of the --json report)."""
+
+    rank: int
+    bytes_read: int
+    bytes_written: int
+
+    def to_json(self) -> dict[str, int]:
+        return self._asdict()
 
 
 def plan_writes(files: Sequence[OutFile], world_size: int, granularity: Granularity) -> tuple[Write, ...]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import outcheck, outdir, sources
+from . import gcpause, outcheck, outdir, sources
 from . import verify as verify_mod
 from .compose import dequantized_note
 from .copies import check_copies
@@ -136,7 +136,9 @@ def dcp_to_hf(
         )
         return ckpt, plan, bucket, model_config, target, described
 
-    ckpt, plan, bucket, model_config, target, described = everyone(world, prepare)
+    with gcpause.paused():
+        ckpt, plan, bucket, model_config, target, described = everyone(world, prepare)
+    gcpause.settle()
     if described is not None and copy_from is None:
         ui.info(f"copying the model's files from {described} (--copy-from DIR takes them from elsewhere)")
     if ckpt.path != Path(src):
@@ -266,7 +268,9 @@ def hf_to_dcp(
             plan = megatron_out.with_extra_state(plan)
         return plan, model_config, target, hf
 
-    plan, model_config, target, hf = everyone(world, prepare)
+    with gcpause.paused():
+        plan, model_config, target, hf = everyone(world, prepare)
+    gcpause.settle()
     if plan.same and not dry_run:
         check_copies(world, hf, plan.same)
     for warning in plan.warnings:

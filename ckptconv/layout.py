@@ -37,9 +37,30 @@ def tiling_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
         sorted({0, n, *(o[d] for o, _ in unique), *(o[d] + s[d] for o, s in unique)})
         for d, n in enumerate(shape)
     ]
+    if _one_cell_each(cuts, unique):
+        return None
     if math.prod(len(c) - 1 for c in cuts) <= _MAX_GRID_CELLS:
         return _grid_overlap(cuts, unique)
     return _pairwise_overlap(unique)
+
+
+def _one_cell_each(cuts: list[list[int]], boxes: list[Box]) -> bool:
+    """True when every box is exactly one cell of the grid, each a different cell, and there are as many
+    boxes as cells: then they tile the tensor (how a DTensor's shards are laid out; checked in O(boxes)
+    instead of walking cells). False means "not shown", never "overlaps"."""
+    if math.prod(len(c) - 1 for c in cuts) != len(boxes):
+        return False
+    index = [{x: i for i, x in enumerate(c)} for c in cuts]
+    cells = set()
+    for offsets, sizes in boxes:
+        cell = []
+        for d, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
+            i = index[d].get(o)
+            if i is None or cuts[d][i + 1] != o + s:
+                return False
+            cell.append(i)
+        cells.add(tuple(cell))
+    return len(cells) == len(boxes)
 
 
 def _grid_overlap(cuts: list[list[int]], boxes: list[Box]) -> str | None:

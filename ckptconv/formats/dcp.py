@@ -18,6 +18,7 @@ from typing import Any
 
 from ..dtype_names import ITEMSIZE
 from ..errors import CkptconvError
+from ..gcpause import paused
 from ..layout import tiling_problem
 from ..specs import ChunkFormat, ChunkSpec, NonTensorItem, TensorSpec
 from . import safe_pickle as md
@@ -72,13 +73,15 @@ def open_dcp(path: Path) -> DcpCheckpoint:
         if is_sharded_dir(path):
             return open_sharded(path)
     data = read_regular(md_path, path)
-    metadata = load_dcp_metadata(data, str(md_path))
-    try:
-        ckpt = _specs_from_metadata(path, metadata)
-    except (AttributeError, TypeError, ValueError) as e:
-        raise CkptconvError(
-            f"{md_path}: malformed DCP metadata ({e}); re-save or re-copy the checkpoint"
-        ) from None
+    with paused():  # a million records, none of them garbage: see gcpause
+        metadata = load_dcp_metadata(data, str(md_path))
+        del data
+        try:
+            ckpt = _specs_from_metadata(path, metadata)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise CkptconvError(
+                f"{md_path}: malformed DCP metadata ({e}); re-save or re-copy the checkpoint"
+            ) from None
     if is_megatron(path):
         ckpt = dataclasses.replace(ckpt, kind="megatron", common=read_common(path))
     return ckpt
@@ -91,9 +94,9 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
         raise CkptconvError(f"{where}: has no storage index (not written by FileSystemWriter?)")
     locations: dict[tuple[str, tuple[int, ...] | None], Any] = {}
     for index, info in storage.items():
-        if not isinstance(index, md.MetadataIndex):
+        if type(index) is not md.MetadataIndex:
             raise CkptconvError(f"{where}: malformed storage index entry")
-        offset = None if index.offset is None else tuple(int(x) for x in index.offset)
+        offset = None if index.offset is None else _int_tuple(index.offset, str(index.fqn), where)
         locations[(index.fqn, offset)] = info
     file_sizes = _FileSizes(root)
     planner_paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -113,12 +116,17 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
         else:
             raise CkptconvError(f"{where}: key {fqn!r} has an unknown storage type")
     formats = _sniff_formats(root, tensors.values())
-    tensors = {
-        fqn: dataclasses.replace(
-            t, chunks=tuple(dataclasses.replace(c, fmt=formats[c.file]) for c in t.chunks)
-        )
-        for fqn, t in tensors.items()
-    }
+    other = {file for file, fmt in formats.items() if fmt != "torch_save"}
+    if other:  # chunks were made as torch_save records: re-make those of the files that are not
+        tensors = {
+            fqn: dataclasses.replace(
+                t,
+                chunks=tuple(
+                    dataclasses.replace(c, fmt=formats[c.file]) if c.file in other else c for c in t.chunks
+                ),
+            )
+            for fqn, t in tensors.items()
+        }
     return DcpCheckpoint(root, tensors, items, paths, file_sizes.stamps)
 
 
@@ -129,8 +137,11 @@ def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, 
     shape = _int_tuple(entry.size, fqn, where)
     chunks = []
     for chunk in entry.chunks:
-        offsets = _int_tuple(chunk.offsets, fqn, where)
-        sizes = _int_tuple(chunk.sizes, fqn, where)
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if not (type(offsets) is tuple and set(map(type, offsets)) <= _INT and min(offsets, default=0) >= 0):
+            offsets = _int_tuple(offsets, fqn, where)
+        if not (type(sizes) is tuple and set(map(type, sizes)) <= _INT and min(sizes, default=0) >= 0):
+            sizes = _int_tuple(sizes, fqn, where)
         file, start, length = _location(locations, fqn, offsets, file_sizes, where)
         needed = math.prod(sizes) * ITEMSIZE[dtype]
         if needed > length:  # so no shape in the metadata makes ckptconv allocate more than the files hold
@@ -145,12 +156,18 @@ def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, 
     return TensorSpec(fqn, dtype, shape, tuple(chunks))
 
 
+_INT = {int}
+
+
 def _int_tuple(value: Any, fqn: str, where: Path) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in value)
-    except (TypeError, ValueError):
-        raise CkptconvError(f"{where}: tensor {fqn!r} has a malformed size or offset") from None
-    if any(x < 0 for x in out):
+    if type(value) is tuple and set(map(type, value)) <= _INT:  # as a torch.Size loads: no copy
+        out: tuple[int, ...] = value
+    else:
+        try:
+            out = tuple(int(x) for x in value)
+        except (TypeError, ValueError):
+            raise CkptconvError(f"{where}: tensor {fqn!r} has a malformed size or offset") from None
+    if out and min(out) < 0:
         raise CkptconvError(f"{where}: tensor {fqn!r} has a negative size or offset")
     return out
 
@@ -172,9 +189,13 @@ def _location(
             f"{where}: {fqn!r} is stored with transforms {info.transform_descriptors} "
             "(compression or another DCP extension), which ckptconv does not read yet"
         )
-    pure = PurePosixPath(rel)
-    if pure.is_absolute() or ".." in pure.parts or not pure.parts or "\0" in rel:
-        raise CkptconvError(f"{where}: {fqn!r} points outside the checkpoint ({rel!r}); refusing to read it")
+    if rel not in file_sizes.checked:  # each file's name is checked once, not once per chunk
+        pure = PurePosixPath(rel)
+        if pure.is_absolute() or ".." in pure.parts or not pure.parts or "\0" in rel:
+            raise CkptconvError(
+                f"{where}: {fqn!r} points outside the checkpoint ({rel!r}); refusing to read it"
+            )
+        file_sizes.checked.add(rel)
     size = file_sizes.size(rel)
     if size is None:
         raise CkptconvError(f"{where.parent / rel}: missing; the checkpoint is incomplete (re-copy it)")
@@ -193,6 +214,7 @@ class _FileSizes:
         self.root = root
         self._sizes: dict[str, int | None] = {}
         self.stamps: dict[str, Stamp] = {}
+        self.checked: set[str] = set()  # names `_location` found to stay inside the checkpoint
 
     def size(self, rel: str) -> int | None:
         """The size of `rel`, None when it is missing; anything else wrong with it is a CkptconvError."""

@@ -1,0 +1,242 @@
+"""Planning at scale, measured without the data: a synthetic DCP checkpoint with a real torch `.metadata`.
+
+usage: python scripts/bench_plan.py [--scales 0.1,0.3,1] [--workdir DIR] [--ranks 512] [--keep]
+
+For each scale it writes WORKDIR/plan-SCALE: the `.metadata` torch's own `FileSystemWriter` would write for
+`{"model": ..., "optimizer": ...}` of a Llama-70B-shaped model (hidden 8192, FFN 28672, 64 heads / 8 KV
+heads, vocab 128256, round(80 * SCALE) layers) saved in fp32 by RANKS ranks as FSDP 64 x TP 8 (colwise
+weights `Shard(0)` then FSDP's strided `Shard(0)`; rowwise `Shard(1)` then FSDP `Shard(0)`; norms FSDP only,
+deduplicated over TP), with Adam's `exp_avg` / `exp_avg_sq` beside every parameter and 4 files per rank.
+The data files are sparse (`truncate`; only each file's first bytes, a zip record's magic, are written), so
+the checkpoint's size on disk is the metadata's: planning reads no tensor data.
+
+Then it times, each in a fresh process (wall seconds and the kernel's peak RSS, `wait4`):
+
+  torch unpickle     `pickle.load` of `.metadata` with torch imported: what `dcp.load` pays on every rank
+  ckptconv dry-run   `python -m ckptconv dcp-to-hf SRC OUT --dry-run --quiet --json`: the whole plan, 1 rank
+  ckptconv inspect   `python -m ckptconv inspect SRC --json`
+
+and, in one more process, the plan at RANKS ranks under each `--write-granularity`: how many ranks write,
+and the least and most bytes a rank writes (the README's table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 8192, 28672, 64, 8, 128256
+HEAD_DIM = HIDDEN // HEADS
+FSDP, TP = 64, 8
+FILES_PER_RANK = 4
+
+
+def _layout(layers: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(fqn, global shape, sharding): "col" (TP dim 0), "row" (TP dim 1), "fsdp" (FSDP only)."""
+    kv = KV_HEADS * HEAD_DIM
+    out = [("tok_embeddings.weight", (VOCAB, HIDDEN), "col")]
+    for i in range(layers):
+        p = f"layers.{i}."
+        out += [
+            (p + "attention.wq.weight", (HIDDEN, HIDDEN), "col"),
+            (p + "attention.wk.weight", (kv, HIDDEN), "col"),
+            (p + "attention.wv.weight", (kv, HIDDEN), "col"),
+            (p + "attention.wo.weight", (HIDDEN, HIDDEN), "row"),
+            (p + "feed_forward.w1.weight", (FFN, HIDDEN), "col"),
+            (p + "feed_forward.w3.weight", (FFN, HIDDEN), "col"),
+            (p + "feed_forward.w2.weight", (HIDDEN, FFN), "row"),
+            (p + "attention_norm.weight", (HIDDEN,), "fsdp"),
+            (p + "ffn_norm.weight", (HIDDEN,), "fsdp"),
+        ]
+    out += [("norm.weight", (HIDDEN,), "fsdp"), ("output.weight", (VOCAB, HIDDEN), "col")]
+    return out
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """torch.chunk's split of n into `parts` (offset, size), empty parts dropped."""
+    step = -(-n // parts)
+    return [(o, min(step, n - o)) for o in range(0, n, step)]
+
+
+def _chunks(shape: tuple[int, ...], how: str) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """(saving rank, offsets, sizes) of every chunk stored."""
+    out = []
+    if how == "fsdp":
+        for f, (o, s) in enumerate(_split(shape[0], FSDP)):
+            out.append((f * TP, (o,), (s,)))
+        return out
+    for t, (to, ts) in enumerate(_split(shape[0 if how == "col" else 1], TP)):
+        inner = _split(ts if how == "col" else shape[0], FSDP)
+        for f, (fo, fs) in enumerate(inner):
+            rank = f * TP + t
+            if how == "col":
+                out.append((rank, (to + fo, 0), (fs, shape[1])))
+            else:
+                out.append((rank, (fo, to), (fs, ts)))
+    return out
+
+
+def make(root: Path, scale: float, ranks: int) -> dict:
+    """Write the synthetic checkpoint under `root` (once); returns its description."""
+    done = root / "made.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    assert ranks == FSDP * TP, "the layout is FSDP 64 x TP 8"
+    root.mkdir(parents=True, exist_ok=True)
+    layers = max(1, round(80 * scale))
+    props = TensorProperties(dtype=torch.float32)
+    state: dict = {}
+    storage: dict = {}
+    planner: dict = {}
+    sizes = [[0] * FILES_PER_RANK for _ in range(ranks)]
+    count = [0] * ranks
+    chunks_total = 0
+    for name, shape, how in _layout(layers):
+        for fqn, path in (
+            (f"model.{name}", ("model", name)),
+            (f"optimizer.state.{name}.exp_avg", ("optimizer", "state", name, "exp_avg")),
+            (f"optimizer.state.{name}.exp_avg_sq", ("optimizer", "state", name, "exp_avg_sq")),
+        ):
+            chunks = []
+            for rank, offsets, csize in _chunks(shape, how):
+                chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(csize)))
+                nbytes = 4
+                for s in csize:
+                    nbytes *= s
+                k = count[rank] % FILES_PER_RANK
+                count[rank] += 1
+                index = MetadataIndex(fqn, torch.Size(offsets), len(chunks) - 1)
+                storage[index] = _StorageInfo(f"__{rank}_{k}.distcp", sizes[rank][k], nbytes)
+                sizes[rank][k] += nbytes
+            state[fqn] = TensorStorageMetadata(props, torch.Size(shape), chunks)
+            planner[fqn] = path
+            chunks_total += len(chunks)
+    metadata = Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage)
+    with open(root / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    total = 0
+    for rank in range(ranks):
+        for k in range(FILES_PER_RANK):
+            with open(root / f"__{rank}_{k}.distcp", "wb") as f:
+                f.truncate(sizes[rank][k])
+                f.write(b"PK\x03\x04")  # where a torch.save record starts (what the reader sniffs)
+            total += sizes[rank][k]
+    info = {
+        "scale": scale,
+        "layers": layers,
+        "ranks": ranks,
+        "files": ranks * FILES_PER_RANK,
+        "tensors": len(state),
+        "chunks": chunks_total,
+        "bytes": total,
+        "metadata_bytes": (root / ".metadata").stat().st_size,
+    }
+    done.write_text(json.dumps(info))
+    return info
+
+
+def _measure(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+    """Wall seconds and peak RSS (GiB) of `cmd` as a fresh process: a wrapper interpreter runs it and reports
+    RUSAGE_CHILDREN's ru_maxrss, which then holds that one child's kernel high-water mark."""
+    wrapper = (
+        "import resource,subprocess,sys,time,json;t=time.perf_counter();"
+        "p=subprocess.run(sys.argv[1:],stdout=subprocess.PIPE,stderr=subprocess.PIPE);"
+        "w=time.perf_counter()-t;"
+        "sys.stderr.buffer.write(p.stderr);sys.stdout.buffer.write(p.stdout);"
+        "print(json.dumps({'s':w,'rss':resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,'rc':p.returncode}),"
+        "file=sys.stderr)"
+    )
+    proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, env=env)
+    stats = json.loads(proc.stderr.decode().strip().splitlines()[-1])
+    if stats["rc"] != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({stats['rc']}):\n{proc.stderr.decode()[-2000:]}")
+    peak = round(stats["rss"] / 2**20, 3)
+    return {"seconds": round(stats["s"], 2), "peak_gib": peak, "stdout": proc.stdout}
+
+
+BALANCE = """
+import json, sys
+from pathlib import Path
+from ckptconv.dtypes import DtypePolicy, parse_dtype_flag
+from ckptconv.formats.dcp import open_dcp
+from ckptconv.plan import plan_dcp_to_hf
+from ckptconv.writes import bytes_per_rank
+ckpt, ranks, out = open_dcp(Path(sys.argv[1])), int(sys.argv[2]), {}
+for granularity in ("tensor", "file"):
+    plan = plan_dcp_to_hf(ckpt, DtypePolicy(parse_dtype_flag("bf16")), max_shard_size=5 * 10**9,
+                          world_size=ranks, write_granularity=granularity)
+    loads = bytes_per_rank(plan.writes, ranks)
+    out[granularity] = {"busy": sum(1 for n in loads if n), "min": min(loads), "max": max(loads),
+                        "files": len(plan.files)}
+print(json.dumps(out))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--scales", default="0.1,0.3,1")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckptconv-bench-plan"))
+    parser.add_argument("--ranks", type=int, default=FSDP * TP)
+    parser.add_argument("--skip-torch", action="store_true", help="leave out torch's own unpickling")
+    args = parser.parse_args()
+    py = sys.executable
+    results = []
+    for scale in [float(s) for s in args.scales.split(",")]:
+        root = args.workdir / f"plan-{scale:g}"
+        t = time.perf_counter()
+        info = make(root, scale, args.ranks)
+        made = time.perf_counter() - t
+        print(
+            f"scale {scale:g}: {info['layers']} layers, {info['tensors']} tensors, "
+            f"{info['chunks']:,} chunks, "
+            f"{info['files']} files, {info['bytes'] / 1e12:.2f} TB, "
+            f".metadata {info['metadata_bytes'] / 1e6:.0f} MB (made in {made:.0f}s)",
+            flush=True,
+        )
+        rows = {}
+        if not args.skip_torch:
+            load = "import pickle,sys,torch.distributed.checkpoint;pickle.load(open(sys.argv[1],'rb'))"
+            rows["torch unpickle"] = _measure([py, "-c", load, str(root / ".metadata")])
+        out = args.workdir / "out"
+        dry = [py, "-m", "ckptconv", "dcp-to-hf", str(root), str(out), "--dry-run", "--quiet", "--json"]
+        rows["ckptconv dry-run"] = _measure(dry)
+        rows["ckptconv inspect"] = _measure([py, "-m", "ckptconv", "inspect", str(root), "--json"])
+        balance = json.loads(_measure([py, "-c", BALANCE, str(root), str(args.ranks)])["stdout"])
+        for name, row in rows.items():
+            print(f"  {name:28s} {row['seconds']:8.2f} s  {row['peak_gib']:7.3f} GiB", flush=True)
+        for granularity, b in balance.items():
+            print(
+                f"  --write-granularity {granularity:6s} at {args.ranks} ranks: {b['busy']} busy, "
+                f"{b['min'] / 1e9:.2f}-{b['max'] / 1e9:.2f} GB per rank, {b['files']} files",
+                flush=True,
+            )
+        results.append(
+            {
+                **info,
+                "rows": {k: {"seconds": v["seconds"], "peak_gib": v["peak_gib"]} for k, v in rows.items()},
+                "balance": balance,
+            }
+        )
+    (args.workdir / "bench_plan.json").write_text(json.dumps(results, indent=1))
+    print(f"results: {args.workdir / 'bench_plan.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -149,6 +149,7 @@ def dcp_to_hf(
         ui.warn(warning)
     result = Result(out, plan)
     if target is None:
+        result.seconds = time.perf_counter() - start
         return result
     if target.note:
         ui.info(target.note)
@@ -280,6 +281,7 @@ def hf_to_dcp(
         ui.info(note)
     result = DcpResult(out, path, plan)
     if target is None:
+        result.seconds = time.perf_counter() - start
         return result
     if target.note:
         ui.info(target.note)

@@ -13,6 +13,7 @@ from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, is_dcp_dir, open_dcp
 from .formats.files import exists, is_directory
 from .formats.hf import StoredTensor, is_hf_dir, open_hf
+from .gcpause import paused
 from .ui import human_bytes
 from .writes import bytes_per_rank
 
@@ -23,6 +24,11 @@ if TYPE_CHECKING:
 
 def inspect(path: Path) -> dict[str, Any]:
     """A JSON-able description of the checkpoint at `path` (DCP dir, HF dir or .safetensors file)."""
+    with paused():  # a record per chunk, none of them garbage (gcpause)
+        return _inspect(path)
+
+
+def _inspect(path: Path) -> dict[str, Any]:
     if not exists(path):
         raise CkptconvError(f"{path}: no such file or directory")
     if is_dcp_dir(path):

@@ -98,6 +98,7 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
             raise CkptconvError(f"{where}: malformed storage index entry")
         offset = None if index.offset is None else _int_tuple(index.offset, str(index.fqn), where)
         locations[(index.fqn, offset)] = info
+    metadata.storage_data = storage = None  # its index records go now: a million chunks' worth of memory
     file_sizes = _FileSizes(root)
     planner_paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     tensors: dict[str, TensorSpec] = {}
@@ -113,6 +114,7 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
             items[fqn] = NonTensorItem(fqn, paths[fqn], file, start, length)
         elif isinstance(entry, md.TensorStorageMetadata):
             tensors[fqn] = _tensor_spec(fqn, entry, locations, file_sizes, where)
+            entry.chunks = []  # its records go as the specs grow: the peak holds one of the two
         else:
             raise CkptconvError(f"{where}: key {fqn!r} has an unknown storage type")
     formats = _sniff_formats(root, tensors.values())

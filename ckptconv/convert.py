@@ -138,7 +138,6 @@ def dcp_to_hf(
 
     with gcpause.paused():
         ckpt, plan, bucket, model_config, target, described = everyone(world, prepare)
-    gcpause.settle()
     if described is not None and copy_from is None:
         ui.info(f"copying the model's files from {described} (--copy-from DIR takes them from elsewhere)")
     if ckpt.path != Path(src):
@@ -185,7 +184,8 @@ def dcp_to_hf(
             result.config_edits = follow_config(staging / CONFIG_FILE, plan, parse_dtype_flag(dtype))
         return copied
 
-    result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
+    with gcpause.paused():  # the plan's records are not walked again and again while the bytes move
+        result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
     result.ranks = world.all_gather_object(mine[0])
     result.seconds = time.perf_counter() - start
     result.written = True
@@ -271,7 +271,6 @@ def hf_to_dcp(
 
     with gcpause.paused():
         plan, model_config, target, hf = everyone(world, prepare)
-    gcpause.settle()
     if plan.same and not dry_run:
         check_copies(world, hf, plan.same)
     for warning in plan.warnings:
@@ -298,14 +297,15 @@ def hf_to_dcp(
     def write(staging: Path) -> None:
         mine[0] = save_dcp(plan, staging, world, ui)
 
-    outdir.atomically(
-        world,
-        target,
-        write,
-        lambda staging: _finish_dcp(staging, plan, config_file if mapping else None),
-        (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None,
-        ui.warn,
-    )
+    with gcpause.paused():
+        outdir.atomically(
+            world,
+            target,
+            write,
+            lambda staging: _finish_dcp(staging, plan, config_file if mapping else None),
+            (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None,
+            ui.warn,
+        )
     result.ranks = world.all_gather_object(mine[0])
     result.seconds = time.perf_counter() - start
     result.written = True

@@ -97,18 +97,17 @@ def _wait_for_work(parent: Path, proc: subprocess.Popen[str], seconds: float = 1
 @pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_sigterm_and_sighup_unwind_like_ctrl_c(slow_ckpt: Path, tmp_path: Path, sig: int, code: int) -> None:
-    for attempt in range(3):  # on a loaded machine the run may finish before the signal is sent: again
-        parent = tmp_path / f"outs{attempt}"
-        parent.mkdir()
-        out = parent / "out"
-        args = ["dcp-to-hf", str(slow_ckpt), str(out), "--bucket-size", "8MB"]
-        proc = start([sys.executable, "-m", "ckptconv", *args])
-        _wait_for_work(parent, proc)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-        if proc.returncode == 0 and (out / "model.safetensors").exists():
-            continue  # it was done first: a complete OUT, as an uninterrupted run leaves it
-        break
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    out = parent / "out"
+    args = ["dcp-to-hf", str(slow_ckpt), str(out), "--bucket-size", "8MB"]
+    # the signal's default action, as a terminal or a scheduler starts a job, even when this test runs under
+    # nohup (whose ignored SIGHUP ckptconv keeps ignored, by design)
+    restore = lambda: signal.signal(sig, signal.SIG_DFL)  # noqa: E731
+    proc = start([sys.executable, "-m", "ckptconv", *args], preexec_fn=restore)
+    _wait_for_work(parent, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     assert [x for x in err.splitlines() if x.startswith("ckptconv:")] == ["ckptconv: interrupted"], err
     assert list(parent.iterdir()) == []  # staging (and any lock) removed, OUT never created

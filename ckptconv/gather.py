@@ -136,7 +136,7 @@ def gather_tensors(plan: HfSavePlan, world: World, source: RowsFn, bucket_bytes:
         for step in split_round(round_transfers(round_, world.size), bucket_bytes):
             for tr, data in _exchange(step, world, source):
                 w = tr.write
-                view = outs[id(w)] if w.window else laid_out(outs[id(w)], w.tensor)
+                view = laid_out(outs[id(w)], w.tensor, w.window)
                 for sp in w.tensor.parts:
                     if sp.spec.fqn == tr.spec.fqn:
                         place(view, sp, rows_box(tr.chunk, tr.r0, tr.r1), data, w.window)

@@ -53,7 +53,6 @@ def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: W
     their data, in order, as unshard yields them), each in place; returns the bytes written."""
     mine = plan.writes_of(world.rank)
     files = len({w.file.name for w in mine})
-    headed = {w.file.name for w in mine if w.header}
     nbytes = bytes_per_rank(plan.writes, plan.world_size)[world.rank]
     written = done = 0
     with ui.bytes_progress(f"writing {files} of {len(plan.files)} files", nbytes) as progress:
@@ -65,7 +64,8 @@ def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: W
                         writer.close()
                         written += writer.bytes_written
                     entries = [Entry(x.hf_key, x.dtype, x.shape) for x in w.file.tensors]
-                    writer = SafetensorsWriter(staging / w.file.name, entries, header=w.file.name in headed)
+                    # a rank's writes to a file are one run, so the write with the header opens it
+                    writer = SafetensorsWriter(staging / w.file.name, entries, header=w.header)
                 if w.tensor.quant:
                     progress.advance(_write_quantized(writer, w.tensor, tensor))
                 else:

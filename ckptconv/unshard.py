@@ -67,7 +67,7 @@ def assemble(
     the output as it comes: besides the output, this holds one slab of rows (never a source-dtype copy).
     """
     out = new_out(t, window)
-    view = out if window else laid_out(out, t)
+    view = laid_out(out, t, window)
     for sp in t.parts:
         if window is None and sp.whole and sp.spec.shape == t.shape and reader is not None:
             _fill_whole(reader, sp.spec, out)
@@ -88,9 +88,10 @@ def new_out(t: OutTensor, window: tuple[int, int] | None = None) -> torch.Tensor
     return make((window[1] - window[0], *shape[1:]), dtype=t.work_dtype)
 
 
-def laid_out(out: torch.Tensor, t: OutTensor) -> torch.Tensor:
-    """`out` in the shape its parts address (a reshaped tensor's other shape; same storage)."""
-    return out.view(t.layout) if t.layout else out
+def laid_out(out: torch.Tensor, t: OutTensor, window: tuple[int, int] | None = None) -> torch.Tensor:
+    """`out` in the shape its parts address (a reshaped tensor's other shape; same storage); a slab
+    (`window`) is made in that shape already."""
+    return out.view(t.layout) if t.layout and window is None else out
 
 
 def _part_rows(sp: SourcePart, window: tuple[int, int] | None = None) -> list[tuple[ChunkSpec, int, int]]:

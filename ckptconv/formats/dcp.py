@@ -139,11 +139,8 @@ def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, 
     shape = _int_tuple(entry.size, fqn, where)
     chunks = []
     for chunk in entry.chunks:
-        offsets, sizes = chunk.offsets, chunk.sizes
-        if not (type(offsets) is tuple and set(map(type, offsets)) <= _INT and min(offsets, default=0) >= 0):
-            offsets = _int_tuple(offsets, fqn, where)
-        if not (type(sizes) is tuple and set(map(type, sizes)) <= _INT and min(sizes, default=0) >= 0):
-            sizes = _int_tuple(sizes, fqn, where)
+        offsets = _int_tuple(chunk.offsets, fqn, where)
+        sizes = _int_tuple(chunk.sizes, fqn, where)
         file, start, length = _location(locations, fqn, offsets, file_sizes, where)
         needed = math.prod(sizes) * ITEMSIZE[dtype]
         if needed > length:  # so no shape in the metadata makes ckptconv allocate more than the files hold

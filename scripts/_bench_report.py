@@ -1,0 +1,229 @@
+"""scripts/bench.py's results: per method and size (`Result`, `SizeReport`), rendered as the text and markdown
+tables and the headline ratios printed and written to bench.md."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _bench_methods import BY_KEY, DIRECTIONS, GIB, NPROC, REFERENCE, Method
+from _bench_run import Sample
+
+
+def size_label(size_gb: float) -> str:
+    return f"{size_gb:g}GB"
+
+
+def case_label(size_gb: float, shape: str) -> str:
+    return f"{size_label(size_gb)} {shape}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class Result:
+    size_gb: float
+    shape: str
+    method: str
+    samples: list[Sample] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.samples)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(s.seconds for s in self.samples)
+
+    @property
+    def rss_rank(self) -> int:
+        return max(s.rss_rank for s in self.samples)
+
+    @property
+    def rss_sum(self) -> int:
+        return max(s.rss_sum for s in self.samples)
+
+
+@dataclass
+class SizeReport:
+    size_gb: float
+    ckpt: Path
+    ckpt_bytes: int
+    shape: dict[str, Any]
+    results: dict[str, Result]
+    direction: str = "dcp-to-hf"
+    kind: str = "dense"  # the --shapes entry
+    largest: int = 0  # bytes of the largest stored tensor (the memory direction)
+
+    @property
+    def label(self) -> str:
+        return case_label(self.size_gb, self.kind)
+
+    @property
+    def methods(self) -> tuple[Method, ...]:
+        return DIRECTIONS[self.direction]
+
+    def seconds(self, key: str) -> float | None:
+        r = self.results.get(key)
+        return r.seconds if r is not None and r.ok else None
+
+    def vs_ckptconv(self, key: str) -> float | None:
+        """This method's median time over ckptconv 1 rank's (>1: slower than ckptconv)."""
+        t, ref = self.seconds(key), self.seconds(REFERENCE[self.direction][0])
+        return t / ref if t is not None and ref else None
+
+    def beyond_startup_over_cp(self, key: str) -> float | None:
+        """(time - start-up time) / cp -r time, for the conversions."""
+        m = BY_KEY[key]
+        t, start, cp = (
+            self.seconds(key),
+            self.seconds(m.startup_key),
+            self.seconds(REFERENCE[self.direction][1]),
+        )
+        if m.kind != "convert" or t is None or start is None or not cp:
+            return None
+        return (t - start) / cp
+
+
+COLUMNS = (
+    ("size", "<"),
+    ("method", "<"),
+    ("ranks", ">"),
+    ("median s", ">"),
+    ("GB/s", ">"),
+    ("RSS/rank GiB", ">"),
+    ("RSS sum GiB", ">"),
+    ("vs ckptconv 1r", ">"),
+    ("beyond start-up / cp", ">"),
+)
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
+    rows = []
+    for rep in reports:
+        for m in rep.methods:
+            r = rep.results[m.key]
+            head = [rep.label, m.label, str(m.ranks)]
+            if not r.ok:
+                rows.append([*head, "FAILED", *["-"] * (len(COLUMNS) - len(head) - 1)])
+                continue
+            gbps = rep.ckpt_bytes / 1e9 / r.seconds if m.kind != "startup" else None
+            rows.append(
+                [
+                    *head,
+                    f"{r.seconds:.2f}",
+                    _fmt(gbps, ".2f"),
+                    f"{r.rss_rank / GIB:.2f}",
+                    f"{r.rss_sum / GIB:.2f}",
+                    _fmt(rep.vs_ckptconv(m.key), ".2f", "x"),
+                    _fmt(rep.beyond_startup_over_cp(m.key), ".2f"),
+                ]
+            )
+    return rows
+
+
+def render_text(rows: list[list[str]], columns: Sequence[tuple[str, str]] = COLUMNS) -> str:
+    names = [c for c, _ in columns]
+    widths = [max(len(r[i]) for r in [names, *rows]) for i in range(len(names))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(f"{c:{a}{w}}" for c, (_, a), w in zip(cells, columns, widths, strict=True)).rstrip()
+
+    out = [line(names), "  ".join("-" * w for w in widths)]
+    prev = rows[0][0] if rows else ""
+    for r in rows:
+        if r[0] != prev:
+            out.append("")
+            prev = r[0]
+        out.append(line(r))
+    return "\n".join(out)
+
+
+def render_markdown(rows: list[list[str]], columns: Sequence[tuple[str, str]] = COLUMNS) -> str:
+    names = [c for c, _ in columns]
+    sep = ["---" if a == "<" else "---:" for _, a in columns]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [names, sep, *rows])
+
+
+def _faster(ref: float | None, other: float | None) -> str:
+    if ref is None or other is None:
+        return "n/a (a run failed)"
+    ratio = other / ref
+    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+
+
+def headlines(reports: Sequence[SizeReport]) -> list[str]:
+    """The summary lines of one direction's reports (one report per size, in --sizes order)."""
+    lines = []
+    for rep in reports:
+        size = rep.label
+        if rep.direction == "hf-to-dcp":
+            t1, t2 = rep.seconds("h_ckptconv_1"), rep.seconds("h_ckptconv_2")
+            base = rep.seconds("h_load_save")
+            lines.append(f"hf-to-dcp @{size}: ckptconv 1 rank is {_faster(t1, base)} than load_file+dcp.save")
+            lines.append(
+                f"hf-to-dcp @{size}: ckptconv {NPROC} ranks is {_faster(t2, base)} than load_file+dcp.save"
+            )
+            keys: tuple[str, ...] = ("h_ckptconv_1", "h_ckptconv_2")
+        else:
+            t1, t2 = rep.seconds("ckptconv_1"), rep.seconds("ckptconv_2_direct")
+            fu, dl = rep.seconds("format_utils"), rep.seconds("dcp_load")
+            lines.append(
+                f"dcp-to-hf @{size}: ckptconv 1 rank is {_faster(t1, fu)} than format_utils+save_file, "
+                f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict"
+            )
+            lines.append(
+                f"dcp-to-hf @{size}: ckptconv {NPROC} ranks (direct) is {_faster(t2, fu)} than "
+                f"format_utils+save_file, {_faster(t2, dl)} than dcp.load+save_torch_state_dict"
+            )
+            q, qb = rep.seconds("ckptconv_fp8"), rep.seconds("dcp_load_fp8")
+            lines.append(f"dcp-to-hf @{size}: --quantize fp8 is {_faster(q, qb)} than dcp.load+quantize+save")
+            keys = ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")
+        parts = [f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}" for k in keys]
+        lines.append(f"{rep.direction} @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
+    for kind in dict.fromkeys(r.kind for r in reports):
+        same = [r for r in reports if r.kind == kind]
+        if len(same) < 2:
+            continue
+        first, last = same[0], same[-1]
+        for key in RSS_KEYS[first.direction]:
+            a, b = first.results[key], last.results[key]
+            if a.ok and b.ok:
+                lines.append(
+                    f"{first.direction} {kind} peak RSS per rank {size_label(first.size_gb)} vs "
+                    f"{size_label(last.size_gb)} "
+                    f"({BY_KEY[key].label}): {a.rss_rank / GIB:.2f} GiB vs {b.rss_rank / GIB:.2f} GiB"
+                )
+    return lines
+
+
+RSS_KEYS = {
+    "dcp-to-hf": ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather", "ckptconv_fp8"),
+    "hf-to-dcp": ("h_ckptconv_1", "h_ckptconv_2"),
+    "memory": (),
+}
+SECTION_TITLES = {
+    "dcp-to-hf": f"dcp-to-hf: fp32 DCP (FSDP2, {NPROC} ranks) -> bf16 safetensors",
+    "hf-to-dcp": "hf-to-dcp: fp32 safetensors (ckptconv dcp-to-hf --dtype keep --max-shard-size 2GB) -> DCP",
+    "memory": "memory: verify, --verify and --read gather against the largest tensor and the bucket",
+}
+
+
+NOTES = (
+    "Warm page cache: each checkpoint was just written and is read again and again, so this measures the\n"
+    "converters, not the disk. Median wall time of the runs; RSS is the peak over the runs, sampled every\n"
+    "20 ms. GB/s = input checkpoint bytes (1e9) / median seconds. 'vs ckptconv 1r' = median / ckptconv\n"
+    "1 rank's median in the same direction and size (>1 is slower). 'beyond start-up / cp' = (median -\n"
+    "start-up median) / cp -r median, the start-up being `import torch` for one process and `torchrun\n"
+    "import torch` for two ranks."
+)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from itertools import chain, pairwise
+from operator import add, itemgetter, sub
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -15,52 +17,63 @@ def tiling_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     """Why `boxes` do not cover `shape` exactly once (a hole, an overlap, out of bounds), or None if they do.
 
     Exact duplicates (the same block stored twice) are allowed: they hold the same data by construction.
-    Works on the grid of all block boundaries, so its cost is the number of grid cells, not pairs of blocks.
+    Works on the grid of all block boundaries, so its cost is the number of grid cells, not pairs of blocks;
+    the checks of the usual case (every block one cell of that grid) are passes in C over each dimension.
     """
     shape = tuple(shape)
-    unique = [b for b in dict.fromkeys((tuple(o), tuple(s)) for o, s in boxes) if math.prod(b[1]) > 0]
-    for offsets, sizes in unique:
-        if len(offsets) != len(shape) or len(sizes) != len(shape):
-            return f"a chunk has rank {len(sizes)} but the tensor has rank {len(shape)}"
-        for o, s, n in zip(offsets, sizes, shape, strict=True):
-            if o < 0 or s < 0 or o + s > n:
-                return f"chunk at {list(offsets)} of size {list(sizes)} lies outside shape {list(shape)}"
+    unique = list(dict.fromkeys(boxes if _all_tuples(boxes) else ((tuple(o), tuple(s)) for o, s in boxes)))
+    numels = list(map(math.prod, map(_SIZES, unique)))
+    if 0 in numels:
+        unique = [b for b, n in zip(unique, numels, strict=True) if n]
+        numels = list(filter(None, numels))
+    rank = len(shape)
+    if (set(map(len, map(_OFFSETS, unique))) | set(map(len, map(_SIZES, unique)))) - {rank}:
+        sizes = next(s for o, s in unique if len(o) != rank or len(s) != rank)
+        return f"a chunk has rank {len(sizes)} but the tensor has rank {rank}"
+    cuts = []
+    for d, n in enumerate(shape):
+        starts = list(map(itemgetter(d), map(_OFFSETS, unique)))
+        ends = list(map(add, starts, map(itemgetter(d), map(_SIZES, unique))))
+        if unique and (min(starts) < 0 or min(map(sub, ends, starts)) < 0 or max(ends) > n):
+            offsets, sizes = next(
+                b for b, lo, hi in zip(unique, starts, ends, strict=True) if not 0 <= lo <= hi <= n
+            )
+            return f"chunk at {list(offsets)} of size {list(sizes)} lies outside shape {list(shape)}"
+        cuts.append((starts, ends))
     total = math.prod(shape)
-    covered = sum(math.prod(s) for _, s in unique)
+    covered = sum(numels)
     if covered < total:
         return f"chunks cover {covered} of {total} elements (a hole)"
     if covered > total:
         return f"chunks cover {covered} elements of a tensor of {total} (an overlap)"
     if total == 0 or len(unique) <= 1:
         return None
-    cuts = [
-        sorted({0, n, *(o[d] for o, _ in unique), *(o[d] + s[d] for o, s in unique)})
-        for d, n in enumerate(shape)
-    ]
-    if _one_cell_each(cuts, unique):
+    grid = [sorted({0, n, *starts, *ends}) for n, (starts, ends) in zip(shape, cuts, strict=True)]
+    if _one_cell_each(grid, cuts, len(unique)):
         return None
-    if math.prod(len(c) - 1 for c in cuts) <= _MAX_GRID_CELLS:
-        return _grid_overlap(cuts, unique)
+    if math.prod(len(c) - 1 for c in grid) <= _MAX_GRID_CELLS:
+        return _grid_overlap(grid, unique)
     return _pairwise_overlap(unique)
 
 
-def _one_cell_each(cuts: list[list[int]], boxes: list[Box]) -> bool:
-    """True when every box is exactly one cell of the grid, each a different cell, and there are as many
-    boxes as cells: then they tile the tensor (how a DTensor's shards are laid out; checked in O(boxes)
-    instead of walking cells). False means "not shown", never "overlaps"."""
-    if math.prod(len(c) - 1 for c in cuts) != len(boxes):
+_OFFSETS, _SIZES = itemgetter(0), itemgetter(1)
+
+
+def _all_tuples(boxes: Sequence[Box]) -> bool:
+    return set(map(type, chain(map(_OFFSETS, boxes), map(_SIZES, boxes)))) <= {tuple}
+
+
+def _one_cell_each(grid: list[list[int]], cuts: list[tuple[list[int], list[int]]], count: int) -> bool:
+    """True when every box is exactly one cell of the grid and there are as many (distinct) boxes as cells:
+    then they tile the tensor (how a DTensor's shards are laid out). In each dimension a box's interval must
+    be one between neighbouring grid lines; boxes that pass are distinct cells because distinct boxes then
+    differ in an offset. False means "not shown", never "overlaps"."""
+    if math.prod(len(c) - 1 for c in grid) != count:
         return False
-    index = [{x: i for i, x in enumerate(c)} for c in cuts]
-    cells = set()
-    for offsets, sizes in boxes:
-        cell = []
-        for d, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
-            i = index[d].get(o)
-            if i is None or cuts[d][i + 1] != o + s:
-                return False
-            cell.append(i)
-        cells.add(tuple(cell))
-    return len(cells) == len(boxes)
+    for lines, (starts, ends) in zip(grid, cuts, strict=True):
+        if not set(zip(starts, ends, strict=True)) <= set(pairwise(lines)):
+            return False
+    return True
 
 
 def _grid_overlap(cuts: list[list[int]], boxes: list[Box]) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from .dtype_names import ITEMSIZE, torch_dtype
 
@@ -17,9 +17,11 @@ if TYPE_CHECKING:
 ChunkFormat = Literal["torch_save", "safetensors"]
 
 
-@dataclass(frozen=True)
-class ChunkSpec:
-    """One stored block of a tensor: `sizes` elements starting at `offsets` in global coordinates."""
+class ChunkSpec(NamedTuple):
+    """One stored block of a tensor: `sizes` elements starting at `offsets` in global coordinates.
+
+    A named tuple rather than a frozen dataclass: a 1 TB checkpoint has a million of them, and a tuple is
+    made five times faster (and `_replace` stands for `dataclasses.replace`)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]

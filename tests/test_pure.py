@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,54 @@ def test_tiling_hole_and_overlap_that_cancel_out() -> None:
     # same total volume as the tensor, but one block is covered twice and another never
     boxes = [((0, 0), (2, 2)), ((0, 0), (2, 2)), ((2, 0), (2, 2)), ((0, 2), (2, 2)), ((1, 2), (2, 2))]
     assert "overlap" in (tiling_problem((4, 4), boxes[1:]) or "")
+
+
+def _cuts(draw, n: int) -> list[int]:
+    inner = draw(st.lists(st.integers(1, n - 1), max_size=3, unique=True)) if n > 1 else []
+    return [0, *sorted(inner), n]
+
+
+@st.composite
+def _boxes(draw):
+    """A grid tiling of a small 2-D shape (DTensor-like), then maybe a cell dropped, repeated, moved, merged
+    with its neighbour or resized: every kind of hole and overlap next to the tilings themselves."""
+    shape = (draw(st.integers(1, 6)), draw(st.integers(1, 6)))
+    rows, cols = _cuts(draw, shape[0]), _cuts(draw, shape[1])
+    boxes = [((r0, c0), (r1 - r0, c1 - c0)) for r0, r1 in pairwise(rows) for c0, c1 in pairwise(cols)]
+    edit = draw(st.sampled_from(["none", "drop", "repeat", "move", "grow", "merge", "shuffle"]))
+    i = draw(st.integers(0, len(boxes) - 1))
+    (r, c), (h, w) = boxes[i]
+    if edit == "drop":
+        del boxes[i]
+    elif edit == "repeat":
+        boxes.append(boxes[i])
+    elif edit == "move":
+        boxes[i] = ((draw(st.integers(0, shape[0])), draw(st.integers(0, shape[1]))), (h, w))
+    elif edit == "grow":
+        boxes[i] = ((r, c), (h + draw(st.integers(-1, 1)), w + draw(st.integers(-1, 1))))
+    elif edit == "merge" and i + 1 < len(boxes):
+        boxes[i : i + 2] = [((r, c), (h, w + boxes[i + 1][1][1]))]
+    elif edit == "shuffle":
+        boxes = draw(st.permutations(boxes))
+    return shape, boxes
+
+
+@settings(max_examples=400, deadline=None)
+@given(_boxes())
+def test_tiling_matches_counting_cells(case) -> None:
+    """The fast checks agree with counting how often each element is covered (duplicates counted once)."""
+    shape, boxes = case
+    count = [[0] * shape[1] for _ in range(shape[0])]
+    outside = False
+    for (r, c), (h, w) in set(boxes):
+        if r < 0 or c < 0 or h < 0 or w < 0 or r + h > shape[0] or c + w > shape[1]:
+            outside = outside or h * w > 0
+            continue
+        for i in range(r, r + h):
+            for j in range(c, c + w):
+                count[i][j] += 1
+    tiles = not outside and all(n == 1 for row in count for n in row)
+    assert (tiling_problem(shape, boxes) is None) == tiles, (shape, boxes)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,9 @@ import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import chain, repeat
+from operator import add, attrgetter, gt, mul
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -92,13 +95,15 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
     storage = metadata.storage_data
     if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
         raise CkptconvError(f"{where}: has no storage index (not written by FileSystemWriter?)")
-    locations: dict[tuple[str, tuple[int, ...] | None], Any] = {}
-    for index, info in storage.items():
-        if type(index) is not md.MetadataIndex:
-            raise CkptconvError(f"{where}: malformed storage index entry")
-        offset = None if index.offset is None else _int_tuple(index.offset, str(index.fqn), where)
-        locations[(index.fqn, offset)] = info
-    metadata.storage_data = storage = None  # its index records go now: a million chunks' worth of memory
+    index = list(storage)
+    if set(map(type, index)) - {md.MetadataIndex}:
+        raise CkptconvError(f"{where}: malformed storage index entry")
+    # keyed by (fqn, offsets) as stored: a chunk's validated offsets find their entry, a malformed one matches
+    # no chunk (then "no stored data"), so the index needs no check of its own
+    locations = dict(
+        zip(zip(map(_FQN, index), map(_OFFSET, index), strict=True), storage.values(), strict=True)
+    )
+    del index
     file_sizes = _FileSizes(root)
     planner_paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     tensors: dict[str, TensorSpec] = {}
@@ -110,7 +115,7 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
         raw_path = planner_paths.get(fqn)
         paths[fqn] = tuple(raw_path) if isinstance(raw_path, (tuple, list)) else (fqn,)
         if isinstance(entry, md.BytesStorageMetadata):
-            file, start, length = _location(locations, fqn, None, file_sizes, where)
+            file, start, length = _location(locations, fqn, file_sizes, where)
             items[fqn] = NonTensorItem(fqn, paths[fqn], file, start, length)
         elif isinstance(entry, md.TensorStorageMetadata):
             tensors[fqn] = _tensor_spec(fqn, entry, locations, file_sizes, where)
@@ -123,39 +128,90 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
         tensors = {
             fqn: dataclasses.replace(
                 t,
-                chunks=tuple(
-                    dataclasses.replace(c, fmt=formats[c.file]) if c.file in other else c for c in t.chunks
-                ),
+                chunks=tuple(c._replace(fmt=formats[c.file]) if c.file in other else c for c in t.chunks),
             )
             for fqn, t in tensors.items()
         }
     return DcpCheckpoint(root, tensors, items, paths, file_sizes.stamps)
 
 
+_FQN, _OFFSET = attrgetter("fqn"), attrgetter("offset")
+_OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
+_REL, _START, _LENGTH = attrgetter("relative_path"), attrgetter("offset"), attrgetter("length")
+_TRANSFORMS = attrgetter("transform_descriptors")
+_FILE, _BYTE_OFFSET = attrgetter("file"), attrgetter("byte_offset")
+_new_chunk = partial(tuple.__new__, ChunkSpec)  # ChunkSpec._make without its Python frame
+
+
 def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, where: Path) -> TensorSpec:
+    """The spec of one tensor, its chunks checked in bulk: each check is one pass in C over all the chunks
+    (a million of them at 1 TB), and the per-chunk message is found only when a check fails."""
     dtype = getattr(entry.properties, "dtype", None)
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CkptconvError(f"{where}: tensor {fqn!r} has no valid dtype")
     shape = _int_tuple(entry.size, fqn, where)
-    chunks = []
-    for chunk in entry.chunks:
-        offsets = _int_tuple(chunk.offsets, fqn, where)
-        sizes = _int_tuple(chunk.sizes, fqn, where)
-        file, start, length = _location(locations, fqn, offsets, file_sizes, where)
-        needed = math.prod(sizes) * ITEMSIZE[dtype]
-        if needed > length:  # so no shape in the metadata makes ckptconv allocate more than the files hold
-            raise CkptconvError(
-                f"{where}: tensor {fqn!r}: a chunk of shape {list(sizes)} needs {needed} bytes, its record "
-                f"in {file} holds {length}; the metadata is corrupt"
-            )
-        chunks.append(ChunkSpec(offsets, sizes, file, start, length, "torch_save"))
-    problem = tiling_problem(shape, [(c.offsets, c.sizes) for c in chunks])
+    records = entry.chunks
+    offsets = _int_tuples(list(map(_OFFSETS, records)), fqn, where)
+    sizes = _int_tuples(list(map(_SIZES, records)), fqn, where)
+    infos = list(map(locations.get, zip(repeat(fqn), offsets)))
+    if None in infos:
+        missing = offsets[infos.index(None)]
+        raise CkptconvError(
+            f"{where}: no stored data for {fqn!r} at offset {missing}; the metadata is corrupt"
+        )
+    files, starts, lengths = list(map(_REL, infos)), list(map(_START, infos)), list(map(_LENGTH, infos))
+    if set(map(type, files)) - {str} or set(map(type, starts)) - {int} or set(map(type, lengths)) - {int}:
+        raise CkptconvError(f"{where}: malformed storage entry for {fqn!r}")
+    if any(map(_TRANSFORMS, infos)):
+        transforms = next(filter(None, map(_TRANSFORMS, infos)))
+        raise CkptconvError(
+            f"{where}: {fqn!r} is stored with transforms {transforms} "
+            "(compression or another DCP extension), which ckptconv does not read yet"
+        )
+    if infos and (min(starts) < 0 or min(lengths) < 0):
+        raise CkptconvError(
+            f"{where}: negative storage offset or length for {fqn!r}; the metadata is corrupt"
+        )
+    ends = list(map(add, starts, lengths))
+    file_size = file_sizes.known
+    for rel in set(files).difference(file_size):
+        file_sizes.size(rel, fqn, where)
+    if any(map(gt, ends, map(file_size.__getitem__, files))):
+        i = next(i for i, (rel, end) in enumerate(zip(files, ends, strict=True)) if end > file_size[rel])
+        raise CkptconvError(
+            f"{where.parent / files[i]}: truncated ({file_size[files[i]]} bytes, {fqn!r} needs bytes up to "
+            f"{ends[i]}); re-copy the checkpoint"
+        )
+    needed = list(map(mul, map(math.prod, sizes), repeat(ITEMSIZE[dtype])))
+    if any(map(gt, needed, lengths)):  # no shape makes ckptconv allocate more than is stored
+        i = next(i for i, (n, length) in enumerate(zip(needed, lengths, strict=True)) if n > length)
+        raise CkptconvError(
+            f"{where}: tensor {fqn!r}: a chunk of shape {list(sizes[i])} needs {needed[i]} bytes, its record "
+            f"in {files[i]} holds {lengths[i]}; the metadata is corrupt"
+        )
+    problem = tiling_problem(shape, list(zip(offsets, sizes, strict=True)))
     if problem:
         raise CkptconvError(f"{where}: tensor {fqn!r} {list(shape)}: {problem}; the checkpoint is incomplete")
-    return TensorSpec(fqn, dtype, shape, tuple(chunks))
+    chunks = tuple(
+        map(
+            _new_chunk,
+            zip(offsets, sizes, files, starts, lengths, repeat("torch_save", len(files)), strict=True),
+        )
+    )
+    return TensorSpec(fqn, dtype, shape, chunks)
 
 
 _INT = {int}
+
+
+def _int_tuples(values: list[Any], fqn: str, where: Path) -> list[tuple[int, ...]]:
+    """`_int_tuple` of each value, in one pass in C when all are tuples of non-negative ints (as torch.Size
+    loads)."""
+    if set(map(type, values)) <= {tuple}:
+        flat = list(chain.from_iterable(values))
+        if set(map(type, flat)) <= _INT and (not flat or min(flat) >= 0):
+            return values
+    return [_int_tuple(v, fqn, where) for v in values]
 
 
 def _int_tuple(value: Any, fqn: str, where: Path) -> tuple[int, ...]:
@@ -171,14 +227,11 @@ def _int_tuple(value: Any, fqn: str, where: Path) -> tuple[int, ...]:
     return out
 
 
-def _location(
-    locations: dict, fqn: str, offsets: tuple[int, ...] | None, file_sizes: _FileSizes, where: Path
-) -> tuple[str, int, int]:
-    info = locations.get((fqn, offsets))
+def _location(locations: dict, fqn: str, file_sizes: _FileSizes, where: Path) -> tuple[str, int, int]:
+    """Where a non-tensor item is stored: (file, start, length)."""
+    info = locations.get((fqn, None))
     if info is None:
-        raise CkptconvError(
-            f"{where}: no stored data for {fqn!r} at offset {offsets}; the metadata is corrupt"
-        )
+        raise CkptconvError(f"{where}: no stored data for {fqn!r}; the metadata is corrupt")
     rel = getattr(info, "relative_path", None)
     start, length = getattr(info, "offset", None), getattr(info, "length", None)
     if not isinstance(rel, str) or not isinstance(start, int) or not isinstance(length, int):
@@ -188,16 +241,7 @@ def _location(
             f"{where}: {fqn!r} is stored with transforms {info.transform_descriptors} "
             "(compression or another DCP extension), which ckptconv does not read yet"
         )
-    if rel not in file_sizes.checked:  # each file's name is checked once, not once per chunk
-        pure = PurePosixPath(rel)
-        if pure.is_absolute() or ".." in pure.parts or not pure.parts or "\0" in rel:
-            raise CkptconvError(
-                f"{where}: {fqn!r} points outside the checkpoint ({rel!r}); refusing to read it"
-            )
-        file_sizes.checked.add(rel)
-    size = file_sizes.size(rel)
-    if size is None:
-        raise CkptconvError(f"{where.parent / rel}: missing; the checkpoint is incomplete (re-copy it)")
+    size = file_sizes.size(rel, fqn, where)
     if start < 0 or length < 0 or start + length > size:
         raise CkptconvError(
             f"{where.parent / rel}: truncated ({size} bytes, {fqn!r} needs bytes up to {start + length}); "
@@ -211,33 +255,43 @@ class _FileSizes:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._sizes: dict[str, int | None] = {}
+        self.known: dict[str, int] = {}  # file -> size, of the files checked
         self.stamps: dict[str, Stamp] = {}
-        self.checked: set[str] = set()  # names `_location` found to stay inside the checkpoint
 
-    def size(self, rel: str) -> int | None:
-        """The size of `rel`, None when it is missing; anything else wrong with it is a CkptconvError."""
-        if rel not in self._sizes:
-            path = self.root / rel
-            if mode_of(Path(os.path.realpath(path))) is None:
-                inside(path, self.root)  # a dangling link out of the checkpoint is refused as such
-                self._sizes[rel] = None
-            else:
-                st = stat_regular(path, self.root)
-                self._sizes[rel], self.stamps[rel] = st.st_size, stamp(st)
-        return self._sizes[rel]
+    def size(self, rel: str, fqn: str, where: Path) -> int:
+        """The size of `rel`, which `fqn`'s data is in; a name leading out of the checkpoint, a missing file
+        or anything else wrong with it is a CkptconvError."""
+        size = self.known.get(rel)
+        if size is not None:
+            return size
+        pure = PurePosixPath(rel)
+        if pure.is_absolute() or ".." in pure.parts or not pure.parts or "\0" in rel:
+            raise CkptconvError(
+                f"{where}: {fqn!r} points outside the checkpoint ({rel!r}); refusing to read it"
+            )
+        path = self.root / rel
+        if mode_of(Path(os.path.realpath(path))) is None:
+            inside(path, self.root)  # a dangling link out of the checkpoint is refused as such
+            raise CkptconvError(f"{path}: missing; the checkpoint is incomplete (re-copy it)")
+        st = stat_regular(path, self.root)
+        self.known[rel], self.stamps[rel] = st.st_size, stamp(st)
+        return st.st_size
 
 
 def _sniff_formats(root: Path, tensors: Iterable[TensorSpec]) -> dict[str, ChunkFormat]:
-    """Tell the two chunk serializations apart by the bytes where a file's first tensor chunk starts.
+    """Tell the two chunk serializations apart by the bytes where one of a file's tensor chunks starts (the
+    first listed: each one starts a record).
 
     torch_save items are zip archives ("PK"); in the safetensors serialization every tensor item of a file
     points at one safetensors blob (8-byte header length, then a JSON header).
     """
     first: dict[str, int] = {}
-    for t in tensors:
-        for c in t.chunks:
-            first[c.file] = min(first.get(c.file, c.byte_offset), c.byte_offset)
+    for t in tensors:  # each file's first chunk here, found in C: of equal keys, dict() keeps the last
+        backwards = t.chunks[::-1]
+        for rel, offset in dict(
+            zip(map(_FILE, backwards), map(_BYTE_OFFSET, backwards), strict=True)
+        ).items():
+            first.setdefault(rel, offset)
     formats: dict[str, ChunkFormat] = {}
     for rel, offset in first.items():
         head = bytearray(9)

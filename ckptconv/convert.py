@@ -21,8 +21,9 @@ from .dcp_save import save_dcp
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats import megatron_out
-from .formats.dcp import DcpCheckpoint, open_dcp
+from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import RowPiece
+from .formats.dcp_share import open_dcp_shared
 from .formats.files import exists, is_directory, read_regular
 from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
 from .formats.hf_sharded import HF_METADATA_DIR
@@ -34,7 +35,7 @@ from .quant.policy import QuantPolicy
 from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
 from .unshard import check_read_pieces
-from .world import World, everyone, on_main
+from .world import World, everyone, from_main, on_main
 from .writes import GRANULARITIES, Granularity, RankBytes
 
 DEFAULT_BUCKET = 128 * 10**6
@@ -94,9 +95,7 @@ def dcp_to_hf(
     start = time.perf_counter()
     _return_freed_memory()
 
-    def prepare() -> tuple[
-        DcpCheckpoint, HfSavePlan, int, dict[str, Any], outcheck.Output | None, Path | None
-    ]:
+    def check_inputs() -> tuple[DtypePolicy, QuantPolicy | None, int, int, Path, outcheck.Output | None]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         if quantize_skip and not quantize:
             raise CkptconvError("--quantize-skip applies with --quantize fp8")
@@ -110,7 +109,12 @@ def dcp_to_hf(
         located = sources.dcp_source(src)
         inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", config), _mapping_file(mapping)]
         target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
-        ckpt = open_dcp(located)
+        return policy, quant, shard_bytes, bucket, located, target
+
+    def prepare(
+        ckpt: DcpCheckpoint, policy: DtypePolicy, quant: QuantPolicy | None, shard_bytes: int
+    ) -> tuple[HfSavePlan, dict[str, Any], Path | None]:
+        located = ckpt.path
         meta = located / HF_METADATA_DIR  # NeMo Automodel's config.json etc. beside the shards
         described = copy_from or (meta if ckpt.file_split is not None and is_directory(meta) else None)
         if keep_file_split and ckpt.file_split is None:
@@ -134,10 +138,12 @@ def dcp_to_hf(
             quantize=quant,
             write_granularity=write_granularity,
         )
-        return ckpt, plan, bucket, model_config, target, described
+        return plan, model_config, described
 
     with gcpause.paused():
-        ckpt, plan, bucket, model_config, target, described = everyone(world, prepare)
+        policy, quant, shard_bytes, bucket, located, target = everyone(world, check_inputs)
+        ckpt = everyone(world, open_dcp_shared, world, located)  # rank 0 reads .metadata, for all
+        plan, model_config, described = everyone(world, prepare, ckpt, policy, quant, shard_bytes)
     if described is not None and copy_from is None:
         ui.info(f"copying the model's files from {described} (--copy-from DIR takes them from elsewhere)")
     if ckpt.path != Path(src):
@@ -247,11 +253,12 @@ def hf_to_dcp(
 
     config_file = config or (_first_file(path) if path.is_dir() else None)
 
-    def prepare() -> tuple[DcpSavePlan, dict[str, Any], outcheck.Output | None, HfCheckpoint]:
+    def check_inputs() -> tuple[DtypePolicy, outcheck.Output | None]:
         inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
         target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
-        policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
-        hf = open_hf(path)
+        return DtypePolicy(parse_dtype_flag(dtype), fp32), target
+
+    def prepare(hf: HfCheckpoint, policy: DtypePolicy) -> tuple[DcpSavePlan, dict[str, Any]]:
         stash = read_stash(path) if path.is_dir() else []
         key_mapping = load_mapping(mapping) if mapping else None
         model_config = load_config(config_file)
@@ -267,10 +274,12 @@ def hf_to_dcp(
         )
         if key_mapping is not None and key_mapping.checkpoint == "megatron":
             plan = megatron_out.with_extra_state(plan)
-        return plan, model_config, target, hf
+        return plan, model_config
 
     with gcpause.paused():
-        plan, model_config, target, hf = everyone(world, prepare)
+        policy, target = everyone(world, check_inputs)
+        hf = everyone(world, from_main, world, lambda: open_hf(path))  # rank 0 reads the headers, for all
+        plan, model_config = everyone(world, prepare, hf, policy)
     if plan.same and not dry_run:
         check_copies(world, hf, plan.same)
     for warning in plan.warnings:

@@ -44,6 +44,16 @@ class World:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (the others pass anything, None by convention)."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
@@ -80,6 +90,32 @@ def everyone(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
 def on_main(world: World, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
     """Run `fn` on rank 0 only; every rank learns whether it failed."""
     return everyone(world, lambda: fn(*args, **kwargs) if world.is_main else None)
+
+
+def from_main(
+    world: World,
+    fn: Callable[[], T],
+    encode: Callable[[T], Any] = lambda x: x,
+    decode: Callable[[Any], T] = lambda x: x,
+) -> T:
+    """`fn()` run on rank 0 alone, its result on every rank (sent as `encode(result)`, rebuilt by `decode`),
+    or its error raised on every rank. Collective; call it inside `everyone`, whose agreement then names
+    rank 0 as where an error came from. What one rank reads for all (a `.metadata`, 2,000 file headers) is
+    read once instead of once per rank."""
+    if not world.distributed:
+        return fn()
+    if world.is_main:
+        try:
+            result = fn()
+        except Exception as e:
+            world.broadcast_object(("error", str(e), e.exit_code if isinstance(e, CkptconvError) else 1))
+            raise
+        world.broadcast_object(("ok", encode(result)))
+        return result
+    message = world.broadcast_object(None)
+    if message[0] == "error":
+        raise CkptconvError(message[1], exit_code=message[2])
+    return decode(message[1])
 
 
 def _one_line(error: BaseException) -> str:

@@ -1,6 +1,6 @@
 """Planning at scale, measured without the data: a synthetic DCP checkpoint with a real torch `.metadata`.
 
-usage: python scripts/bench_plan.py [--scales 0.1,0.3,1] [--workdir DIR] [--ranks 512] [--keep]
+usage: python scripts/bench_plan.py [--scales 0.1,0.3,1] [--workdir DIR] [--ranks 512] [--hf-files 2000]
 
 For each scale it writes WORKDIR/plan-SCALE: the `.metadata` torch's own `FileSystemWriter` would write for
 `{"model": ..., "optimizer": ...}` of a Llama-70B-shaped model (hidden 8192, FFN 28672, 64 heads / 8 KV
@@ -17,7 +17,8 @@ Then it times, each in a fresh process (wall seconds and the kernel's peak RSS, 
   ckptconv inspect   `python -m ckptconv inspect SRC --json`
 
 and, in one more process, the plan at RANKS ranks under each `--write-granularity`: how many ranks write,
-and the least and most bytes a rank writes (the README's table).
+and the least and most bytes a rank writes (the README's table). Last, `hf-to-dcp --dry-run` of a synthetic
+HF model of HF_FILES safetensors files (real headers, sparse data; see `make_hf`).
 """
 
 from __future__ import annotations
@@ -150,6 +151,67 @@ def make(root: Path, scale: float, ranks: int) -> dict:
     return info
 
 
+EXPERT_FFN, EXPERTS, MOE_LAYERS = 2048, 128, 60
+
+
+def make_hf(root: Path, files: int) -> dict:
+    """A synthetic HF safetensors checkpoint of `files` files and its index (once): a DeepSeek-V3-sized MoE
+    (hidden 7168, 60 layers of 128 experts, bf16, ~0.7 TB), sparse files whose headers follow the format
+    spec and are checked by the safetensors library itself (`safe_open` of every file)."""
+    done = root / "made.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    hidden = 7168
+    tensors: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB, hidden))]
+    for i in range(MOE_LAYERS):
+        p = f"model.layers.{i}."
+        tensors += [(p + f"self_attn.{n}_proj.weight", (hidden, hidden)) for n in "qkvo"]
+        tensors += [
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+        ]
+        for e in range(EXPERTS):
+            q = f"{p}mlp.experts.{e}."
+            tensors += [
+                (q + "gate_proj.weight", (EXPERT_FFN, hidden)),
+                (q + "up_proj.weight", (EXPERT_FFN, hidden)),
+            ]
+            tensors += [(q + "down_proj.weight", (hidden, EXPERT_FFN))]
+    tensors += [("model.norm.weight", (hidden,)), ("lm_head.weight", (VOCAB, hidden))]
+    per_file = -(-len(tensors) // files)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k in range(files):
+        name = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key, shape in tensors[k * per_file : (k + 1) * per_file]:
+            nbytes = 2
+            for d in shape:
+                nbytes *= d
+            header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            weight_map[key] = name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(root / name, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            f.truncate(8 + len(raw) + offset)
+        total += offset
+    from safetensors import safe_open
+
+    for k in range(files):
+        name = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
+        with safe_open(root / name, "pt") as f:
+            assert sorted(f.keys()) == sorted(key for key, file in weight_map.items() if file == name), name
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    info = {"files": files, "tensors": len(tensors), "bytes": total}
+    done.write_text(json.dumps(info))
+    return info
+
+
 def _measure(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     """Wall seconds and peak RSS (GiB) of `cmd` as a fresh process: a wrapper interpreter runs it and reports
     RUSAGE_CHILDREN's ru_maxrss, which then holds that one child's kernel high-water mark."""
@@ -195,6 +257,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckptconv-bench-plan"))
     parser.add_argument("--ranks", type=int, default=FSDP * TP)
     parser.add_argument("--skip-torch", action="store_true", help="leave out torch's own unpickling")
+    parser.add_argument(
+        "--hf-files", type=int, default=2000, help="files of the synthetic HF model (0: none)"
+    )
     args = parser.parse_args()
     py = sys.executable
     results = []
@@ -233,6 +298,23 @@ def main() -> None:
                 "rows": {k: {"seconds": v["seconds"], "peak_gib": v["peak_gib"]} for k, v in rows.items()},
                 "balance": balance,
             }
+        )
+    if args.hf_files:
+        root = args.workdir / f"hf-{args.hf_files}"
+        info = make_hf(root, args.hf_files)
+        print(
+            f"HF: {info['files']} files, {info['tensors']:,} tensors, {info['bytes'] / 1e12:.2f} TB",
+            flush=True,
+        )
+        out = args.workdir / "out"
+        dry = [py, "-m", "ckptconv", "hf-to-dcp", str(root), str(out), "--dry-run", "--quiet", "--json"]
+        row = _measure(dry)
+        print(
+            f"  {'ckptconv hf-to-dcp dry-run':28s} {row['seconds']:8.2f} s  {row['peak_gib']:7.3f} GiB",
+            flush=True,
+        )
+        results.append(
+            {**info, "rows": {"ckptconv hf-to-dcp dry-run": {k: row[k] for k in ("seconds", "peak_gib")}}}
         )
     (args.workdir / "bench_plan.json").write_text(json.dumps(results, indent=1))
     print(f"results: {args.workdir / 'bench_plan.json'}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,4 +35,36 @@ def trust(enabled: bool) -> Iterator[None]:
 
 def print_json(doc: dict[str, Any]) -> None:
     if rank() == 0:
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        sys.stdout.write(dumps(doc) + "\n")
+
+
+_LONG = 64  # a list of more records than this is written a record per line
+_ONE_LINE = json.JSONEncoder(separators=(", ", ": ")).encode
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """`json.dumps(doc, indent=2)`, except that a long list of records (an inspect's chunks: a million at
+    1 TB) has one compact record per line: Python's indenting encoder takes 11 s for a million records,
+    the C one, a record at a time, 4 s, and the output is 40% smaller."""
+    lists: list[list[Any]] = []
+    nonce = secrets.token_hex(8)  # no string of the document can hold a marker by chance or on purpose
+
+    def swap(value: Any) -> Any:
+        if type(value) is dict:
+            return {k: swap(v) for k, v in value.items()}
+        if type(value) is list:
+            if len(value) > _LONG and type(value[0]) is dict:
+                lists.append(value)
+                return f"{nonce}:{len(lists) - 1}"
+            return [swap(v) for v in value]
+        return value
+
+    text = json.dumps(swap(doc), indent=2)
+
+    def records(match: re.Match[str]) -> str:
+        line = text[text.rfind("\n", 0, match.start()) + 1 : match.start()]
+        indent = " " * (len(line) - len(line.lstrip(" ")))
+        rows = f",\n{indent}  ".join(map(_ONE_LINE, lists[int(match.group(1))]))
+        return f"[\n{indent}  {rows}\n{indent}]"
+
+    return re.sub(f'"{nonce}:([0-9]+)"', records, text)

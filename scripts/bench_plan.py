@@ -249,6 +249,39 @@ print(json.dumps(out))
 """
 
 
+SHARED = """
+import json, resource, sys, time
+from pathlib import Path
+from ckptconv.dtypes import DtypePolicy, parse_dtype_flag
+from ckptconv.formats.dcp_share import open_dcp_shared
+from ckptconv.gcpause import paused
+from ckptconv.plan import plan_dcp_to_hf
+from ckptconv.world import everyone, world_from_env
+with world_from_env() as world, paused():
+    world.barrier()
+    t = time.perf_counter()
+    ckpt = everyone(world, open_dcp_shared, world, Path(sys.argv[1]))
+    policy = DtypePolicy(parse_dtype_flag("bf16"))
+    plan_dcp_to_hf(ckpt, policy, max_shard_size=5 * 10**9, world_size=world.size)
+    mine = {"rank": world.rank, "seconds": round(time.perf_counter() - t, 2),
+            "peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    ranks = world.all_gather_object(mine)
+    if world.is_main:
+        print(json.dumps(ranks))
+"""
+
+
+def _shared(root: Path, nproc: int) -> list[dict]:
+    """Each rank's planning (`open_dcp_shared` + `plan_dcp_to_hf`, after start-up) under torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    proc = subprocess.run(
+        [*cmd, "--no-python", sys.executable, "-c", SHARED, str(root)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"torchrun planning failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -286,6 +319,12 @@ def main() -> None:
         balance = json.loads(_measure([py, "-c", BALANCE, str(root), str(args.ranks)])["stdout"])
         for name, row in rows.items():
             print(f"  {name:28s} {row['seconds']:8.2f} s  {row['peak_gib']:7.3f} GiB", flush=True)
+        shared = _shared(root, 2)
+        for r in shared:
+            print(
+                f"  {'plan, torchrun rank ' + str(r['rank']):28s} {r['seconds']:8.2f} s"
+                f"  {r['peak_gib']:7.3f} GiB"
+            )
         for granularity, b in balance.items():
             print(
                 f"  --write-granularity {granularity:6s} at {args.ranks} ranks: {b['busy']} busy, "
@@ -297,6 +336,7 @@ def main() -> None:
                 **info,
                 "rows": {k: {"seconds": v["seconds"], "peak_gib": v["peak_gib"]} for k, v in rows.items()},
                 "balance": balance,
+                "shared": shared,
             }
         )
     if args.hf_files:

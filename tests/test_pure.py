@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from itertools import pairwise
 from pathlib import Path
 
@@ -375,3 +376,25 @@ def test_crc32_of_pieces_read_in_any_order_is_the_whole_ranges() -> None:
     overlap = (s - 1, n + 1, zlib.crc32(data[s - 1 : s + n]))
     assert whole_crc([*pieces, overlap], len(data)) is None  # an overlap that is not a repeat
     assert whole_crc([], 0) == zlib.crc32(b"")
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.dictionaries(st.text(), _json, max_size=3),
+    st.lists(st.dictionaries(st.text(), st.integers() | st.text(), max_size=2), min_size=65, max_size=70),
+)
+def test_json_output_reads_back_as_the_document(doc, records) -> None:
+    """The CLI's JSON (records of long lists one per line) is the document, whatever its strings hold."""
+    from ckptconv.cli_output import dumps
+
+    whole = {**doc, "nested": [{"chunks": records}], "chunks": records}
+    text = dumps(whole)
+    assert json.loads(text) == whole
+    assert text.count("\n") >= 2 * len(records)  # both long lists: a record per line

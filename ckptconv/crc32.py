@@ -1,4 +1,8 @@
-"""CRC-32 of a byte range from the CRC-32s of its pieces, read separately and in any order.
+"""CRC-32: `crc32` at memory speed, and of a byte range from the CRC-32s of its pieces, in any order.
+
+`crc32(data, value=0)` is zlib's CRC-32 (the same numbers: tests compare them), computed by ISA-L's SIMD
+code (the `isal` package, 7.6 GB/s here against zlib's 2.4 GB/s; every tensor byte ckptconv reads or writes
+in a torch.save record goes through it) where it is installed, else by `zlib.crc32`.
 
 zlib's CRC-32 is a polynomial remainder, so crc(A + B) = crc(A) * x^(8 * len(B)) mod P  xor  crc(B), in the
 bit-reflected representation zlib uses. `combine` computes that product with O(log len(B)) carry-less
@@ -7,7 +11,14 @@ multiplications (the method of zlib's own `crc32_combine`, which Python's `zlib`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable
+
+crc32: Callable[..., int]
+try:
+    from isal.isal_zlib import crc32
+except ImportError:  # a platform without an isal wheel: zlib's, slower, the same numbers
+    crc32 = zlib.crc32
 
 _POLY = 0xEDB88320  # CRC-32 (IEEE), reflected
 _ONE = 1 << 31  # the polynomial 1, reflected

@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 from . import outdir
+from .buffers import BufferPool
 from .config_edit import edit_config, release_dtype
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece
@@ -42,15 +43,25 @@ def write_shards(
     with DcpReader(ckpt) as reader:
         if read_path == "gather":
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
+            pool = None
         else:
-            items = direct_tensors(plan, world, reader, bucket)
-        written = write_files(plan, items, staging, world, ui)
+            pool = BufferPool(keep_bytes=bucket)
+            items = direct_tensors(plan, world, reader, bucket, pool)
+        written = write_files(plan, items, staging, world, ui, pool)
         return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written)
 
 
-def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: World, ui: Ui) -> int:
+def write_files(
+    plan: HfSavePlan,
+    items: Iterator[Item],
+    staging: Path,
+    world: World,
+    ui: Ui,
+    pool: BufferPool | None = None,
+) -> int:
     """Write this rank's byte ranges of the plan's files (`plan.writes_of`) from `items` (its writes with
-    their data, in order, as unshard yields them), each in place; returns the bytes written."""
+    their data, in order, as unshard yields them), each in place; returns the bytes written. Tensors made
+    in `pool` go back to it once written."""
     mine = plan.writes_of(world.rank)
     files = len({w.file.name for w in mine})
     nbytes = bytes_per_rank(plan.writes, plan.world_size)[world.rank]
@@ -72,6 +83,8 @@ def write_files(plan: HfSavePlan, items: Iterator[Item], staging: Path, world: W
                     writer.write(w.tensor.hf_key, tensor, w.start)
                     progress.advance(w.nbytes)
                 done += 1
+                if pool is not None:
+                    pool.give(tensor)  # written: its memory makes a later tensor
                 del tensor  # not held while the next tensor is assembled
             if writer is not None:
                 writer.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import threading
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from . import blocks
+from .buffers import BufferPool
+from .crc32 import crc32
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
 from .layout import Box, intersect
@@ -56,7 +57,11 @@ def _slab(nbytes: int) -> torch.Tensor:
 
 
 def assemble(
-    t: OutTensor, rows: RowsFn, reader: DcpReader | None = None, window: tuple[int, int] | None = None
+    t: OutTensor,
+    rows: RowsFn,
+    reader: DcpReader | None = None,
+    window: tuple[int, int] | None = None,
+    pool: BufferPool | None = None,
 ) -> torch.Tensor:
     """The output tensor `t` in its dtype, from the stored chunks `rows` returns (and `reader`, if direct);
     with `window` (lo, hi) only its rows [lo, hi) of its laid-out dim 0, laid out (a `writes.Write` slab).
@@ -65,8 +70,9 @@ def assemble(
     other part (a block of a stacked or fused tensor, a permuted one, or any part of a slab) reads only the
     rows of the chunks that intersect its block, at most `SLAB_BYTES` at a time, each cast into its place in
     the output as it comes: besides the output, this holds one slab of rows (never a source-dtype copy).
+    The output is made in `pool`'s memory when given (give it back there once written).
     """
-    out = new_out(t, window)
+    out = new_out(t, window, pool)
     view = laid_out(out, t, window)
     for sp in t.parts:
         if window is None and sp.whole and sp.spec.shape == t.shape and reader is not None:
@@ -78,14 +84,18 @@ def assemble(
     return out
 
 
-def new_out(t: OutTensor, window: tuple[int, int] | None = None) -> torch.Tensor:
+def new_out(
+    t: OutTensor, window: tuple[int, int] | None = None, pool: BufferPool | None = None
+) -> torch.Tensor:
     """The output tensor to fill: zeros where no part lands (padding), else uninitialised; a weight to be
     quantized is assembled in its source dtype. With `window`: its rows [lo, hi), laid out."""
-    make = torch.zeros if t.padded else torch.empty
-    if window is None:
-        return make(t.shape, dtype=t.work_dtype)
-    shape = t.layout or t.shape
-    return make((window[1] - window[0], *shape[1:]), dtype=t.work_dtype)
+    shape = t.shape
+    if window is not None:
+        laid = t.layout or t.shape
+        shape = (window[1] - window[0], *laid[1:])
+    if pool is not None:
+        return pool.take(shape, t.work_dtype, zeroed=t.padded)
+    return (torch.zeros if t.padded else torch.empty)(shape, dtype=t.work_dtype)
 
 
 def laid_out(out: torch.Tensor, t: OutTensor, window: tuple[int, int] | None = None) -> torch.Tensor:
@@ -165,7 +175,7 @@ def direct_rows(reader: DcpReader) -> RowsFn:
         view = byte_view(out)
         reader.pread(chunk.file, where + r0 * row_bytes, view)
         if r0 == 0 and (not chunk.sizes or r1 == chunk.sizes[0]):  # the whole chunk: check its CRC-32
-            reader.check(spec, chunk, where, zlib.crc32(view))
+            reader.check(spec, chunk, where, crc32(view))
         else:  # some rows: checked once all of the chunk's rows are read (`check_pieces`)
             reader.note_piece(spec, chunk, where, r0 * row_bytes, view)
         return out
@@ -191,7 +201,7 @@ def _fill_whole(reader: DcpReader, spec: TensorSpec, out: torch.Tensor) -> None:
         elif out.dtype == spec.dtype and region.is_contiguous():
             view = byte_view(region)
             reader.pread(chunk.file, where, view)  # straight into place, no copy
-            reader.check(spec, chunk, where, zlib.crc32(view))
+            reader.check(spec, chunk, where, crc32(view))
         else:
             reader.check(spec, chunk, where, _cast_in_slabs(reader, spec, chunk, where, region))
 
@@ -210,7 +220,7 @@ def _cast_in_slabs(
         staging = _slab(n * row_bytes)
         view = byte_view(staging)
         reader.pread(chunk.file, where + lo * row_bytes, view)
-        crc = zlib.crc32(view, crc)
+        crc = crc32(view, crc)
         values = staging.view(spec.dtype).view(n, *row_shape) if chunk.sizes else staging.view(spec.dtype)[0]
         (region.narrow(0, lo, n) if chunk.sizes else region).copy_(values)
     return crc
@@ -241,19 +251,21 @@ def needed_chunks(
     return list(out.values())
 
 
-def direct_tensors(plan: HfSavePlan, world: World, reader: DcpReader, bucket_bytes: int) -> Iterator[Item]:
+def direct_tensors(
+    plan: HfSavePlan, world: World, reader: DcpReader, bucket_bytes: int, pool: BufferPool | None = None
+) -> Iterator[Item]:
     """This rank's writes (`plan.writes_of`) with their data, in file order, read directly, up to
-    `bucket_bytes` ahead in threads."""
+    `bucket_bytes` ahead in threads (their tensors made in `pool`, when given)."""
     pending: deque[tuple[Write, Future[torch.Tensor]]] = deque()
     in_flight = 0
     rows = direct_rows(reader)
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptconv-read") as pool:
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptconv-read") as threads:
         for w in plan.writes_of(world.rank):
             while pending and in_flight + w.nbytes > bucket_bytes:
                 done, future = pending.popleft()
                 in_flight -= done.nbytes
                 yield done, future.result()
-            pending.append((w, pool.submit(assemble, w.tensor, rows, reader, w.window)))
+            pending.append((w, threads.submit(assemble, w.tensor, rows, reader, w.window, pool)))
             in_flight += w.nbytes
         while pending:
             done, future = pending.popleft()

@@ -398,3 +398,48 @@ def test_json_output_reads_back_as_the_document(doc, records) -> None:
     text = dumps(whole)
     assert json.loads(text) == whole
     assert text.count("\n") >= 2 * len(records)  # both long lists: a record per line
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=20000), st.integers(0, 2**32 - 1))
+def test_crc32_is_zlibs(data: bytes, start: int) -> None:
+    """The CRC-32 ckptconv checks and writes records with gives zlib's numbers (zlib is the reference)."""
+    import zlib
+
+    from ckptconv.crc32 import crc32
+
+    assert crc32(data, start) == zlib.crc32(data, start)
+    assert crc32(memoryview(data)) == zlib.crc32(data)
+
+
+def test_crc32_is_isals_where_installed() -> None:
+    import zlib
+
+    from ckptconv.crc32 import crc32
+
+    pytest.importorskip("isal", reason="no isal wheel for this platform: zlib's CRC-32 is used")
+    assert crc32 is not zlib.crc32
+
+
+def test_buffer_pool_reuses_given_back_memory() -> None:
+    from ckptconv.buffers import BufferPool
+
+    pool = BufferPool(keep_bytes=10_000)
+    a = pool.take((10, 100), torch.float32)  # 4,000 bytes
+    where = a.data_ptr()
+    a.fill_(7)
+    pool.give(a)
+    b = pool.take((20, 90), torch.bfloat16)  # 3,600 bytes: fits in a's buffer
+    assert b.data_ptr() == where and b.shape == (20, 90) and b.dtype == torch.bfloat16
+    c = pool.take((5,), torch.float32, zeroed=True)  # no free buffer: a new one, zeroed
+    assert c.data_ptr() != where and torch.equal(c, torch.zeros(5))
+    pool.give(b)
+    d = pool.take((1, 10), torch.float32)  # 40 bytes: a's buffer is more than twice as large, not used
+    assert d.data_ptr() != where
+    e = pool.take((3, 300), torch.float32, zeroed=True)  # 3,600 bytes in a's buffer, zeroed although reused
+    assert e.data_ptr() == where and torch.equal(e, torch.zeros(3, 300))
+    pool.give(torch.ones(3))  # not the pool's: ignored
+    pool.give(e)
+    big = pool.take((4000,), torch.float32)  # 16,000 bytes: over keep_bytes once given back
+    pool.give(big)
+    assert pool.take((4000,), torch.float32).data_ptr() != big.data_ptr()

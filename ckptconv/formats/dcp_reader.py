@@ -14,13 +14,12 @@ import os
 import struct
 import threading
 import zipfile
-import zlib
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
 
-from ..crc32 import whole_crc
+from ..crc32 import crc32, whole_crc
 from ..errors import CkptconvError
 from ..specs import ChunkSpec, NonTensorItem, TensorSpec
 from .dcp import DcpCheckpoint
@@ -104,7 +103,7 @@ class DcpReader:
         else:
             view = byte_view(out)
             self.pread(chunk.file, where, view)
-            self.check(spec, chunk, where, zlib.crc32(view))
+            self.check(spec, chunk, where, crc32(view))
 
     def check(self, spec: TensorSpec, chunk: ChunkSpec, where: int, crc: int) -> None:
         """Compare the CRC-32 of the whole chunk read at `where` with the one its torch.save record stores
@@ -133,7 +132,7 @@ class DcpReader:
             nbytes,
             start,
             len(piece),
-            zlib.crc32(piece),
+            crc32(piece),
         )
         with self._lock:
             self._pieces.append(noted)

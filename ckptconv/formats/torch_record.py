@@ -5,9 +5,9 @@ storage key, offset, size, stride) without building anything, through safe_pickl
 
 DCP's `FileSystemReader` `torch.load`s every tensor record, so hf-to-dcp writes torch.save records. torch.save
 computes the zip CRC-32 with miniz's byte-at-a-time table (about 0.35 GB/s here), which made it the bottleneck
-of hf-to-dcp. This module writes the same bytes torch.save writes (tested byte for byte), with `zlib.crc32`
-(several GB/s, and it releases the GIL) and the data streamed slab by slab, so the tensor is never whole in
-memory.
+of hf-to-dcp. This module writes the same bytes torch.save writes (tested byte for byte), with `crc32.crc32`
+(ISA-L's or zlib's: several GB/s, releasing the GIL) and the data streamed slab by slab, so the tensor is
+never whole in memory.
 
 The layout is miniz's as torch uses it: stored (uncompressed) entries, each local header padded with an "FB"
 extra field so the entry's data starts at a multiple of 64 bytes from the start of the record, data
@@ -22,13 +22,13 @@ import collections
 import io
 import pickle
 import struct
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
+from ..crc32 import crc32
 from .safe_pickle import AllowlistUnpickler
 
 ALIGNMENT = 64
@@ -173,7 +173,7 @@ class _Zip:
         header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra))
         self._write(header + name + extra)
         for chunk in chunks:
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             done += len(chunk)
             self._write(chunk)
         if done != size:
@@ -243,7 +243,7 @@ def write_tensor_record(
     data_crc = z.entries[-1][3]
     z.add(_PREFIX + b"version", 2, [b"3\n"])
     if serialization_id is None:
-        serialization_id = b"%020d%020d" % (zlib.crc32(pkl), data_crc)
+        serialization_id = b"%020d%020d" % (crc32(pkl), data_crc)
     z.add(_PREFIX + b".data/serialization_id", len(serialization_id), [serialization_id])
     z.finish()
     return z.pos

@@ -29,6 +29,7 @@ from .dtype_names import short_name
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
+from .formats.files import refuse_url
 from .formats.hf import INDEX_FILE, open_hf, write_index
 from .formats.safetensors_io import RowReader
 from .hf_write import follow_config, write_files
@@ -281,6 +282,7 @@ def load_hf(
     `strict` raises on missing or unexpected keys.
     Not collective: ranks do not talk to each other.
     """
+    refuse_url(path, "path")
     hf = open_hf(Path(path))
     forced = parse_dtype_flag(dtype, "dtype") if dtype is not None else None
     plan = plan_hf_to_dcp(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import outlock
 from .errors import CkptconvError
+from .formats.files import refuse_url
 
 PARTIAL_SUFFIX = ".ckptconv-partial"
 OLD_SUFFIX = ".ckptconv-old"
@@ -63,6 +64,7 @@ def target(
     out: Path, overwrite: bool, inputs: Inputs = (), flag: str = "--overwrite", main: bool = True
 ) -> Output:
     """The checked Output for OUT `out`; on rank 0 (`main`), also fail at once if a live run is writing it."""
+    refuse_url(out, "OUT")
     refuse_reserved(absolute(out))
     real = _resolve_out(out)
     refuse_reserved(real)

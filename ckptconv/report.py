@@ -11,7 +11,7 @@ from rich.console import Console
 from .dtype_names import short_name
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, is_dcp_dir, open_dcp
-from .formats.files import exists, is_directory
+from .formats.files import exists, is_directory, refuse_url
 from .formats.hf import StoredTensor, is_hf_dir, open_hf
 from .gcpause import paused
 from .ui import human_bytes
@@ -29,6 +29,7 @@ def inspect(path: Path) -> dict[str, Any]:
 
 
 def _inspect(path: Path) -> dict[str, Any]:
+    refuse_url(path, "PATH")
     if not exists(path):
         raise CkptconvError(f"{path}: no such file or directory")
     if is_dcp_dir(path):

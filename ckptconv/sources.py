@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .errors import CkptconvError
 from .formats.dcp import is_dcp_dir
-from .formats.files import exists, is_directory, is_regular, listdir
+from .formats.files import exists, is_directory, is_regular, listdir, refuse_url
 from .formats.hf import download, is_hf_dir, looks_like_repo_id
 from .outcheck import refuse_partial
 
@@ -16,6 +16,7 @@ from .outcheck import refuse_partial
 def dcp_source(src: Path) -> Path:
     """The DCP directory the user means (`src`, or the one checkpoint directly inside it), or a
     CkptconvError saying what `src` is instead."""
+    refuse_url(src, "SRC")
     if not exists(src):
         raise CkptconvError(f"{src}: no such file or directory")
     refuse_partial(src)
@@ -49,6 +50,7 @@ def checkpoints_inside(directory: Path) -> list[Path]:
 
 
 def _local_or_hub(src: str, revision: str | None, check: Callable[[Path], None]) -> Path:
+    refuse_url(src, "SRC")
     path = Path(src)
     if exists(path):
         if revision is not None:

@@ -13,6 +13,7 @@ import torch
 from conftest import ckptconv
 
 from ckptconv.cli import main
+from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import open_dcp
 from ckptconv.formats.dcp_reader import DcpReader
 
@@ -217,3 +218,34 @@ def test_hole_in_chunks_is_refused(
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
     code, err = run(capsys, "dcp-to-hf", str(ckpt), str(tmp_path / "out"))
     assert_one_line(code, err, "model.layers.0.up.weight", "hole")
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/ckpt", "gs://bucket/a/b", "hf://org/model", "abfs://c@a/x"])
+def test_object_storage_urls_are_refused_by_name_and_never_written_locally(
+    url: str,
+    fsdp2_ckpt: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A URL is never taken for a local directory (`./s3:/bucket/ckpt`, then exit 0): exit 2 naming it."""
+    monkeypatch.chdir(tmp_path)
+    hf = tmp_path / "hf"
+    assert run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(hf), "--quiet")[0] == 0
+    cases = [
+        (["dcp-to-hf", str(fsdp2_ckpt), url], "OUT"),
+        (["dcp-to-hf", url, "out"], "SRC"),
+        (["hf-to-dcp", str(hf), url], "OUT"),
+        (["hf-to-dcp", url, "out"], "SRC"),
+        (["inspect", url], "PATH"),
+        (["verify", url, str(hf)], "SRC"),
+    ]
+    for argv, what in cases:
+        code, err = run(capsys, *argv)
+        assert_one_line(code, err, f"{what} {url}", "object storage")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no "s3:" directory, no "out"
+
+    from ckptconv import load_hf
+
+    with pytest.raises(CkptconvError, match="object storage"):
+        load_hf({}, url)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -37,6 +38,24 @@ def read_error(path: object, e: OSError) -> CkptconvError:
     """The one-line error for an OSError met while reading `path`."""
     cause = e.strerror or str(e) or type(e).__name__
     return CkptconvError(f"{path}: cannot read ({cause}); check the file's permissions and storage")
+
+
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/+")
+
+
+def refuse_url(path: str | Path, what: str) -> None:
+    """A URL (`s3://bucket/x`, `gs://`, `hf://`, ...) for a checkpoint path is refused by name: ckptconv reads
+    and writes file systems, and a `Path` would take it for a local directory named `s3:` (writing
+    `./s3:/bucket/x` and exiting 0). A local directory of such a name is still reachable as `./s3:/...`."""
+    text = str(path)
+    match = _URL.match(text)
+    if match:
+        url = f"{match.group(1)}://{text[match.end() :]}"
+        raise CkptconvError(
+            f"{what} {url}: object storage URLs are not read or written yet; copy the checkpoint to a local "
+            f"or mounted file system (s3fs, gcsfuse, blobfuse) and pass that path (./{text} for a local "
+            "directory of that name)"
+        )
 
 
 def no_nul(path: object) -> None:

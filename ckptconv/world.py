@@ -107,10 +107,11 @@ def from_main(
     if world.is_main:
         try:
             result = fn()
-        except Exception as e:
+            sent = encode(result)
+        except Exception as e:  # the others are waiting in the broadcast: they get the error instead
             world.broadcast_object(("error", str(e), e.exit_code if isinstance(e, CkptconvError) else 1))
             raise
-        world.broadcast_object(("ok", encode(result)))
+        world.broadcast_object(("ok", sent))
         return result
     message = world.broadcast_object(None)
     if message[0] == "error":

@@ -8,6 +8,8 @@ venv=.venv
 [ "${CKPTCONV_DEPS:-locked}" = latest ] && venv=.venv-latest
 "$venv/bin/ruff" check ckptconv tests scripts
 "$venv/bin/mypy"
-# two workers (CKPTCONV_TEST_WORKERS): each test module runs whole on one of them, the megatron modules on
-# the same one (they share megatron-core's checkpoints); tests/conftest.py groups them
-"$venv/bin/python" -m pytest -p no:cacheprovider --durations=15 -n "${CKPTCONV_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# two workers (CKPTCONV_TEST_WORKERS): each test module runs whole on one of them (`--dist loadfile`), so its
+# module- and session-scoped checkpoints are built once. Not `--dist loadgroup`: with pytest 9 xdist's groups
+# are silently ignored (it renames `item._nodeid`, which pytest 9 no longer reads), and every test was its own
+# unit, megatron-core's checkpoints built on both workers (2 x 110 s in CI).
+"$venv/bin/python" -m pytest -p no:cacheprovider --durations=15 -n "${CKPTCONV_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -161,11 +161,3 @@ def random_dcp(path: Path, tensors: int, seed: int = 0) -> Path:
 def slow_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~400 MB of fp32 in 8 tensors: a conversion slow enough to signal or kill midway."""
     return random_dcp(tmp_path_factory.mktemp("slow") / "ckpt", 8)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `pytest -n N --dist loadgroup` (scripts/test.sh), each module runs whole on one worker (its
-    module-scoped checkpoints are built once), unless it names a group of its own (the megatron modules)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))

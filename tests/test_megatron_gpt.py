@@ -38,7 +38,6 @@ from ckptconv.formats.megatron_out import (
     extra_state_objects,
 )
 
-pytestmark = pytest.mark.xdist_group("megatron")  # megatron.saved checkpoints: one worker
 PRESET = "megatron-gpt"
 # name -> the worker's gpt options
 CASES: dict[str, tuple[str, ...]] = {

@@ -28,8 +28,6 @@ import pytest
 import torch
 from megatron import MEGATRON_DIR, REQUIREMENTS, VERSION, megatron_dir, run_megatron, saved
 
-pytestmark = pytest.mark.xdist_group("megatron")  # megatron.saved checkpoints: one worker
-
 # checkpoint name -> the worker's arguments after OUT
 CASES: dict[str, tuple[str, ...]] = {
     "sharded": ("sharded",),

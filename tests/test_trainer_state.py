@@ -28,8 +28,6 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from ckptconv.cli import main
 from ckptconv.stash import read_stash
 
-pytestmark = pytest.mark.xdist_group("megatron")  # megatron.saved checkpoints: one worker
-
 
 class Backend(enum.Enum):  # a class of the trainer's own, as Megatron-LM's args hold (AttnBackend, ...)
     auto = 5

@@ -78,6 +78,11 @@ def bound_bytes(key: str, largest: int) -> int:
     return largest + largest // 2 if what == "pair" else int(what) + largest
 
 
+def failed_row(head: list[str], columns: Sequence[str]) -> list[str]:
+    """A method's row when its run failed: FAILED, then a dash in each remaining column."""
+    return [*head, "FAILED", *["-"] * (len(columns) - len(head) - 1)]
+
+
 def table_rows(reports: Sequence[Any]) -> list[list[str]]:
     """Rows of the memory table. `reports`: bench.SizeReport of the memory direction, with `.largest` set."""
     rows = []
@@ -87,7 +92,7 @@ def table_rows(reports: Sequence[Any]) -> list[list[str]]:
             r = rep.results[m.key]
             head = [rep.label, m.label, str(m.ranks)]
             if not r.ok:
-                rows.append([*head, "FAILED", *["-"] * (len(COLUMNS) - len(head) - 1)])
+                rows.append(failed_row(head, COLUMNS))
                 continue
             base = startup.get(m.ranks)
             beyond = (

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _bench_memory import failed_row
 from _bench_methods import BY_KEY, DIRECTIONS, GIB, NPROC, REFERENCE, Method
 from _bench_run import Sample
 
@@ -115,7 +116,7 @@ def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
             r = rep.results[m.key]
             head = [rep.label, m.label, str(m.ranks)]
             if not r.ok:
-                rows.append([*head, "FAILED", *["-"] * (len(COLUMNS) - len(head) - 1)])
+                rows.append(failed_row(head, COLUMNS))
                 continue
             gbps = rep.ckpt_bytes / 1e9 / r.seconds if m.kind != "startup" else None
             rows.append(

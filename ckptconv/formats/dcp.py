@@ -13,7 +13,6 @@ import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import chain, repeat
 from operator import add, attrgetter, gt, mul
 from pathlib import Path, PurePosixPath
@@ -23,7 +22,7 @@ from ..dtype_names import ITEMSIZE
 from ..errors import CkptconvError
 from ..gcpause import paused
 from ..layout import tiling_problem
-from ..specs import ChunkFormat, ChunkSpec, NonTensorItem, TensorSpec
+from ..specs import ChunkFormat, NonTensorItem, TensorSpec, new_chunk
 from . import safe_pickle as md
 from .files import Stamp, inside, mode_of, open_regular, read_error, read_regular, stamp, stat_regular
 from .hf import MAX_HEADER_BYTES  # a larger safetensors header inside a .distcp is refused too
@@ -140,7 +139,6 @@ _OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
 _REL, _START, _LENGTH = attrgetter("relative_path"), attrgetter("offset"), attrgetter("length")
 _TRANSFORMS = attrgetter("transform_descriptors")
 _FILE, _BYTE_OFFSET = attrgetter("file"), attrgetter("byte_offset")
-_new_chunk = partial(tuple.__new__, ChunkSpec)  # ChunkSpec._make without its Python frame
 
 
 def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, where: Path) -> TensorSpec:
@@ -194,7 +192,7 @@ def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, 
         raise CkptconvError(f"{where}: tensor {fqn!r} {list(shape)}: {problem}; the checkpoint is incomplete")
     chunks = tuple(
         map(
-            _new_chunk,
+            new_chunk,
             zip(offsets, sizes, files, starts, lengths, repeat("torch_save", len(files)), strict=True),
         )
     )

@@ -15,17 +15,15 @@ from __future__ import annotations
 import dataclasses
 import marshal
 import pickle
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ..errors import CkptconvError
-from ..specs import ChunkSpec, TensorSpec
+from ..specs import TensorSpec, new_chunk
 from ..world import World, from_main
 from .dcp import DcpCheckpoint, open_dcp
 
 _FORMAT = 1
-_new_chunk = partial(tuple.__new__, ChunkSpec)
 
 
 def pack(ckpt: DcpCheckpoint) -> bytes:
@@ -45,7 +43,7 @@ def unpack(data: bytes) -> DcpCheckpoint:
         raise CkptconvError(f"ranks run different ckptconv versions (metadata form {version}, not {_FORMAT})")
     ckpt: DcpCheckpoint = pickle.loads(rest)
     tensors = {
-        fqn: TensorSpec(fqn, dtype, shape, tuple(map(_new_chunk, chunks)))
+        fqn: TensorSpec(fqn, dtype, shape, tuple(map(new_chunk, chunks)))
         for fqn, dtype, shape, chunks in specs
     }
     return dataclasses.replace(ckpt, tensors=tensors)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-resolve the lock: install ckptconv with its test tools into a fresh venv from the newest releases
-# (torch pinned to the CPU build tested), then write every installed version to requirements-lock.txt.
+# (torch pinned to the CPU build tested), then write every installed version to constraints.txt.
 # scripts/setup.sh installs from that file; `CKPTCONV_DEPS=latest` ignores it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,5 +13,5 @@ quiet "$tmp/venv/bin/python" -m pip install -q "torch==2.13.0" -e ".[test]"
 {
   echo "# The lock: every package scripts/setup.sh installs, at the versions tested. Made by scripts/lock.sh."
   "$tmp/venv/bin/python" -m pip freeze --all --exclude-editable | sed 's/^torch==\(.*\)+cpu$/torch==\1/'
-} > requirements-lock.txt
-echo "wrote requirements-lock.txt ($(grep -vc '^#' requirements-lock.txt) packages)"
+} > constraints.txt
+echo "wrote constraints.txt ($(grep -vc '^#' constraints.txt) packages)"

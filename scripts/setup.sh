@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Create the venv (if missing) and install ckptconv with its test tools.
-#   CKPTCONV_DEPS=locked (default): .venv, every package at the version in requirements-lock.txt.
+#   CKPTCONV_DEPS=locked (default): .venv, every package at the version in constraints.txt.
 #   CKPTCONV_DEPS=latest: .venv-latest, the newest release of every dependency that pyproject.toml admits.
 # torch is the CPU build 2.13.0 in both: a newer or unpinned torch is a multi-GB CUDA download.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 case "${CKPTCONV_DEPS:-locked}" in
-  locked) venv=.venv; pins=(-c requirements-lock.txt) ;;
+  locked) venv=.venv; pins=(-c constraints.txt) ;;
   latest) venv=.venv-latest; pins=(--upgrade --upgrade-strategy eager) ;;
   *) echo "setup.sh: CKPTCONV_DEPS must be 'locked' or 'latest'" >&2; exit 2 ;;
 esac

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -16,8 +17,11 @@ import typer
 from .cli_options import (
     AllowUnmappedOpt,
     BucketOpt,
+    CoalesceGapOpt,
+    CommitMessageOpt,
     ConfigOpt,
     CopyFromOpt,
+    CreatePrOpt,
     DryRunOpt,
     DtypeOpt,
     ExplainOpt,
@@ -29,15 +33,21 @@ from .cli_options import (
     MaxShardOpt,
     OverwriteOpt,
     PrefixOpt,
+    PrivateOpt,
     ProgressOpt,
+    PushOpt,
+    PushRevisionOpt,
     QuantizeOpt,
     QuantizeSkipOpt,
     QuietOpt,
     ReadOpt,
     RevisionOpt,
+    StorageOptionsOpt,
     TrustOpt,
     VerifyOpt,
     WriteGranularityOpt,
+    push_request,
+    use_storage,
 )
 from .cli_output import print_json as _print_json
 from .cli_output import trust as _trust
@@ -104,6 +114,13 @@ def dcp_to_hf_cmd(
     quantize_skip: QuantizeSkipOpt = None,
     verify: VerifyOpt = False,
     trust_pickle: TrustOpt = False,
+    storage_options: StorageOptionsOpt = None,
+    coalesce_gap: CoalesceGapOpt = "1MB",
+    push_to_hub: PushOpt = None,
+    revision: PushRevisionOpt = None,
+    private: PrivateOpt = False,
+    commit_message: CommitMessageOpt = None,
+    create_pr: CreatePrOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
@@ -111,12 +128,15 @@ def dcp_to_hf_cmd(
     """Convert a DCP checkpoint to Hugging Face safetensors (under torchrun: every rank shares the work)."""
     from .convert import dcp_to_hf
     from .errors import CkptconvError
+    from .remote.urls import url_path
     from .report import human_bytes, plan_summary, render_plan
     from .ui import Ui
     from .world import world_from_env
 
     if read not in ("direct", "gather"):
         raise CkptconvError(f"--read {read!r} is not one of direct, gather")
+    use_storage(storage_options, coalesce_gap)
+    push = push_request(push_to_hub, revision, private, commit_message, create_pr)
     with _trust(trust_pickle), world_from_env() as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         result = dcp_to_hf(
@@ -143,13 +163,14 @@ def dcp_to_hf_cmd(
             quantize_skip=quantize_skip or (),
             verify=verify,
             write_granularity=write_granularity,  # type: ignore[arg-type]
+            push=push,
         )
         summary = plan_summary(result.plan)
         if json_out:
             _print_json(
                 {
                     "command": "dcp-to-hf",
-                    "src": str(src),
+                    "src": str(url_path(src) or src),
                     "out": str(out),
                     "dry_run": dry_run,
                     "seconds": round(result.seconds, 3),
@@ -158,6 +179,7 @@ def dcp_to_hf_cmd(
                     "config_edits": result.config_edits,
                     "ranks": [r.to_json() for r in result.ranks],
                     **summary,
+                    "hub": result.hub,
                 }
             )
         elif dry_run:
@@ -172,6 +194,8 @@ def dcp_to_hf_cmd(
             )
             for edit in result.config_edits:
                 ui.info(f"config.json: {edit}")
+            if result.hub:
+                ui.info(f"pushed to {result.hub['pr_url'] or result.hub['commit_url']}")
 
 
 @app.command("hf-to-dcp")
@@ -241,6 +265,7 @@ def hf_to_dcp_cmd(
                     "written_files": sorted(p.name for p in out.iterdir()) if result.written else [],
                     "ranks": [r.to_json() for r in result.ranks],
                     **summary,
+                    "hub": result.hub,
                 }
             )
         elif dry_run:
@@ -279,6 +304,8 @@ def verify_cmd(
     rtol: Annotated[float | None, typer.Option("--rtol", help="Relative tolerance (see --atol).")] = None,
     revision: RevisionOpt = None,
     trust_pickle: TrustOpt = False,
+    storage_options: StorageOptionsOpt = None,
+    coalesce_gap: CoalesceGapOpt = "1MB",
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
@@ -293,6 +320,7 @@ def verify_cmd(
         if value is not None and not value >= 0:
             raise CkptconvError(f"{flag} {value}: must be a number >= 0")
     tolerance = Tolerance(atol or 0.0, rtol or 0.0) if atol is not None or rtol is not None else None
+    use_storage(storage_options, coalesce_gap)
     with _trust(trust_pickle), world_from_env() as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         report = verify(
@@ -338,6 +366,7 @@ def inspect_cmd(
     config: ConfigOpt = None,
     allow_unmapped: AllowUnmappedOpt = False,
     trust_pickle: TrustOpt = False,
+    storage_options: StorageOptionsOpt = None,
     json_out: JsonOpt = False,
     explain: ExplainOpt = None,
 ) -> None:
@@ -350,6 +379,7 @@ def inspect_cmd(
 
     if explain and not mapping:
         raise typer.BadParameter("needs --mapping", param_hint="--explain")
+    use_storage(storage_options, "0")
     local = download(path, revision) if looks_like_repo_id(path) else Path(path)
     with _trust(trust_pickle):
         info = inspect(local)
@@ -393,6 +423,8 @@ def run() -> None:
     million records of a 1 TB plan again (1.5 s measured), in a process that is about to end.
     """
     gc.disable()
+    # ckptconv never uses numpy, and a plain install has none: torch's import warns about that otherwise
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:
         main()
         code = 0

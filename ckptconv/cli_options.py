@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -42,6 +42,44 @@ DryRunOpt = Annotated[
 ]
 BucketOpt = Annotated[
     str, typer.Option("--bucket-size", help="Bytes in flight per rank while reading or gathering ('128MB').")
+]
+StorageOptionsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--storage-options",
+        help="URL paths (s3://, gs://, az://): a JSON object of keyword arguments for the backend's file "
+        "system (s3fs: key, secret, endpoint_url, client_kwargs, ...); wins over the environment's "
+        "variables.",
+        show_default=False,
+    ),
+]
+CoalesceGapOpt = Annotated[
+    str,
+    typer.Option(
+        "--coalesce-gap",
+        help="URL paths: one request reads across at most this many unneeded bytes between needed ranges "
+        "(0: never a byte not needed).",
+    ),
+]
+PushOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--push-to-hub",
+        help="After the result is published, upload it to this hub repo (org/name; created when missing).",
+        show_default=False,
+    ),
+]
+PushRevisionOpt = Annotated[
+    str | None,
+    typer.Option("--revision", help="--push-to-hub: the branch to push to (made from main when missing)."),
+]
+PrivateOpt = Annotated[bool, typer.Option("--private", help="--push-to-hub: a repo it creates is private.")]
+CommitMessageOpt = Annotated[
+    str | None,
+    typer.Option("--commit-message", help="--push-to-hub: the commit's message.", show_default=False),
+]
+CreatePrOpt = Annotated[
+    bool, typer.Option("--create-pr", help="--push-to-hub: open a pull request instead of committing.")
 ]
 ReadOpt = Annotated[
     str, typer.Option("--read", help="direct: writers read chunks from storage; gather: ranks read and send.")
@@ -129,3 +167,40 @@ ExplainOpt = Annotated[
         show_default=False,
     ),
 ]
+
+
+def use_storage(storage_options: str | None, coalesce_gap: str) -> None:
+    """Apply `--storage-options` and `--coalesce-gap` to the URL paths of this run."""
+    from .remote.urls import configure
+
+    if coalesce_gap.strip() == "0":
+        gap = 0
+    else:
+        from .plan import parse_size  # torch: not for inspect, which passes "0"
+
+        gap = parse_size(coalesce_gap, "--coalesce-gap")
+    configure(storage_options, gap)
+
+
+def push_request(
+    repo_id: str | None, revision: str | None, private: bool, commit_message: str | None, create_pr: bool
+) -> Any:
+    """`--push-to-hub` and its flags as a `hub_push.PushRequest` (None without it; its flags then refused)."""
+    from .errors import CkptconvError
+    from .hub_push import PushRequest
+
+    if repo_id is None:
+        given = [
+            f
+            for f, v in [
+                ("--revision", revision),
+                ("--private", private),
+                ("--commit-message", commit_message),
+                ("--create-pr", create_pr),
+            ]
+            if v
+        ]
+        if given:
+            raise CkptconvError(f"{given[0]} applies with --push-to-hub REPO_ID")
+        return None
+    return PushRequest(repo_id, revision, private or None, commit_message, create_pr)

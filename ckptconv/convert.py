@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gcpause, outcheck, outdir, sources
+from . import gcpause, hub_push, outcheck, outdir, sources
 from . import verify as verify_mod
 from .compose import dequantized_note
 from .copies import check_copies
@@ -28,6 +28,7 @@ from .formats.files import exists, is_directory, read_regular
 from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
 from .formats.hf_sharded import HF_METADATA_DIR
 from .hf_write import ReadPath, follow_config, write_shards
+from .hub_push import PushRequest
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .quant.config import dequantized_config
@@ -50,6 +51,7 @@ class Result:
     config_edits: list[str] = field(default_factory=list)  # what the copied config.json was changed to say
     written: bool = False
     ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote
+    hub: dict[str, Any] | None = None  # --push-to-hub: where the result went (hub_push.push)
 
 
 def _return_freed_memory() -> None:
@@ -90,8 +92,10 @@ def dcp_to_hf(
     quantize_skip: Sequence[str] = (),
     verify: bool = False,
     write_granularity: Granularity = "tensor",
+    push: PushRequest | None = None,
 ) -> Result:
-    """Convert the DCP checkpoint `src` into the HF directory `out`. Collective."""
+    """Convert the DCP checkpoint `src` into the HF directory `out`, and with `push` upload it to the hub
+    once published. Collective."""
     start = time.perf_counter()
     _return_freed_memory()
 
@@ -102,6 +106,8 @@ def dcp_to_hf(
         quant = QuantPolicy(quantize, quantize_skip) if quantize else None
         if write_granularity not in GRANULARITIES:
             raise CkptconvError(f"--write-granularity {write_granularity!r} is not one of tensor, file")
+        if push is not None:
+            push.check()
         shard_bytes = parse_size(max_shard_size)
         bucket = parse_size(bucket_size, "--bucket-size")
         if copy_from is not None and not copy_from.is_dir():
@@ -154,6 +160,8 @@ def dcp_to_hf(
         ui.warn(warning)
     result = Result(out, plan)
     if target is None:
+        if push is not None:
+            ui.info(f"--dry-run: nothing is written, nor pushed to {push.repo_id}")
         result.seconds = time.perf_counter() - start
         return result
     if target.note:
@@ -193,8 +201,10 @@ def dcp_to_hf(
     with gcpause.paused():  # the plan's records are not walked again and again while the bytes move
         result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
     result.ranks = world.all_gather_object(mine[0])
-    result.seconds = time.perf_counter() - start
     result.written = True
+    if push is not None:
+        result.hub = on_main(world, hub_push.push, push, target.path)
+    result.seconds = time.perf_counter() - start
     return result
 
 
@@ -352,3 +362,4 @@ class DcpResult:
     seconds: float = 0.0
     written: bool = False
     ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote
+    hub: dict[str, Any] | None = None  # --push-to-hub: where the result went (hub_push.push)

@@ -40,7 +40,7 @@ def write_shards(
 ) -> tuple[list[RowPiece], RankBytes]:
     """This rank's writes into `staging`; returns the chunks' pieces it read (some rows of a chunk) and the
     bytes it read and wrote."""
-    with DcpReader(ckpt) as reader:
+    with DcpReader(ckpt, cache_bytes=bucket) as reader:
         if read_path == "gather":
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
             pool = None
@@ -48,7 +48,7 @@ def write_shards(
             pool = BufferPool(keep_bytes=bucket)
             items = direct_tensors(plan, world, reader, bucket, pool)
         written = write_files(plan, items, staging, world, ui, pool)
-        return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written)
+        return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
 
 
 def write_files(

@@ -14,6 +14,7 @@ from pathlib import Path
 from . import outlock
 from .errors import CkptconvError
 from .formats.files import refuse_url
+from .remote.urls import is_url
 
 PARTIAL_SUFFIX = ".ckptconv-partial"
 OLD_SUFFIX = ".ckptconv-old"
@@ -153,7 +154,10 @@ def _model_file(name: str) -> bool:
 
 
 def _check_not_input(out: Path, label: str, path: Path) -> None:
-    """OUT must not be `path`, contain it or be inside it (symlinks and bind mounts followed)."""
+    """OUT must not be `path`, contain it or be inside it (symlinks and bind mounts followed). An input in
+    object storage is never inside a local OUT."""
+    if is_url(path):
+        return
     for what, real in ((label, path), *_linked(label, path)):
         inside, contains = _within(out, real), _within(real, out)
         if inside and contains:

@@ -11,9 +11,10 @@ from rich.console import Console
 from .dtype_names import short_name
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, is_dcp_dir, open_dcp
-from .formats.files import exists, is_directory, refuse_url
+from .formats.files import exists, is_directory
 from .formats.hf import StoredTensor, is_hf_dir, open_hf
 from .gcpause import paused
+from .remote.urls import is_url
 from .ui import human_bytes
 from .writes import bytes_per_rank
 
@@ -29,8 +30,11 @@ def inspect(path: Path) -> dict[str, Any]:
 
 
 def _inspect(path: Path) -> dict[str, Any]:
-    refuse_url(path, "PATH")
-    if not exists(path):
+    if is_url(path):
+        from .sources import dcp_source
+
+        path = dcp_source(path)  # object storage: DCP checkpoints
+    elif not exists(path):
         raise CkptconvError(f"{path}: no such file or directory")
     if is_dcp_dir(path):
         ckpt = open_dcp(path)

@@ -7,16 +7,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import CkptconvError
-from .formats.dcp import is_dcp_dir
+from .formats.dcp import METADATA_FILE, is_dcp_dir
 from .formats.files import exists, is_directory, is_regular, listdir, refuse_url
 from .formats.hf import download, is_hf_dir, looks_like_repo_id
 from .outcheck import refuse_partial
+from .remote.files import RemoteFiles
+from .remote.urls import UrlPath, url_path
 
 
 def dcp_source(src: Path) -> Path:
     """The DCP directory the user means (`src`, or the one checkpoint directly inside it), or a
-    CkptconvError saying what `src` is instead."""
-    refuse_url(src, "SRC")
+    CkptconvError saying what `src` is instead. A URL (`s3://bucket/prefix`) is a checkpoint in object
+    storage: a prefix with a `.metadata` object, or with one checkpoint one level down."""
+    url = url_path(src)
+    if url is not None:
+        return _remote_dcp(url)
     if not exists(src):
         raise CkptconvError(f"{src}: no such file or directory")
     refuse_partial(src)
@@ -38,6 +43,32 @@ def dcp_source(src: Path) -> Path:
         raise CkptconvError(f"{src}: holds {len(inner)} DCP checkpoints ({names}); point at one of them")
     raise CkptconvError(
         f"{src}: not a DCP checkpoint (no .metadata inside); point at the checkpoint directory"
+    )
+
+
+def _remote_dcp(url: UrlPath) -> UrlPath:
+    names = RemoteFiles(url).sizes()
+    if METADATA_FILE in names:
+        return url
+    inner = sorted(
+        {
+            name.rsplit("/", 1)[0]
+            for name in names
+            if name.count("/") == 1 and name.endswith("/" + METADATA_FILE)
+        }
+    )
+    models = [name for name in inner if not name.startswith("optimizer")]
+    if len(models) == 1 or len(inner) == 1:
+        return url / (models or inner)[0]
+    if inner:
+        shown = ", ".join(name + "/" for name in inner[:4]) + (", ..." if len(inner) > 4 else "")
+        raise CkptconvError(f"{url}: holds {len(inner)} DCP checkpoints ({shown}); point at one of them")
+    if not names:
+        raise CkptconvError(f"{url}: no such object or prefix (or no access to list it)")
+    if any(name.endswith((".safetensors", ".safetensors.index.json")) for name in names):
+        raise CkptconvError(f"{url}: is a Hugging Face safetensors checkpoint, not DCP; use hf-to-dcp")
+    raise CkptconvError(
+        f"{url}: not a DCP checkpoint (no .metadata under it); point at the checkpoint prefix"
     )
 
 
@@ -85,7 +116,10 @@ def hf_source(src: str, revision: str | None) -> Path:
 
 
 def any_source(src: str, revision: str | None = None) -> Path:
-    """A DCP directory, an HF directory or .safetensors file, or a hub repo id (verify's inputs)."""
+    """A DCP directory, an HF directory or .safetensors file, or a hub repo id (verify's inputs); a URL
+    names a DCP checkpoint in object storage."""
+    if url_path(src) is not None:
+        return dcp_source(Path(src))
 
     def check(path: Path) -> None:
         if not (is_dcp_dir(path) or is_hf_dir(path) or path.suffix == ".safetensors"):

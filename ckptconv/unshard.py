@@ -265,8 +265,17 @@ def direct_tensors(
                 done, future = pending.popleft()
                 in_flight -= done.nbytes
                 yield done, future.result()
+            _expect(reader, w)
             pending.append((w, threads.submit(assemble, w.tensor, rows, reader, w.window, pool)))
             in_flight += w.nbytes
         while pending:
             done, future = pending.popleft()
             yield done, future.result()
+
+
+def _expect(reader: DcpReader, w: Write) -> None:
+    """Tell `reader` which rows of which chunks `w` reads (from object storage, neighbours are fetched
+    together); on a file system, nothing to do."""
+    if reader.remote:
+        for spec, chunk, r0, r1 in needed_chunks(w.tensor, w.window):
+            reader.expect(spec, chunk, r0, r1)

@@ -91,9 +91,14 @@ class RankBytes(NamedTuple):
     rank: int
     bytes_read: int
     bytes_written: int
+    bytes_fetched: int = 0  # from object storage: bytes_read, plus the gaps coalesced requests read across
+    requests: int = 0  # ranged reads sent to object storage
 
     def to_json(self) -> dict[str, int]:
-        return self._asdict()
+        doc = self._asdict()
+        if not self.requests:  # a file system: nothing fetched
+            del doc["bytes_fetched"], doc["requests"]
+        return doc
 
 
 def plan_writes(files: Sequence[OutFile], world_size: int, granularity: Granularity) -> tuple[Write, ...]:

@@ -257,3 +257,19 @@ def test_usage_errors_with_a_typer_built_on_the_click_package(tmp_path: Path) ->
         assert needles[-1].removeprefix("see ").strip("'") in line, (args, line)  # the right --help
     bare = subprocess.run([sys.executable, "-m", "ckptconv"], capture_output=True, text=True, env=env)
     assert bare.returncode == 0 and bare.stdout.startswith("Usage: ckptconv")
+
+
+def test_no_numpy_no_warning(fsdp2_ckpt: Path, tmp_path: Path) -> None:
+    """A plain install has no numpy (nothing ckptconv uses needs it): torch's import would warn about it,
+    and a run prints only ckptconv's own lines."""
+    run = (
+        "import sys; sys.modules['numpy'] = None; "
+        f"sys.argv = ['ckptconv', 'dcp-to-hf', {str(fsdp2_ckpt)!r}, {str(tmp_path / 'out')!r}]; "
+        "from ckptconv.cli import run; run()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", run], capture_output=True, text=True, env=_env(), stdin=subprocess.DEVNULL
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "NumPy" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
+    assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -443,3 +443,36 @@ def test_buffer_pool_reuses_given_back_memory() -> None:
     big = pool.take((4000,), torch.float32)  # 16,000 bytes: over keep_bytes once given back
     pool.give(big)
     assert pool.take((4000,), torch.float32).data_ptr() != big.data_ptr()
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 500), st.integers(1, 60)), min_size=1, max_size=30),
+    st.integers(0, 40),
+    st.integers(1, 400),
+    st.data(),
+)
+def test_coalesced_span(pieces: list[tuple[int, int]], gap: int, limit: int, data: st.DataObject) -> None:
+    """One request for a wanted range: the expected range holding it, grown over neighbours no more than
+    `gap` apart while within `limit` (a longer range alone is still one request); the whole of every range
+    it takes, and no byte in a gap wider than `gap`."""
+    from ckptconv.remote.ranges import merged, span_around
+
+    expected = merged([(s, s + n) for s, n in pieces])
+    k = data.draw(st.integers(0, len(expected) - 1))
+    a = data.draw(st.integers(expected[k][0], expected[k][1] - 1))
+    b = data.draw(st.integers(a + 1, expected[k][1]))
+    found = span_around(expected, (a, b), gap, limit)
+    assert found is not None
+    lo, hi = found
+    assert lo <= k < hi
+    taken = expected[lo:hi]
+    assert all(nxt[0] - prev[1] <= gap for prev, nxt in pairwise(taken))
+    assert hi - lo == 1 or taken[-1][1] - taken[0][0] <= limit
+    grown = [(lo - 1, hi), (lo, hi + 1)]  # no neighbour left out that would have fitted
+    for i, j in grown:
+        if i >= 0 and j <= len(expected) and (i, j) != (lo, hi):
+            more = expected[i:j]
+            fits = all(n[0] - p[1] <= gap for p, n in pairwise(more)) and more[-1][1] - more[0][0] <= limit
+            assert not fits
+    end = expected[-1][1]  # a range no expected one holds: fetched exactly as asked
+    assert span_around(expected, (end + 1, end + 2), gap, limit) is None

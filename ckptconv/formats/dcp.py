@@ -22,10 +22,13 @@ from ..dtype_names import ITEMSIZE
 from ..errors import CkptconvError
 from ..gcpause import paused
 from ..layout import tiling_problem
+from ..remote.files import RemoteFiles
+from ..remote.urls import UrlPath
 from ..specs import ChunkFormat, NonTensorItem, TensorSpec, new_chunk
 from . import safe_pickle as md
 from .files import Stamp, inside, mode_of, open_regular, read_error, read_regular, stamp, stat_regular
 from .hf import MAX_HEADER_BYTES  # a larger safetensors header inside a .distcp is refused too
+from .megatron import MARKER_FILE as MEGATRON_MARKER
 from .megatron import Common, is_megatron, read_common
 from .safe_pickle import load_dcp_metadata
 
@@ -53,6 +56,8 @@ class DcpCheckpoint:
 def is_dcp_dir(path: Path) -> bool:
     """Whether `path` is a directory with a `.metadata` (of any kind: `open_dcp` refuses a FIFO by name), or
     the per-rank safetensors shards torch's distributed HF writer leaves (`hf_sharded`)."""
+    if isinstance(path, UrlPath):
+        return METADATA_FILE in RemoteFiles(path).sizes()
     mode = mode_of(path)
     if mode is None or not stat.S_ISDIR(mode):
         return False
@@ -69,27 +74,46 @@ def open_dcp(path: Path) -> DcpCheckpoint:
     `.metadata` and every file it names must be regular files resolving inside `path`. A directory of torch's
     distributed HF writer shards (no `.metadata`) is read from their headers (`hf_sharded.open_sharded`)."""
     md_path = path / METADATA_FILE
-    if mode_of(md_path) is None:
-        from .hf_sharded import is_sharded_dir, open_sharded
+    remote = RemoteFiles(path) if isinstance(path, UrlPath) else None
+    if remote is not None:
+        data = _remote_metadata(remote)
+    else:
+        if mode_of(md_path) is None:
+            from .hf_sharded import is_sharded_dir, open_sharded
 
-        if is_sharded_dir(path):
-            return open_sharded(path)
-    data = read_regular(md_path, path)
+            if is_sharded_dir(path):
+                return open_sharded(path)
+        data = read_regular(md_path, path)
     with paused():  # a million records, none of them garbage: see gcpause
         metadata = load_dcp_metadata(data, str(md_path))
         del data
         try:
-            ckpt = _specs_from_metadata(path, metadata)
+            ckpt = _specs_from_metadata(path, metadata, remote)
         except (AttributeError, TypeError, ValueError) as e:
             raise CkptconvError(
                 f"{md_path}: malformed DCP metadata ({e}); re-save or re-copy the checkpoint"
             ) from None
-    if is_megatron(path):
+    if remote is None and is_megatron(path):
         ckpt = dataclasses.replace(ckpt, kind="megatron", common=read_common(path))
     return ckpt
 
 
-def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
+def _remote_metadata(remote: RemoteFiles) -> bytes:
+    """`.metadata` of a checkpoint in object storage (Megatron-Core's are read from a file system only)."""
+    sizes = remote.sizes()
+    if METADATA_FILE not in sizes:
+        raise CkptconvError(f"{remote.root}: not a DCP checkpoint (no .metadata object under it)")
+    if MEGATRON_MARKER in sizes and b"torch_dist" in remote.read_all(MEGATRON_MARKER)[: 1 << 20]:
+        raise CkptconvError(
+            f"{remote.root}: a Megatron-Core checkpoint; ckptconv reads those from a file system only "
+            "(copy it to a local or mounted path)"
+        )
+    return remote.read_all(METADATA_FILE)
+
+
+def _specs_from_metadata(
+    root: Path, metadata: md.Metadata, remote: RemoteFiles | None = None
+) -> DcpCheckpoint:
     where = root / METADATA_FILE
     storage = metadata.storage_data
     if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
@@ -103,7 +127,7 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
         zip(zip(map(_FQN, index), map(_OFFSET, index), strict=True), storage.values(), strict=True)
     )
     del index
-    file_sizes = _FileSizes(root)
+    file_sizes = _FileSizes(root, remote)
     planner_paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     tensors: dict[str, TensorSpec] = {}
     items: dict[str, NonTensorItem] = {}
@@ -121,7 +145,7 @@ def _specs_from_metadata(root: Path, metadata: md.Metadata) -> DcpCheckpoint:
             entry.chunks = []  # its records go as the specs grow: the peak holds one of the two
         else:
             raise CkptconvError(f"{where}: key {fqn!r} has an unknown storage type")
-    formats = _sniff_formats(root, tensors.values())
+    formats = _sniff_formats(root, tensors.values(), remote)
     other = {file for file, fmt in formats.items() if fmt != "torch_save"}
     if other:  # chunks were made as torch_save records: re-make those of the files that are not
         tensors = {
@@ -251,8 +275,9 @@ def _location(locations: dict, fqn: str, file_sizes: _FileSizes, where: Path) ->
 class _FileSizes:
     """The size of each file `.metadata` names, once: a regular file resolving inside the checkpoint."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, remote: RemoteFiles | None = None) -> None:
         self.root = root
+        self.remote = remote
         self.known: dict[str, int] = {}  # file -> size, of the files checked
         self.stamps: dict[str, Stamp] = {}
 
@@ -268,6 +293,12 @@ class _FileSizes:
                 f"{where}: {fqn!r} points outside the checkpoint ({rel!r}); refusing to read it"
             )
         path = self.root / rel
+        if self.remote is not None:
+            remote_size = self.remote.sizes().get(rel)
+            if remote_size is None:
+                raise CkptconvError(f"{path}: missing; the checkpoint is incomplete (re-copy it)")
+            self.known[rel], self.stamps[rel] = remote_size, (0, 0, remote_size, 0)
+            return remote_size
         if mode_of(Path(os.path.realpath(path))) is None:
             inside(path, self.root)  # a dangling link out of the checkpoint is refused as such
             raise CkptconvError(f"{path}: missing; the checkpoint is incomplete (re-copy it)")
@@ -276,7 +307,9 @@ class _FileSizes:
         return st.st_size
 
 
-def _sniff_formats(root: Path, tensors: Iterable[TensorSpec]) -> dict[str, ChunkFormat]:
+def _sniff_formats(
+    root: Path, tensors: Iterable[TensorSpec], remote: RemoteFiles | None = None
+) -> dict[str, ChunkFormat]:
     """Tell the two chunk serializations apart by the bytes where one of a file's tensor chunks starts (the
     first listed: each one starts a record).
 
@@ -292,15 +325,7 @@ def _sniff_formats(root: Path, tensors: Iterable[TensorSpec]) -> dict[str, Chunk
             first.setdefault(rel, offset)
     formats: dict[str, ChunkFormat] = {}
     for rel, offset in first.items():
-        head = bytearray(9)
-        fd = open_regular(root / rel, root)
-        try:
-            n = os.preadv(fd, [head], offset)
-        except OSError as e:
-            raise read_error(root / rel, e) from None
-        finally:
-            os.close(fd)
-        head = head[:n]
+        head = _head(root, rel, offset, remote)
         if head[:4] == b"PK\x03\x04":
             formats[rel] = "torch_save"
         elif len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] <= MAX_HEADER_BYTES:
@@ -311,3 +336,18 @@ def _sniff_formats(root: Path, tensors: Iterable[TensorSpec]) -> dict[str, Chunk
                 "the checkpoint is corrupt, re-save or re-copy it"
             )
     return formats
+
+
+def _head(root: Path, rel: str, offset: int, remote: RemoteFiles | None) -> bytes:
+    """Up to 9 bytes of `rel` at `offset`."""
+    if remote is not None:
+        return remote.read(rel, offset, min(9, remote.sizes()[rel] - offset))
+    head = bytearray(9)
+    fd = open_regular(root / rel, root)
+    try:
+        n = os.preadv(fd, [head], offset)
+    except OSError as e:
+        raise read_error(root / rel, e) from None
+    finally:
+        os.close(fd)
+    return bytes(head[:n])

@@ -21,6 +21,8 @@ import torch
 
 from ..crc32 import crc32, whole_crc
 from ..errors import CkptconvError
+from ..remote.files import RemoteFiles
+from ..remote.urls import UrlPath
 from ..specs import ChunkSpec, NonTensorItem, TensorSpec
 from .dcp import DcpCheckpoint
 from .files import check_unchanged, open_regular, pread_exact, read_error
@@ -45,8 +47,14 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 class DcpReader:
     """Reads stored chunks of one DCP checkpoint into caller-owned tensors. Safe for concurrent threads."""
 
-    def __init__(self, ckpt: DcpCheckpoint) -> None:
+    def __init__(self, ckpt: DcpCheckpoint, cache_bytes: int = 256 << 20) -> None:
         self.ckpt = ckpt
+        self._remote = (
+            RemoteFiles(ckpt.path, cache_bytes=cache_bytes, sizes={r: s[2] for r, s in ckpt.stamps.items()})
+            if isinstance(ckpt.path, UrlPath)
+            else None
+        )
+        self._located: dict[tuple[str, int, str, tuple[int, ...]], int | None] = {}  # chunk -> data offset
         self._fds: dict[str, int] = {}
         self._st_headers: dict[tuple[str, int], dict[str, StoredTensor]] = {}
         self._crcs: dict[tuple[str, int], int] = {}  # (file, data offset) -> CRC-32 of a whole zip entry
@@ -83,9 +91,37 @@ class DcpReader:
 
     def pread(self, rel: str, offset: int, out: memoryview) -> None:
         """Fill `out` with the bytes of `rel` at `offset`, or raise naming the file and what is wrong."""
-        pread_exact(self._fd(rel), self.ckpt.path / rel, offset, out)
+        if self._remote is not None:
+            self._remote.pread(rel, offset, out)
+        else:
+            pread_exact(self._fd(rel), self.ckpt.path / rel, offset, out)
         with self._lock:
             self.bytes_read += len(out)
+
+    @property
+    def remote(self) -> bool:
+        return self._remote is not None
+
+    def expect(self, spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> None:
+        """This reader will read rows [r0, r1) of `chunk` soon. From object storage, those bytes are then
+        fetched with their expected neighbours in one request (`RemoteFiles.expect`): a whole torch.save
+        record (its zip entries and data), or else exactly the rows' bytes once the data is located. On a
+        file system, nothing to do."""
+        if self._remote is None or not chunk.numel:
+            return
+        rows = chunk.sizes[0] if chunk.sizes else 1
+        if chunk.fmt == "torch_save" and r0 == 0 and r1 == rows:
+            self._remote.expect(chunk.file, chunk.byte_offset, chunk.byte_length)
+            return
+        where = self.locate(spec, chunk)
+        if where is not None:
+            row_bytes = chunk.numel * spec.dtype.itemsize // rows
+            self._remote.expect(chunk.file, where + r0 * row_bytes, (r1 - r0) * row_bytes)
+
+    def fetched(self) -> tuple[int, int]:
+        """(bytes fetched, requests) from object storage; (0, 0) on a file system."""
+        remote = self._remote
+        return (remote.bytes_fetched, remote.requests) if remote is not None else (0, 0)
 
     def read_bytes(self, rel: str, offset: int, length: int) -> bytes:
         buf = bytearray(length)
@@ -148,6 +184,14 @@ class DcpReader:
 
     def locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
         """File offset of the chunk's raw bytes (C order, in `spec.dtype`), None if only torch.load can."""
+        key = (chunk.file, chunk.byte_offset, spec.fqn, chunk.offsets)  # one blob holds many (safetensors)
+        if key not in self._located:
+            found = self._locate(spec, chunk)
+            with self._lock:
+                self._located[key] = found
+        return self._located[key]
+
+    def _locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
         nbytes = chunk.numel * spec.dtype.itemsize
         if chunk.fmt == "safetensors":
             stored = self._st_header(chunk.file, chunk.byte_offset).get(spec.fqn)
@@ -208,12 +252,17 @@ class DcpReader:
             if length > MAX_HEADER_BYTES:
                 raise CkptconvError(f"{path}: safetensors header of {length} bytes is too large")
             header = parse_header(self.read_bytes(rel, offset + 8, length), path)
-            try:
-                size = os.fstat(self._fd(rel)).st_size
-            except OSError as e:
-                raise read_error(path, e) from None
+            size = self._size(rel)
             self._st_headers[key] = header_tensors(header, path, offset + 8 + length, size)[0]
         return self._st_headers[key]
+
+    def _size(self, rel: str) -> int:
+        if self._remote is not None:
+            return self._remote.sizes()[rel]
+        try:
+            return os.fstat(self._fd(rel)).st_size
+        except OSError as e:
+            raise read_error(self.ckpt.path / rel, e) from None
 
     def _corrupt(self, chunk: ChunkSpec, what: str) -> CkptconvError:
         return CkptconvError(

@@ -44,17 +44,17 @@ _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/+")
 
 
 def refuse_url(path: str | Path, what: str) -> None:
-    """A URL (`s3://bucket/x`, `gs://`, `hf://`, ...) for a checkpoint path is refused by name: ckptconv reads
-    and writes file systems, and a `Path` would take it for a local directory named `s3:` (writing
+    """A URL (`s3://bucket/x`, `gs://`, `hf://`, ...) where ckptconv does not take one yet (an OUT, an HF
+    source) is refused by name: a `Path` would take it for a local directory named `s3:` (writing
     `./s3:/bucket/x` and exiting 0). A local directory of such a name is still reachable as `./s3:/...`."""
     text = str(path)
     match = _URL.match(text)
     if match:
         url = f"{match.group(1)}://{text[match.end() :]}"
         raise CkptconvError(
-            f"{what} {url}: object storage URLs are not read or written yet; copy the checkpoint to a local "
-            f"or mounted file system (s3fs, gcsfuse, blobfuse) and pass that path (./{text} for a local "
-            "directory of that name)"
+            f"{what} {url}: object storage URLs are not supported here yet (only a DCP checkpoint is read "
+            "from one: dcp-to-hf SRC, inspect, verify); use a local or mounted file system path "
+            f"(./{text} for a local directory of that name)"
         )
 
 

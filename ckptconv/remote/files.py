@@ -1,0 +1,162 @@
+"""The objects under one URL, read by byte range: `RemoteFiles(root)`.
+
+Call order: rank 0 lists the objects (`sizes`) and reads `.metadata` (`read`) while opening the checkpoint;
+every rank that reads chunks says which byte ranges it will read (`expect`, a record at a time, ahead of
+reading it) and reads them (`pread`). A read inside an expected range fetches, in one ranged GET, that range
+and its expected neighbours at most `coalesce_gap` bytes apart (up to `span_limit` bytes), then serves the
+reads that follow from the fetched span; any other read fetches exactly its bytes. Fetched spans are kept
+within `cache_bytes` (the oldest go first). Nothing is written to local disk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from ..errors import CkptconvError
+from .ranges import Range, merged, span_around
+from .urls import UrlPath, coalesce_gap, filesystem, redact
+
+_listings: dict[str, dict[str, int]] = {}  # URL -> its objects' sizes, listed once per process
+
+
+class RemoteFiles:
+    """Ranged reads of the objects under `root`. Safe for concurrent threads."""
+
+    def __init__(
+        self,
+        root: UrlPath,
+        gap: int | None = None,
+        cache_bytes: int = 256 << 20,
+        sizes: dict[str, int] | None = None,
+    ) -> None:
+        self.root = root
+        self.fs = filesystem(root)
+        self.coalesce_gap = coalesce_gap() if gap is None else gap
+        self.cache_bytes = cache_bytes
+        self.span_limit = max(cache_bytes // 4, 1 << 20)
+        self._sizes = sizes
+        self._expected: dict[str, list[Range]] = {}
+        self._spans: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._cached = 0
+        self._lock = threading.Lock()
+        self.bytes_fetched = 0
+        self.requests = 0
+
+    def sizes(self) -> dict[str, int]:
+        """{name under root: size} of every object under `root` (one listing)."""
+        if self._sizes is None:
+            self._sizes = _listings.get(str(self.root))
+        if self._sizes is None:
+            prefix = self.root.key.rstrip("/") + "/"
+            try:
+                found = self.fs.find(self.root.key, detail=True)
+            except Exception as e:
+                raise remote_error(self.root, e) from None
+            self._sizes = {
+                path.removeprefix(prefix): int(info.get("size") or 0)
+                for path, info in found.items()
+                if path.startswith(prefix) and info.get("type", "file") == "file"
+            }
+            _listings[str(self.root)] = self._sizes
+        return self._sizes
+
+    def exists(self, rel: str) -> bool:
+        return rel in self.sizes()
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of `rel`, exactly."""
+        data = self._get(rel, offset, offset + length)
+        if len(data) != length:
+            raise CkptconvError(
+                f"{self.root / rel}: holds {offset + len(data)} bytes, {offset + length} expected; "
+                "the object changed or was truncated while being read, re-copy it"
+            )
+        return data
+
+    def read_all(self, rel: str) -> bytes:
+        """The whole of `rel` (a small object: `.metadata`, an index, a header)."""
+        return self._get(rel, 0, None)
+
+    def expect(self, rel: str, start: int, length: int) -> None:
+        """This rank will read bytes [start, start + length) of `rel` (a chunk's record) soon. A range
+        longer than `span_limit` is read exactly as asked instead (never held whole)."""
+        if length <= 0 or length > self.span_limit:
+            return
+        with self._lock:
+            self._expected[rel] = merged([*self._expected.get(rel, []), (start, start + length)])
+
+    def pread(self, rel: str, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes of `rel` at `offset`."""
+        n = len(out)
+        if n == 0:
+            return
+        want = (offset, offset + n)
+        with self._lock:
+            cached = self._from_cache(rel, want)
+            span = None if cached is not None else self._take_span(rel, want)
+        if cached is not None:
+            out[:] = cached
+            return
+        if span is None:
+            out[:] = self.read(rel, offset, n)
+            return
+        data = self.read(rel, span[0], span[1] - span[0])
+        out[:] = memoryview(data)[offset - span[0] : offset - span[0] + n]
+        if span != want:
+            with self._lock:
+                self._keep(rel, span[0], data)
+
+    def _from_cache(self, rel: str, want: Range) -> memoryview | None:
+        for (name, start), data in reversed(self._spans.items()):
+            if name == rel and start <= want[0] and want[1] <= start + len(data):
+                return memoryview(data)[want[0] - start : want[1] - start]
+        return None
+
+    def _take_span(self, rel: str, want: Range) -> Range | None:
+        """The span one GET fetches for `want` (its expected ranges then leave the list), or None."""
+        expected = self._expected.get(rel, [])
+        found = span_around(expected, want, self.coalesce_gap, self.span_limit)
+        if found is None:
+            return None
+        lo, hi = found
+        span = (expected[lo][0], expected[hi - 1][1])
+        del expected[lo:hi]
+        return span
+
+    def _keep(self, rel: str, start: int, data: bytes) -> None:
+        self._spans[(rel, start)] = data
+        self._cached += len(data)
+        while self._cached > self.cache_bytes and len(self._spans) > 1:
+            _, old = self._spans.popitem(last=False)
+            self._cached -= len(old)
+
+    def _get(self, rel: str, start: int, end: int | None) -> bytes:
+        if end is not None and end <= start:
+            return b""
+        try:
+            data = self.fs.cat_file(f"{self.root.key}/{rel}", start=start, end=end)
+        except Exception as e:
+            raise remote_error(self.root / rel, e) from None
+        with self._lock:
+            self.bytes_fetched += len(data)
+            self.requests += 1
+        return bytes(data)
+
+
+_DENIED = ("Credential", "AccessDenied", "Forbidden", "Signature", "InvalidAccessKey", "Unauthorized")
+
+
+def remote_error(url: Any, e: BaseException) -> CkptconvError:
+    """The one-line error for a failed request on `url` (secrets of --storage-options redacted)."""
+    if isinstance(e, FileNotFoundError):
+        cause = "no such object (removed while being read?)"
+        fix = "check the URL, and that nothing deletes the checkpoint while it is converted"
+    elif isinstance(e, PermissionError) or any(word in type(e).__name__ for word in _DENIED):
+        cause = "access denied"
+        fix = "check the credentials (--storage-options, or the backend's usual variables and profiles)"
+    else:
+        cause = f"{type(e).__name__}: {e}".strip()
+        fix = "check the URL, the endpoint and the network"
+    return CkptconvError(redact(f"{url}: cannot read ({cause}); {fix}"))

@@ -126,10 +126,9 @@ def dcp_to_hf_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a DCP checkpoint to Hugging Face safetensors (under torchrun: every rank shares the work)."""
+    from .cli_output import show_dcp_to_hf
     from .convert import dcp_to_hf
     from .errors import CkptconvError
-    from .remote.urls import url_path
-    from .report import human_bytes, plan_summary, render_plan
     from .ui import Ui
     from .world import world_from_env
 
@@ -165,37 +164,7 @@ def dcp_to_hf_cmd(
             write_granularity=write_granularity,  # type: ignore[arg-type]
             push=push,
         )
-        summary = plan_summary(result.plan)
-        if json_out:
-            _print_json(
-                {
-                    "command": "dcp-to-hf",
-                    "src": str(url_path(src) or src),
-                    "out": str(out),
-                    "dry_run": dry_run,
-                    "seconds": round(result.seconds, 3),
-                    "verified": verify and result.written,
-                    "copied": result.copied,
-                    "config_edits": result.config_edits,
-                    "ranks": [r.to_json() for r in result.ranks],
-                    **summary,
-                    "hub": result.hub,
-                }
-            )
-        elif dry_run:
-            if world.is_main:
-                from rich.console import Console
-
-                render_plan(result.plan, Console(highlight=False, soft_wrap=True))
-        else:
-            ui.info(
-                f"wrote {out}: {len(result.plan.files)} file(s), {summary['num_tensors']} tensors, "
-                f"{human_bytes(result.plan.total_size)} in {result.seconds:.1f}s on {world.size} rank(s)"
-            )
-            for edit in result.config_edits:
-                ui.info(f"config.json: {edit}")
-            if result.hub:
-                ui.info(f"pushed to {result.hub['pr_url'] or result.hub['commit_url']}")
+        show_dcp_to_hf(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 
 
 @app.command("hf-to-dcp")

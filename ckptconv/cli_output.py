@@ -68,3 +68,44 @@ def dumps(doc: dict[str, Any]) -> str:
         return f"[\n{indent}  {rows}\n{indent}]"
 
     return re.sub(f'"{nonce}:([0-9]+)"', records, text)
+
+
+def show_dcp_to_hf(
+    result: Any, src: Any, out: Any, world: Any, ui: Any, *, dry_run: bool, verify: bool, json_out: bool
+) -> None:
+    """dcp-to-hf's report: the --json document, the plan of a --dry-run, or the lines saying what was done."""
+    from .remote.urls import url_path
+    from .report import human_bytes, plan_summary, render_plan
+
+    summary = plan_summary(result.plan)
+    if json_out:
+        print_json(
+            {
+                "command": "dcp-to-hf",
+                "src": str(url_path(src) or src),
+                "out": str(url_path(out) or out),
+                "dry_run": dry_run,
+                "seconds": round(result.seconds, 3),
+                "verified": verify and result.written,
+                "copied": result.copied,
+                "config_edits": result.config_edits,
+                "ranks": [r.to_json() for r in result.ranks],
+                **summary,
+                "hub": result.hub,
+            }
+        )
+    elif dry_run:
+        if world.is_main:
+            from rich.console import Console
+
+            render_plan(result.plan, Console(highlight=False, soft_wrap=True))
+    else:
+        ui.info(
+            f"wrote {url_path(out) or out}: {len(result.plan.files)} file(s), "
+            f"{summary['num_tensors']} tensors, "
+            f"{human_bytes(result.plan.total_size)} in {result.seconds:.1f}s on {world.size} rank(s)"
+        )
+        for edit in result.config_edits:
+            ui.info(f"config.json: {edit}")
+        if result.hub:
+            ui.info(f"pushed to {result.hub['pr_url'] or result.hub['commit_url']}")

@@ -33,6 +33,9 @@ from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .quant.config import dequantized_config
 from .quant.policy import QuantPolicy
+from .remote import out as remote_out
+from .remote.out import RemoteTarget
+from .remote.urls import url_path
 from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
 from .unshard import check_read_pieces
@@ -99,7 +102,7 @@ def dcp_to_hf(
     start = time.perf_counter()
     _return_freed_memory()
 
-    def check_inputs() -> tuple[DtypePolicy, QuantPolicy | None, int, int, Path, outcheck.Output | None]:
+    def check_inputs() -> tuple[DtypePolicy, QuantPolicy | None, int, int, Path, outcheck.Target | None]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         if quantize_skip and not quantize:
             raise CkptconvError("--quantize-skip applies with --quantize fp8")
@@ -114,7 +117,11 @@ def dcp_to_hf(
             raise CkptconvError(f"--copy-from {copy_from}: not a directory")
         located = sources.dcp_source(src)
         inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", config), _mapping_file(mapping)]
-        target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
+        target = (
+            None
+            if dry_run
+            else outcheck.hf_target(world.is_main, out, overwrite, inputs, verify, push is not None)
+        )
         return policy, quant, shard_bytes, bucket, located, target
 
     def prepare(
@@ -142,7 +149,7 @@ def dcp_to_hf(
             keep_trainer_state=keep_trainer_state,
             file_split=ckpt.file_split if keep_file_split else None,
             quantize=quant,
-            write_granularity=write_granularity,
+            write_granularity="file" if url_path(out) else write_granularity,  # object storage: one writer
         )
         return plan, model_config, described
 
@@ -164,7 +171,10 @@ def dcp_to_hf(
             ui.info(f"--dry-run: nothing is written, nor pushed to {push.repo_id}")
         result.seconds = time.perf_counter() - start
         return result
-    if target.note:
+    if isinstance(target, RemoteTarget):
+        if world.size > 1:
+            ui.info(f"{target.url}: each file is uploaded whole by one rank (--write-granularity file)")
+    elif target.note:
         ui.info(target.note)
 
     def source() -> verify_mod.Side:
@@ -199,10 +209,14 @@ def dcp_to_hf(
         return copied
 
     with gcpause.paused():  # the plan's records are not walked again and again while the bytes move
-        result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
+        if isinstance(target, RemoteTarget):
+            result.copied = remote_out.publish(world, target, plan.sharded, write, finish, check) or []
+        else:
+            result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
     result.ranks = world.all_gather_object(mine[0])
     result.written = True
     if push is not None:
+        assert isinstance(target, outcheck.Output)  # a URL OUT with --push-to-hub was refused
         result.hub = on_main(world, hub_push.push, push, target.path)
     result.seconds = time.perf_counter() - start
     return result
@@ -301,7 +315,10 @@ def hf_to_dcp(
     if target is None:
         result.seconds = time.perf_counter() - start
         return result
-    if target.note:
+    if isinstance(target, RemoteTarget):
+        if world.size > 1:
+            ui.info(f"{target.url}: each file is uploaded whole by one rank (--write-granularity file)")
+    elif target.note:
         ui.info(target.note)
 
     def source() -> verify_mod.Side:  # the HF tensors the plan reads (keys a mapping drops are not output)

@@ -14,7 +14,8 @@ from pathlib import Path
 from . import outlock
 from .errors import CkptconvError
 from .formats.files import refuse_url
-from .remote.urls import is_url
+from .remote.out import RemoteTarget
+from .remote.urls import is_url, url_path
 
 PARTIAL_SUFFIX = ".ckptconv-partial"
 OLD_SUFFIX = ".ckptconv-old"
@@ -131,10 +132,7 @@ def _not_a_checkpoint(entries: list[os.DirEntry[str]]) -> list[str]:
     everything when nothing marks a checkpoint (weights, index, stash, `.metadata`); otherwise any entry
     that is not a regular file (a subdirectory, a link: `name/`, `name@`) or not one a checkpoint or an HF
     model directory holds (hidden ones but `.metadata`, code, logs)."""
-    from .stash import STASH_FILE
-
-    def ours(name: str) -> bool:
-        return name.endswith(_CHECKPOINT_SUFFIXES) or name in (STASH_FILE, ".metadata")
+    ours = is_checkpoint_file
 
     def shown(e: os.DirEntry[str]) -> str:
         return e.name + ("@" if e.is_symlink() else "/" if e.is_dir() else "")
@@ -146,6 +144,17 @@ def _not_a_checkpoint(entries: list[os.DirEntry[str]]) -> list[str]:
         for e in entries
         if not (ours(e.name) or _model_file(e.name)) or not e.is_file(follow_symlinks=False)
     ]
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """A file only a checkpoint holds: weights, an index, a stash, `.metadata`."""
+    from .stash import STASH_FILE
+
+    return name.endswith(_CHECKPOINT_SUFFIXES) or name in (STASH_FILE, ".metadata")
+
+
+def is_model_file(name: str) -> bool:
+    return _model_file(name)
 
 
 def _model_file(name: str) -> bool:
@@ -197,3 +206,28 @@ def _within(inner: Path, outer: Path) -> bool:
         except OSError:
             continue
     return False
+
+
+Target = Output | RemoteTarget
+
+
+def hf_target(main: bool, out: Path, overwrite: bool, inputs: Inputs, verify: bool, push: bool) -> Target:
+    """Where dcp-to-hf writes: a checked local OUT, or a prefix in object storage (checked on rank 0),
+    where the flags that read the output back or upload it are refused by name."""
+    url = url_path(out)
+    if url is None:
+        return target(out, overwrite, inputs, main=main)
+    if verify:
+        raise CkptconvError(
+            f"--verify with OUT {url}: reading the output back from object storage is not supported yet; "
+            "leave --verify out and check a local copy with `ckptconv verify`"
+        )
+    if push:
+        raise CkptconvError(
+            f"--push-to-hub with OUT {url}: pushing from object storage is not supported; write OUT to a "
+            "local path to push it"
+        )
+    remote = RemoteTarget(url, overwrite)
+    if main:
+        remote.check()
+    return remote

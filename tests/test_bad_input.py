@@ -230,19 +230,23 @@ def test_object_storage_urls_are_refused_by_name_and_never_written_locally(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A URL is never taken for a local directory (`./s3:/bucket/ckpt`, then exit 0): where ckptconv does not
-    take one yet, exit 2 naming it; where a DCP checkpoint is read from one (test_object_storage) and the
+    take one yet, exit 2 naming it; where ckptconv reads or writes one (test_object_storage*) and the
     backend is not installed, exit 2 naming the extra that installs it."""
     monkeypatch.chdir(tmp_path)
     hf = tmp_path / "hf"
     assert run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(hf), "--quiet")[0] == 0
     cases = [
-        (["dcp-to-hf", str(fsdp2_ckpt), url], f"OUT {url}", "object storage"),
         (["hf-to-dcp", str(hf), url], f"OUT {url}", "object storage"),
         (["hf-to-dcp", url, "out"], f"SRC {url}", "object storage"),
     ]
     extra = {"gs": ("gcsfs", "gcs"), "abfs": ("adlfs", "azure")}.get(url.split(":")[0])
     if extra and importlib.util.find_spec(extra[0]) is None:  # no network: only where it fails at once
-        for argv in (["dcp-to-hf", url, "out"], ["inspect", url], ["verify", url, str(hf)]):
+        for argv in (
+            ["dcp-to-hf", url, "out"],
+            ["dcp-to-hf", str(fsdp2_ckpt), url],
+            ["inspect", url],
+            ["verify", url, str(hf)],
+        ):
             cases.append((argv, url, f"pip install 'ckptconv[{extra[1]}]'"))
     for argv, where, what in cases:
         code, err = run(capsys, *argv)

@@ -26,6 +26,7 @@ import torch
 
 from ..dtypes import st_name
 from ..errors import CkptconvError
+from ..remote.urls import UrlPath
 from .dcp_reader import byte_view
 from .dequant import quantized_block
 from .files import check_unchanged, open_regular, pread_exact
@@ -75,10 +76,16 @@ class SafetensorsWriter:
                 strict=False,
             )
         )
-        try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise self._error(e) from None
+        self._stream = None
+        if isinstance(path, UrlPath):  # object storage: streamed in order (remote.out)
+            from ..remote.out import stream
+
+            self._stream = stream(path)
+        else:
+            try:
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise self._error(e) from None
         if header:
             self._pwrite(memoryview(head), 0)
 
@@ -92,6 +99,10 @@ class SafetensorsWriter:
             self._pwrite(view, self._offsets[key] + start)
 
     def _pwrite(self, data: memoryview, offset: int) -> None:
+        if self._stream is not None:
+            self._stream.write_at(offset, data)
+            self.bytes_written += len(data)
+            return
         try:
             while data:
                 n = os.pwrite(self._fd, data, offset)
@@ -104,12 +115,18 @@ class SafetensorsWriter:
         return CkptconvError(f"{self.path}: cannot write ({e.strerror}); check free space and permissions")
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            return
         try:
             os.close(self._fd)
         except OSError as e:
             raise self._error(e) from None
 
     def abort(self) -> None:
+        if self._stream is not None:
+            self._stream.discard()
+            return
         os.close(self._fd)
 
 

@@ -1,0 +1,191 @@
+"""dcp-to-hf writing OUT to object storage (moto's S3 server): the bytes of a local conversion, the completing
+object last, and nothing of a failed run left behind (objects or unfinished multipart uploads)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import s3fs
+from conftest import ckptconv, tree_sha256
+from test_bad_input import assert_one_line
+from test_object_storage import _options, endpoint, fs  # noqa: F401  (fixtures: moto's server, a client)
+
+from ckptconv.cli import main
+
+
+def _objects(client: s3fs.S3FileSystem, key: str) -> dict[str, str]:
+    client.invalidate_cache()
+    return {
+        path.rsplit("/", 1)[1]: hashlib.sha256(client.cat_file(path)).hexdigest()
+        for path in client.find(f"ckpts/{key}")
+    }
+
+
+def _uploads_in_progress(client: s3fs.S3FileSystem) -> list[Any]:
+    return list(client.list_multipart_uploads("ckpts"))
+
+
+def _in_process(capsys: pytest.CaptureFixture[str], endpoint: str, *argv: str) -> tuple[int, str]:  # noqa: F811
+    try:
+        main([*argv, "--storage-options", json.dumps(_options(endpoint))])
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nproc", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("shards", ["5GB", "400"])
+def test_out_in_s3_holds_the_local_bytes(
+    nproc: int,
+    shards: str,
+    fsdp2_ckpt: Path,
+    endpoint: str,  # noqa: F811
+    fs: s3fs.S3FileSystem,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    local = tmp_path / "local"
+    flags = ("--max-shard-size", shards, "--fp32", "A_log$")
+    assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(local), *flags, "-q").returncode == 0
+    key = f"out-{nproc}-{shards}"
+    options = json.dumps(_options(endpoint))
+    proc = ckptconv(
+        "dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/{key}", *flags, "--storage-options", options, nproc=nproc
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _objects(fs, key) == tree_sha256(local)
+    assert _uploads_in_progress(fs) == []
+
+
+def test_completing_object_is_last(
+    fsdp2_ckpt: Path,
+    endpoint: str,  # noqa: F811
+    fs: s3fs.S3FileSystem,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Data objects, then ckptconv_state.json, then the index (sharded) or the single file: the order in
+    which the store completes them, recorded at s3fs's boundary."""
+    done: list[str] = []
+    commit, put_file = s3fs.core.S3File.commit, s3fs.S3FileSystem.put_file
+
+    def record_commit(self: Any) -> None:
+        commit(self)
+        done.append(self.path.rsplit("/", 1)[1])
+
+    def record_put(self: Any, lpath: str, rpath: str, **kw: Any) -> None:
+        put_file(self, lpath, rpath, **kw)
+        done.append(rpath.rsplit("/", 1)[1])
+
+    monkeypatch.setattr(s3fs.core.S3File, "commit", record_commit)
+    monkeypatch.setattr(s3fs.S3FileSystem, "put_file", record_put)
+    for shards, last in (("400", "model.safetensors.index.json"), ("5GB", "model.safetensors")):
+        done.clear()
+        argv = ("dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/order-{shards}", "--max-shard-size", shards)
+        assert _in_process(capsys, endpoint, *argv, "-q")[0] == 0
+        done[:] = [n for i, n in enumerate(done) if i == 0 or done[i - 1] != n]  # put_file nests a put_file
+        assert done[-1] == last and done.count(last) == 1
+        assert done[-2] == "ckptconv_state.json"
+        shards = {n for n in _objects(fs, f"order-{shards}") if n.startswith("model-")}
+        assert set(done[:-2]) == shards
+
+
+def _failing_parts(monkeypatch: pytest.MonkeyPatch, after: int) -> None:
+    """The store refuses every write after the first `after` (parts, whole puts, completions): s3fs sees
+    what a failing server gives it, an OSError for the request. Both of s3fs's request paths: its file
+    objects' (sync) and its file system's (async)."""
+    seen = [0]
+    sync_call, async_call = s3fs.S3FileSystem.call_s3, s3fs.S3FileSystem._call_s3
+
+    def refuse(method: str) -> None:
+        if method in ("upload_part", "put_object", "complete_multipart_upload"):
+            seen[0] += 1
+            if seen[0] > after:
+                raise OSError(5, "InternalError: We encountered an internal error. Please try again.")
+
+    def failing_sync(self: Any, method: str, *args: Any, **kw: Any) -> Any:
+        refuse(method)
+        return sync_call(self, method, *args, **kw)
+
+    async def failing_async(self: Any, method: str, *args: Any, **kw: Any) -> Any:
+        refuse(method)
+        return await async_call(self, method, *args, **kw)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", failing_sync)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", failing_async)
+
+
+@pytest.mark.parametrize("after", [0, 2, 4])  # 3 shards, the stash, the index
+def test_store_failing_midway_leaves_nothing(
+    after: int,
+    fsdp2_ckpt: Path,
+    endpoint: str,  # noqa: F811
+    fs: s3fs.S3FileSystem,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fs.pipe_file("ckpts/neighbour-v2/keep.txt", b"another prefix")
+    _failing_parts(monkeypatch, after)
+    argv = ("dcp-to-hf", str(fsdp2_ckpt), "s3://ckpts/neighbour", "--max-shard-size", "400", "-q")
+    code, err = _in_process(capsys, endpoint, *argv)
+    assert_one_line(code, err, "s3://ckpts/neighbour", "cannot write")
+    monkeypatch.undo()
+    assert _objects(fs, "neighbour") == {}  # no completing object, nor any other of the run
+    assert _uploads_in_progress(fs) == []
+    assert fs.cat_file("ckpts/neighbour-v2/keep.txt") == b"another prefix"
+
+
+def test_overwrite_removes_the_completing_object_first(
+    fsdp2_ckpt: Path,
+    endpoint: str,  # noqa: F811
+    fs: s3fs.S3FileSystem,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    argv = ("dcp-to-hf", str(fsdp2_ckpt), "s3://ckpts/release", "--max-shard-size", "400", "-q")
+    assert _in_process(capsys, endpoint, *argv)[0] == 0
+    old = _objects(fs, "release")
+    code, err = _in_process(capsys, endpoint, *argv)
+    assert_one_line(code, err, "s3://ckpts/release", "--overwrite")
+    assert _objects(fs, "release") == old
+    removed: list[str] = []
+    rm = s3fs.S3FileSystem._rm  # the sync `rm` of each instance wraps it
+
+    async def record_rm(self: Any, path: Any, *args: Any, **kw: Any) -> Any:
+        paths = [path] if isinstance(path, str) else path
+        removed.append(",".join(sorted(p.rsplit("/", 1)[1] for p in paths)))
+        return await rm(self, path, *args, **kw)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_rm", record_rm)
+    s3fs.S3FileSystem.clear_instance_cache()  # a new instance binds the recorder into its sync `rm`
+    _failing_parts(monkeypatch, 1)
+    code, err = _in_process(capsys, endpoint, *argv, "--overwrite")
+    assert_one_line(code, err, "cannot write", "no longer holds the previous result")
+    assert removed[0] == "model.safetensors.index.json"  # the old result stops looking complete first
+    monkeypatch.undo()
+    assert "model.safetensors.index.json" not in _objects(fs, "release") and _uploads_in_progress(fs) == []
+    assert _in_process(capsys, endpoint, *argv, "--overwrite")[0] == 0
+    assert _objects(fs, "release") == old
+
+
+def test_refused_before_any_work(
+    fsdp2_ckpt: Path,
+    endpoint: str,  # noqa: F811
+    fs: s3fs.S3FileSystem,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fs.pipe_file("ckpts/data/train.jsonl", b"{}")
+    cases = [
+        (["s3://ckpts/data"], "not a checkpoint"),
+        (["s3://ckpts/new", "--verify"], "--verify"),
+        (["s3://ckpts/new", "--push-to-hub", "org/model"], "--push-to-hub"),
+    ]
+    for extra, words in cases:
+        code, err = _in_process(capsys, endpoint, "dcp-to-hf", str(fsdp2_ckpt), *extra)
+        assert_one_line(code, err, words)
+    assert _objects(fs, "new") == {}
+    assert list(_objects(fs, "data")) == ["train.jsonl"]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CkptconvError
+from .remote.urls import redact
 
 LOCK_SUFFIX = ".ckptconv-lock"
 _ATTEMPTS = 50  # a takeover racing with ours: look again (each attempt sleeps 10 ms)
@@ -315,7 +316,7 @@ def _make_tmp(path: Path) -> _Tmp:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": time.time(),
-        "command": " ".join(sys.argv)[:512],
+        "command": redact(_without_options(sys.argv))[:512],
     }
     try:
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
@@ -332,3 +333,17 @@ def _make_tmp(path: Path) -> _Tmp:
         made.discard()
         raise _lock_error(path, e) from None
     return made
+
+
+def _without_options(argv: list[str]) -> str:
+    """The command line as the lock shows it to other runs, `--storage-options` (credentials) left out."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip:
+            shown.append("...")
+        elif arg.startswith("--storage-options="):
+            shown.append("--storage-options=...")
+        else:
+            shown.append(arg)
+        skip = arg == "--storage-options"
+    return " ".join(shown)

@@ -476,3 +476,14 @@ def test_coalesced_span(pieces: list[tuple[int, int]], gap: int, limit: int, dat
             assert not fits
     end = expected[-1][1]  # a range no expected one holds: fetched exactly as asked
     assert span_around(expected, (end + 1, end + 2), gap, limit) is None
+
+
+def test_lock_record_leaves_out_storage_options() -> None:
+    """Another run's error shows the command line the lock recorded: never the credentials."""
+    from ckptconv.outlock import _without_options
+
+    secret = '{"key": "AKIA", "secret": "do-not-show"}'
+    for argv in (["ckptconv", "dcp-to-hf", "s3://b/x", "out", "--storage-options", secret, "-q"],
+                 ["ckptconv", "dcp-to-hf", "s3://b/x", "out", f"--storage-options={secret}"]):  # fmt: skip
+        shown = _without_options(argv)
+        assert "do-not-show" not in shown and "AKIA" not in shown and "s3://b/x out" in shown

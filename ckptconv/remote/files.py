@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ..errors import CkptconvError
-from .ranges import Range, merged, span_around
+from .ranges import Range, merged, pieces, span_around
 from .urls import UrlPath, coalesce_gap, filesystem, redact
 
 _listings: dict[str, dict[str, int]] = {}  # URL -> its objects' sizes, listed once per process
@@ -35,7 +35,7 @@ class RemoteFiles:
         self.fs = filesystem(root)
         self.coalesce_gap = coalesce_gap() if gap is None else gap
         self.cache_bytes = cache_bytes
-        self.span_limit = max(cache_bytes // 4, 1 << 20)
+        self.span_limit = max(cache_bytes // 8, 1 << 20)
         self._sizes = sizes
         self._expected: dict[str, list[Range]] = {}
         self._spans: OrderedDict[tuple[str, int], bytes] = OrderedDict()
@@ -81,11 +81,12 @@ class RemoteFiles:
 
     def expect(self, rel: str, start: int, length: int) -> None:
         """This rank will read bytes [start, start + length) of `rel` (a chunk's record) soon. A range
-        longer than `span_limit` is read exactly as asked instead (never held whole)."""
-        if length <= 0 or length > self.span_limit:
+        longer than `span_limit` is expected as pieces of that size (fetched one at a time, never whole)."""
+        if length <= 0:
             return
         with self._lock:
-            self._expected[rel] = merged([*self._expected.get(rel, []), (start, start + length)])
+            new = pieces(start, start + length, self.span_limit)
+            self._expected[rel] = merged([*self._expected.get(rel, []), *new])
 
     def pread(self, rel: str, offset: int, out: memoryview) -> None:
         """Fill `out` with the bytes of `rel` at `offset`."""

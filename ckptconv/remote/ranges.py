@@ -9,10 +9,11 @@ Range = tuple[int, int]  # [start, end) of an object's bytes
 
 
 def merged(ranges: Sequence[Range]) -> list[Range]:
-    """`ranges` sorted, overlapping or touching ones merged."""
+    """`ranges` sorted, overlapping ones merged (touching ones stay apart: `span_around` joins them when
+    they fit in one request)."""
     out: list[Range] = []
     for start, end in sorted(ranges):
-        if out and start <= out[-1][1]:
+        if out and start < out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], end))
         elif end > start:
             out.append((start, end))
@@ -44,3 +45,11 @@ def span_around(expected: Sequence[Range], want: Range, gap: int, limit: int) ->
     ):
         hi += 1
     return lo, hi
+
+
+def pieces(start: int, end: int, limit: int) -> list[Range]:
+    """[start, end) cut into consecutive pieces of at most `limit` bytes (one request each).
+
+    pieces(0, 10, 4)  ->  [(0, 4), (4, 8), (8, 10)]
+    """
+    return [(a, min(a + limit, end)) for a in range(start, end, limit)]

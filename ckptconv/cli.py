@@ -192,16 +192,20 @@ def hf_to_dcp_cmd(
     overwrite: OverwriteOpt = False,
     dry_run: DryRunOpt = False,
     verify: VerifyOpt = False,
+    storage_options: StorageOptionsOpt = None,
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a Hugging Face model to a DCP checkpoint that dcp.load reads at any world size."""
     from .convert import hf_to_dcp
+    from .remote.urls import url_path
     from .report import dcp_plan_summary, human_bytes, render_dcp_plan
     from .ui import Ui
     from .world import world_from_env
 
+    use_storage(storage_options, "0")
+    out = url_path(out) or out
     with world_from_env() as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         result = hf_to_dcp(

@@ -21,7 +21,7 @@ from .dcp_save import save_dcp
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats import megatron_out
-from .formats.dcp import DcpCheckpoint
+from .formats.dcp import METADATA_FILE, DcpCheckpoint
 from .formats.dcp_reader import RowPiece
 from .formats.dcp_share import open_dcp_shared
 from .formats.files import exists, is_directory, read_regular
@@ -210,7 +210,8 @@ def dcp_to_hf(
 
     with gcpause.paused():  # the plan's records are not walked again and again while the bytes move
         if isinstance(target, RemoteTarget):
-            result.copied = remote_out.publish(world, target, plan.sharded, write, finish, check) or []
+            last = INDEX_FILE if plan.sharded else remote_out.SINGLE_FILE
+            result.copied = remote_out.publish(world, target, last, write, finish, check) or []
         else:
             result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
     result.ranks = world.all_gather_object(mine[0])
@@ -277,9 +278,9 @@ def hf_to_dcp(
 
     config_file = config or (_first_file(path) if path.is_dir() else None)
 
-    def check_inputs() -> tuple[DtypePolicy, outcheck.Output | None]:
+    def check_inputs() -> tuple[DtypePolicy, outcheck.Target | None]:
         inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
-        target = None if dry_run else outcheck.target(out, overwrite, inputs, main=world.is_main)
+        target = None if dry_run else outcheck.hf_target(world.is_main, out, overwrite, inputs, verify, False)
         return DtypePolicy(parse_dtype_flag(dtype), fp32), target
 
     def prepare(hf: HfCheckpoint, policy: DtypePolicy) -> tuple[DcpSavePlan, dict[str, Any]]:
@@ -315,10 +316,7 @@ def hf_to_dcp(
     if target is None:
         result.seconds = time.perf_counter() - start
         return result
-    if isinstance(target, RemoteTarget):
-        if world.size > 1:
-            ui.info(f"{target.url}: each file is uploaded whole by one rank (--write-granularity file)")
-    elif target.note:
+    if isinstance(target, outcheck.Output) and target.note:
         ui.info(target.note)
 
     def source() -> verify_mod.Side:  # the HF tensors the plan reads (keys a mapping drops are not output)
@@ -333,15 +331,17 @@ def hf_to_dcp(
     def write(staging: Path) -> None:
         mine[0] = save_dcp(plan, staging, world, ui)
 
+    def finish(staging: Path) -> None:
+        _finish_dcp(staging, plan, config_file if mapping else None)
+
     with gcpause.paused():
-        outdir.atomically(
-            world,
-            target,
-            write,
-            lambda staging: _finish_dcp(staging, plan, config_file if mapping else None),
-            (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None,
-            ui.warn,
-        )
+        if isinstance(target, RemoteTarget):
+            remote_out.publish(world, target, METADATA_FILE, write, finish)
+        else:
+            check = (
+                (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None
+            )
+            outdir.atomically(world, target, write, finish, check, ui.warn)
     result.ranks = world.all_gather_object(mine[0])
     result.seconds = time.perf_counter() - start
     result.written = True

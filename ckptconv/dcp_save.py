@@ -13,6 +13,8 @@ from .compose import target_rows
 from .dtype_names import torch_dtype
 from .formats.safetensors_io import RowReader
 from .plan import DcpOutTensor, DcpSavePlan
+from .remote import out as remote_out
+from .remote.urls import UrlPath
 from .ui import Ui
 from .world import World
 from .writes import RankBytes
@@ -38,7 +40,10 @@ def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> RankByte
             write_dcp(staging, state_dict, read_rows, raw_items, progress.advance)
         finally:
             reader.close()
-    written = sum(p.stat().st_size for p in staging.glob(f"__{world.rank}_*.distcp"))
+    if isinstance(staging, UrlPath):
+        written = remote_out.bytes_written()
+    else:
+        written = sum(p.stat().st_size for p in staging.glob(f"__{world.rank}_*.distcp"))
     return RankBytes(world.rank, reader.bytes_read, written)
 
 

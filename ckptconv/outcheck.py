@@ -212,7 +212,7 @@ Target = Output | RemoteTarget
 
 
 def hf_target(main: bool, out: Path, overwrite: bool, inputs: Inputs, verify: bool, push: bool) -> Target:
-    """Where dcp-to-hf writes: a checked local OUT, or a prefix in object storage (checked on rank 0),
+    """Where a conversion writes: a checked local OUT, or a prefix in object storage (checked on rank 0),
     where the flags that read the output back or upload it are refused by name."""
     url = url_path(out)
     if url is None:

@@ -189,3 +189,56 @@ def test_refused_before_any_work(
         assert_one_line(code, err, words)
     assert _objects(fs, "new") == {}
     assert list(_objects(fs, "data")) == ["train.jsonl"]
+
+
+@pytest.mark.parametrize("nproc", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_hf_to_dcp_out_in_s3_loads_with_torch(
+    nproc: int,
+    fsdp2_ckpt: Path,
+    endpoint: str,  # noqa: F811
+    fs: s3fs.S3FileSystem,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The data files of a local hf-to-dcp, `.metadata` last, and torch's own fsspec reader loads them."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    hf, local = tmp_path / "hf", tmp_path / "dcp"
+    assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(hf), "--dtype", "fp32", "-q").returncode == 0
+    assert ckptconv("hf-to-dcp", str(hf), str(local), "-q", nproc=nproc).returncode == 0
+    key = f"dcp-{nproc}"
+    options = json.dumps(_options(endpoint))
+    proc = ckptconv("hf-to-dcp", str(hf), f"s3://ckpts/{key}", "--storage-options", options, nproc=nproc)
+    assert proc.returncode == 0, proc.stderr
+    remote, expected = _objects(fs, key), tree_sha256(local)
+    assert set(remote) == set(expected) and ".metadata" in remote
+    assert {n: h for n, h in remote.items() if n != ".metadata"} == {
+        n: h for n, h in expected.items() if n != ".metadata"
+    }
+    keys = json.loads(ckptconv("inspect", str(local), "--json").stdout)["tensors"]
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
+    mine = {t["key"]: torch.empty(t["shape"], dtype=dtypes[t["dtype"]]) for t in keys}
+    theirs = {k: torch.empty_like(v) for k, v in mine.items()}
+    dcp.load(mine, storage_reader=FsspecReader(f"s3://ckpts/{key}", **_options(endpoint)), no_dist=True)
+    dcp.load(theirs, checkpoint_id=str(local), no_dist=True)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert _uploads_in_progress(fs) == []
+
+
+def test_hf_to_dcp_store_failing_leaves_nothing(
+    fsdp2_ckpt: Path,
+    endpoint: str,  # noqa: F811
+    fs: s3fs.S3FileSystem,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hf = tmp_path / "hf"
+    assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(hf), "-q").returncode == 0
+    for after in (0, 2):  # a data file, then `.metadata` itself
+        _failing_parts(monkeypatch, after)
+        code, err = _in_process(capsys, endpoint, "hf-to-dcp", str(hf), "s3://ckpts/dcp-fail", "-q")
+        monkeypatch.undo()
+        assert_one_line(code, err, "s3://ckpts/dcp-fail", "cannot write")
+        assert _objects(fs, "dcp-fail") == {} and _uploads_in_progress(fs) == []

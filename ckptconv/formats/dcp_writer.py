@@ -27,6 +27,8 @@ from torch.futures import Future
 
 from ..env import env_int
 from ..errors import CkptconvError
+from ..remote import out as remote_out
+from ..remote.urls import UrlPath
 from .dcp_reader import byte_view
 from .torch_record import fast_path, write_tensor_record
 
@@ -135,7 +137,10 @@ class _RecordWriter(FileSystemWriter):
         raw_items: dict[str, bytes],
         on_bytes: Callable[[int], None],
     ) -> None:
-        super().__init__(str(directory), thread_count=threads)
+        # object storage: data files streamed to the URL, torch's `.metadata` left in the run's local
+        # directory for remote.out to upload last
+        local = remote_out.local_dir() if isinstance(directory, UrlPath) else directory
+        super().__init__(str(local), thread_count=threads)
         self.directory, self.read_rows, self.raw_items = directory, read_rows, raw_items
         self.on_bytes = on_bytes
         self.scratch = threading.local()  # each writer thread's slab buffer
@@ -170,7 +175,8 @@ class _RecordWriter(FileSystemWriter):
 
     def _write_items(self, path: Path, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
         results = []
-        with open(path, "wb") as f:
+        f: Any
+        with remote_out.stream(path) if isinstance(path, UrlPath) else open(path, "wb") as f:
             for item in items:
                 offset = f.tell()
                 if item.tensor_data is None:
@@ -181,7 +187,7 @@ class _RecordWriter(FileSystemWriter):
                     self._write_tensor(f, item)
                 length = f.tell() - offset
                 results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
-            if self.sync_files:
+            if self.sync_files and not isinstance(path, UrlPath):
                 f.flush()
                 os.fsync(f.fileno())
         return results

@@ -52,8 +52,8 @@ def refuse_url(path: str | Path, what: str) -> None:
     if match:
         url = f"{match.group(1)}://{text[match.end() :]}"
         raise CkptconvError(
-            f"{what} {url}: object storage URLs are not supported here yet (dcp-to-hf's SRC and OUT, inspect "
-            "and verify take them); use a local or mounted file system path "
+            f"{what} {url}: object storage URLs are not supported here yet (dcp-to-hf's SRC and OUT, "
+            "hf-to-dcp's OUT, inspect and verify take them); use a local or mounted file system path "
             f"(./{text} for a local directory of that name)"
         )
 

@@ -117,6 +117,23 @@ class Stream:
             raise write_error(self.url, e) from None
         self.pos += len(data)
 
+    def write(self, data: bytes | memoryview) -> int:
+        """File-like: append (torch_record's writer)."""
+        self.write_at(self.pos, memoryview(data).cast("B"))
+        return len(data)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.discard()
+
     def close(self) -> None:
         if not self.hold:
             self.commit()
@@ -146,6 +163,7 @@ class _Run:
         self.open: list[Stream] = []
         self.left: list[str] = []
         self.completing = ""
+        self.local: Path | None = None  # rank's temporary directory: small files, hf-to-dcp's .metadata
 
 
 _run = _Run()
@@ -173,25 +191,26 @@ def write_error(url: object, e: BaseException) -> CkptconvError:
 def publish(
     world: World,
     target: RemoteTarget,
-    sharded: bool,
+    completing: str,
     write: Callable[[Path], object],
     finish: Callable[[Path], T],
     check: Callable[[Path], None] | None = None,
 ) -> T | None:
     """Collective: rank 0 clears OUT (--overwrite), every rank streams its data files, every rank `check`s
     (the CRC-32s of chunks read in pieces), rank 0 `finish`es into a local temporary directory (index,
-    stash, copied files) and uploads those files, the completing object last. On any failure, each rank
-    removes what this run wrote."""
+    stash, copied files) and uploads those files, the `completing` object last (an index or `.metadata`
+    made in that directory, or a held upload). On any failure, each rank removes what this run wrote."""
     global _run
     _run = _Run()
-    _run.completing = INDEX_FILE if sharded else SINGLE_FILE
+    _run.completing = completing
     cleared = False
     try:
-        cleared = bool(on_main(world, target.clear))
-        everyone(world, write, target.url)
-        if check is not None:
-            check(target.url)
         with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
+            _run.local = Path(tmp)
+            cleared = bool(on_main(world, target.clear))
+            everyone(world, write, target.url)
+            if check is not None:
+                check(target.url)
             result = on_main(world, finish, Path(tmp))
             on_main(world, _upload_small, target.url, Path(tmp))
             everyone(world, _complete, target.url, Path(tmp))
@@ -201,13 +220,26 @@ def publish(
         if isinstance(e, CkptconvError) and (left or cleared):
             raise CkptconvError(_aftermath(str(e), target, left, cleared)) from None
         raise
+    finally:
+        _run.local = None
+
+
+def local_dir() -> Path:
+    """The run's local temporary directory (where torch's DCP writer leaves `.metadata` for rank 0)."""
+    assert _run.local is not None, "outside publish()"
+    return _run.local
+
+
+def bytes_written() -> int:
+    """What this rank has streamed in the current run."""
+    return sum(s.pos for s in _run.open)
 
 
 def _upload_small(url: UrlPath, tmp: Path) -> None:
-    """Rank 0: the files `finish` made, but the completing one."""
+    """Rank 0: the files `finish` made, but the completing one (and torch's leftovers)."""
     fs = filesystem(url)
     for path in sorted(tmp.iterdir()):
-        if path.name != _run.completing:
+        if path.is_file() and path.name != _run.completing and not path.name.endswith(".tmp"):
             try:
                 fs.put_file(str(path), f"{url.key}/{path.name}")
             except Exception as e:
@@ -216,16 +248,16 @@ def _upload_small(url: UrlPath, tmp: Path) -> None:
 
 
 def _complete(url: UrlPath, tmp: Path) -> None:
-    """Every rank, last: the held upload is completed (its owner) or the index put (rank 0)."""
+    """Every rank, last: the held upload is completed (its owner) or the index or `.metadata` put (rank 0)."""
     for held in list(_run.held):
         held.commit()
-    index = tmp / INDEX_FILE
-    if index.exists():
+    last = tmp / _run.completing
+    if last.is_file():
         try:
-            filesystem(url).put_file(str(index), f"{url.key}/{INDEX_FILE}")
+            filesystem(url).put_file(str(last), f"{url.key}/{last.name}")
         except Exception as e:
-            raise write_error(url / INDEX_FILE, e) from None
-        _run.completed.append(url / INDEX_FILE)
+            raise write_error(url / last.name, e) from None
+        _run.completed.append(url / last.name)
 
 
 def _remove_ours() -> list[str]:

@@ -10,6 +10,7 @@ within `cache_bytes` (the oldest go first). Nothing is written to local disk.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -40,6 +41,7 @@ class RemoteFiles:
         self._expected: dict[str, list[Range]] = {}
         self._spans: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._cached = 0
+        self._inflight: dict[tuple[str, int, int], threading.Event] = {}  # spans being fetched
         self._lock = threading.Lock()
         self.bytes_fetched = 0
         self.requests = 0
@@ -89,25 +91,61 @@ class RemoteFiles:
             self._expected[rel] = merged([*self._expected.get(rel, []), *new])
 
     def pread(self, rel: str, offset: int, out: memoryview) -> None:
-        """Fill `out` with the bytes of `rel` at `offset`."""
+        """Fill `out` with the bytes of `rel` at `offset`: from a fetched span, or by waiting for the span
+        another thread is fetching, or by fetching the span around them, or exactly."""
         n = len(out)
         if n == 0:
             return
         want = (offset, offset + n)
-        with self._lock:
-            cached = self._from_cache(rel, want)
-            span = None if cached is not None else self._take_span(rel, want)
-        if cached is not None:
-            out[:] = cached
+        while True:
+            with self._lock:
+                cached = self._from_cache(rel, want)
+                if cached is not None:
+                    out[:] = cached
+                    return
+                cuts = self._cuts(rel, want)
+                if cuts:  # across pieces or spans (a chunk's data read whole): one part at a time
+                    break
+                pending = next(
+                    (
+                        e
+                        for (r, a, b), e in self._inflight.items()
+                        if r == rel and a <= offset and want[1] <= b
+                    ),
+                    None,
+                )
+                span = None if pending is not None else self._take_span(rel, want)
+                if span is not None and span != want:
+                    done = self._inflight[(rel, *span)] = threading.Event()
+            if pending is None:
+                break
+            pending.wait()  # then served from the cache (or, evicted meanwhile, fetched again)
+        if cuts:
+            for a, b in itertools.pairwise([offset, *cuts, want[1]]):
+                self.pread(rel, a, out[a - offset : b - offset])
             return
         if span is None:
             out[:] = self.read(rel, offset, n)
             return
-        data = self.read(rel, span[0], span[1] - span[0])
-        out[:] = memoryview(data)[offset - span[0] : offset - span[0] + n]
-        if span != want:
+        if span == want:
+            out[:] = self.read(rel, offset, n)
+            return
+        try:
+            data = self.read(rel, span[0], span[1] - span[0])
+            out[:] = memoryview(data)[offset - span[0] : offset - span[0] + n]
             with self._lock:
                 self._keep(rel, span[0], data)
+        finally:
+            with self._lock:
+                del self._inflight[(rel, *span)]
+            done.set()
+
+    def _cuts(self, rel: str, want: Range) -> list[int]:
+        """Where `want` crosses the edge of an expected range, a fetched span or one being fetched."""
+        edges = {x for r in self._expected.get(rel, []) for x in r}
+        edges.update(x for (r, a), data in self._spans.items() if r == rel for x in (a, a + len(data)))
+        edges.update(x for (r, a, b) in self._inflight if r == rel for x in (a, b))
+        return sorted(x for x in edges if want[0] < x < want[1])
 
     def _from_cache(self, rel: str, want: Range) -> memoryview | None:
         for (name, start), data in reversed(self._spans.items()):

@@ -198,9 +198,9 @@ def hf_to_dcp_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a Hugging Face model to a DCP checkpoint that dcp.load reads at any world size."""
+    from .cli_output import show_hf_to_dcp
     from .convert import hf_to_dcp
     from .remote.urls import url_path
-    from .report import dcp_plan_summary, human_bytes, render_dcp_plan
     from .ui import Ui
     from .world import world_from_env
 
@@ -224,33 +224,7 @@ def hf_to_dcp_cmd(
             allow_unmapped=allow_unmapped,
             verify=verify,
         )
-        summary = dcp_plan_summary(result.plan)
-        if json_out:
-            _print_json(
-                {
-                    "command": "hf-to-dcp",
-                    "src": src,
-                    "source_path": str(result.source),
-                    "out": str(out),
-                    "dry_run": dry_run,
-                    "seconds": round(result.seconds, 3),
-                    "verified": verify and result.written,
-                    "written_files": sorted(p.name for p in out.iterdir()) if result.written else [],
-                    "ranks": [r.to_json() for r in result.ranks],
-                    **summary,
-                    "hub": result.hub,
-                }
-            )
-        elif dry_run:
-            if world.is_main:
-                from rich.console import Console
-
-                render_dcp_plan(result.plan, Console(highlight=False, soft_wrap=True))
-        else:
-            ui.info(
-                f"wrote {out}: {summary['num_tensors']} tensors, {human_bytes(result.plan.total_size)}, "
-                f"{len(result.plan.stash)} non-tensor items, in {result.seconds:.1f}s on {world.size} rank(s)"
-            )
+        show_hf_to_dcp(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 
 
 @app.command("verify")

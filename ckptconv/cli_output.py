@@ -109,3 +109,48 @@ def show_dcp_to_hf(
             ui.info(f"config.json: {edit}")
         if result.hub:
             ui.info(f"pushed to {result.hub['pr_url'] or result.hub['commit_url']}")
+
+
+def show_hf_to_dcp(
+    result: Any, src: str, out: Any, world: Any, ui: Any, *, dry_run: bool, verify: bool, json_out: bool
+) -> None:
+    """hf-to-dcp's report: the --json document, the plan of a --dry-run, or the line saying what was done."""
+    from .report import dcp_plan_summary, human_bytes, render_dcp_plan
+
+    summary = dcp_plan_summary(result.plan)
+    if json_out:
+        print_json(
+            {
+                "command": "hf-to-dcp",
+                "src": src,
+                "source_path": str(result.source),
+                "out": str(out),
+                "dry_run": dry_run,
+                "seconds": round(result.seconds, 3),
+                "verified": verify and result.written,
+                "written_files": _written_files(out) if result.written else [],
+                "ranks": [r.to_json() for r in result.ranks],
+                **summary,
+            }
+        )
+    elif dry_run:
+        if world.is_main:
+            from rich.console import Console
+
+            render_dcp_plan(result.plan, Console(highlight=False, soft_wrap=True))
+    else:
+        ui.info(
+            f"wrote {out}: {summary['num_tensors']} tensors, {human_bytes(result.plan.total_size)}, "
+            f"{len(result.plan.stash)} non-tensor items, in {result.seconds:.1f}s on {world.size} rank(s)"
+        )
+
+
+def _written_files(out: Any) -> list[str]:
+    """The names in OUT: a directory's entries, or the objects under a URL (listed afresh)."""
+    from .remote.urls import UrlPath
+
+    if isinstance(out, UrlPath):
+        from .remote.out import listing
+
+        return sorted(listing(out))
+    return sorted(p.name for p in out.iterdir())

@@ -379,4 +379,3 @@ class DcpResult:
     seconds: float = 0.0
     written: bool = False
     ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote
-    hub: dict[str, Any] | None = None  # --push-to-hub: where the result went (hub_push.push)

@@ -209,9 +209,12 @@ def test_hf_to_dcp_out_in_s3_loads_with_torch(
     assert ckptconv("hf-to-dcp", str(hf), str(local), "-q", nproc=nproc).returncode == 0
     key = f"dcp-{nproc}"
     options = json.dumps(_options(endpoint))
-    proc = ckptconv("hf-to-dcp", str(hf), f"s3://ckpts/{key}", "--storage-options", options, nproc=nproc)
+    argv = ("hf-to-dcp", str(hf), f"s3://ckpts/{key}", "--storage-options", options, "--json")
+    proc = ckptconv(*argv, nproc=nproc)
     assert proc.returncode == 0, proc.stderr
     remote, expected = _objects(fs, key), tree_sha256(local)
+    report = json.loads(proc.stdout)
+    assert report["out"] == f"s3://ckpts/{key}" and report["written_files"] == sorted(remote)
     assert set(remote) == set(expected) and ".metadata" in remote
     assert {n: h for n, h in remote.items() if n != ".metadata"} == {
         n: h for n, h in expected.items() if n != ".metadata"

@@ -51,7 +51,7 @@ class RemoteTarget:
         --overwrite); the names of the objects there."""
         from ..outcheck import is_checkpoint_file, is_model_file
 
-        names = sorted(_listing(self.url))
+        names = sorted(listing(self.url))
         foreign = [n for n in names if "/" in n or not (is_checkpoint_file(n) or is_model_file(n))]
         if names and not any(is_checkpoint_file(n) for n in names):
             foreign = names
@@ -83,7 +83,8 @@ class RemoteTarget:
         return bool(names)
 
 
-def _listing(url: UrlPath) -> dict[str, int]:
+def listing(url: UrlPath) -> dict[str, int]:
+    """{name: size} of the objects under `url`, listed afresh (no cached listing)."""
     _forget(url)
     return RemoteFiles(url).sizes()
 

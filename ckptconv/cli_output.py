@@ -78,37 +78,27 @@ def show_dcp_to_hf(
     from .report import human_bytes, plan_summary, render_plan
 
     summary = plan_summary(result.plan)
-    if json_out:
-        print_json(
-            {
-                "command": "dcp-to-hf",
-                "src": str(url_path(src) or src),
-                "out": str(url_path(out) or out),
-                "dry_run": dry_run,
-                "seconds": round(result.seconds, 3),
-                "verified": verify and result.written,
-                "copied": result.copied,
-                "config_edits": result.config_edits,
-                "ranks": [r.to_json() for r in result.ranks],
-                **summary,
-                "hub": result.hub,
-            }
-        )
-    elif dry_run:
-        if world.is_main:
-            from rich.console import Console
-
-            render_plan(result.plan, Console(highlight=False, soft_wrap=True))
-    else:
-        ui.info(
-            f"wrote {url_path(out) or out}: {len(result.plan.files)} file(s), "
-            f"{summary['num_tensors']} tensors, "
-            f"{human_bytes(result.plan.total_size)} in {result.seconds:.1f}s on {world.size} rank(s)"
-        )
-        for edit in result.config_edits:
-            ui.info(f"config.json: {edit}")
-        if result.hub:
-            ui.info(f"pushed to {result.hub['pr_url'] or result.hub['commit_url']}")
+    out = url_path(out) or out
+    doc = {
+        "command": "dcp-to-hf",
+        "src": str(url_path(src) or src),
+        "out": str(out),
+        "dry_run": dry_run,
+        "seconds": round(result.seconds, 3),
+        "verified": verify and result.written,
+        "copied": result.copied,
+        "config_edits": result.config_edits,
+        "ranks": [r.to_json() for r in result.ranks],
+        **summary,
+        "hub": result.hub,
+    }
+    lines = [
+        f"wrote {out}: {len(result.plan.files)} file(s), {summary['num_tensors']} tensors, "
+        f"{human_bytes(result.plan.total_size)} in {result.seconds:.1f}s on {world.size} rank(s)",
+        *(f"config.json: {edit}" for edit in result.config_edits),
+        *([f"pushed to {result.hub['pr_url'] or result.hub['commit_url']}"] if result.hub else []),
+    ]
+    _show(doc if json_out else None, render_plan if dry_run else None, result.plan, lines, world, ui)
 
 
 def show_hf_to_dcp(
@@ -118,31 +108,40 @@ def show_hf_to_dcp(
     from .report import dcp_plan_summary, human_bytes, render_dcp_plan
 
     summary = dcp_plan_summary(result.plan)
-    if json_out:
-        print_json(
-            {
-                "command": "hf-to-dcp",
-                "src": src,
-                "source_path": str(result.source),
-                "out": str(out),
-                "dry_run": dry_run,
-                "seconds": round(result.seconds, 3),
-                "verified": verify and result.written,
-                "written_files": _written_files(out) if result.written else [],
-                "ranks": [r.to_json() for r in result.ranks],
-                **summary,
-            }
-        )
-    elif dry_run:
+    doc = None
+    if json_out:  # listing OUT's files only for the report that shows them
+        doc = {
+            "command": "hf-to-dcp",
+            "src": src,
+            "source_path": str(result.source),
+            "out": str(out),
+            "dry_run": dry_run,
+            "seconds": round(result.seconds, 3),
+            "verified": verify and result.written,
+            "written_files": _written_files(out) if result.written else [],
+            "ranks": [r.to_json() for r in result.ranks],
+            **summary,
+        }
+    line = (
+        f"wrote {out}: {summary['num_tensors']} tensors, {human_bytes(result.plan.total_size)}, "
+        f"{len(result.plan.stash)} non-tensor items, in {result.seconds:.1f}s on {world.size} rank(s)"
+    )
+    _show(doc, render_dcp_plan if dry_run else None, result.plan, [line], world, ui)
+
+
+def _show(doc: dict[str, Any] | None, render: Any, plan: Any, lines: list[str], world: Any, ui: Any) -> None:
+    """A conversion's report: `doc` as JSON when given (--json), else the plan `render`ed on rank 0 when
+    given (--dry-run), else `lines` as notes."""
+    if doc is not None:
+        print_json(doc)
+    elif render is not None:
         if world.is_main:
             from rich.console import Console
 
-            render_dcp_plan(result.plan, Console(highlight=False, soft_wrap=True))
+            render(plan, Console(highlight=False, soft_wrap=True))
     else:
-        ui.info(
-            f"wrote {out}: {summary['num_tensors']} tensors, {human_bytes(result.plan.total_size)}, "
-            f"{len(result.plan.stash)} non-tensor items, in {result.seconds:.1f}s on {world.size} rank(s)"
-        )
+        for line in lines:
+            ui.info(line)
 
 
 def _written_files(out: Any) -> list[str]:

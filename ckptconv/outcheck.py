@@ -109,7 +109,7 @@ def check_out(out: Path, overwrite: bool, flag: str = "--overwrite") -> None:
         raise CkptconvError(f"{out}: cannot list it ({e.strerror}); choose another OUT") from None
     if not entries:
         return
-    foreign = _not_a_checkpoint(entries)
+    foreign = not_a_checkpoint([(e.name, _shown(e), e.is_file(follow_symlinks=False)) for e in entries])
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise CkptconvError(
@@ -127,34 +127,30 @@ _MODEL_FILE_SUFFIXES = (".json", ".txt", ".model", ".md", ".jinja", ".tiktoken")
 _MODEL_FILE_NAMES = ("LICENSE", "NOTICE")
 
 
-def _not_a_checkpoint(entries: list[os.DirEntry[str]]) -> list[str]:
-    """The names that make a non-empty directory something other than a checkpoint ckptconv may replace:
-    everything when nothing marks a checkpoint (weights, index, stash, `.metadata`); otherwise any entry
-    that is not a regular file (a subdirectory, a link: `name/`, `name@`) or not one a checkpoint or an HF
-    model directory holds (hidden ones but `.metadata`, code, logs)."""
-    ours = is_checkpoint_file
+def _shown(e: os.DirEntry[str]) -> str:
+    return e.name + ("@" if e.is_symlink() else "/" if e.is_dir() else "")
 
-    def shown(e: os.DirEntry[str]) -> str:
-        return e.name + ("@" if e.is_symlink() else "/" if e.is_dir() else "")
 
-    if not any(ours(e.name) for e in entries):
-        return [shown(e) for e in entries]
+def not_a_checkpoint(entries: Sequence[tuple[str, str, bool]]) -> list[str]:
+    """Of the entries (name, how it is shown, whether it is a regular file) of a non-empty OUT, those that
+    make it something other than a checkpoint ckptconv may replace: everything when nothing marks a
+    checkpoint (weights, index, stash, `.metadata`); otherwise any entry that is not a regular file (a
+    subdirectory or prefix, a link: `name/`, `name@`) or not one a checkpoint or an HF model directory holds
+    (hidden ones but `.metadata`, code, logs). Pure: a directory's entries or a prefix's objects."""
+    if not any(_checkpoint_file(name) for name, _, _ in entries):
+        return [shown for _, shown, _ in entries]
     return [
-        shown(e)
-        for e in entries
-        if not (ours(e.name) or _model_file(e.name)) or not e.is_file(follow_symlinks=False)
+        shown
+        for name, shown, regular in entries
+        if not regular or not (_checkpoint_file(name) or _model_file(name))
     ]
 
 
-def is_checkpoint_file(name: str) -> bool:
+def _checkpoint_file(name: str) -> bool:
     """A file only a checkpoint holds: weights, an index, a stash, `.metadata`."""
     from .stash import STASH_FILE
 
     return name.endswith(_CHECKPOINT_SUFFIXES) or name in (STASH_FILE, ".metadata")
-
-
-def is_model_file(name: str) -> bool:
-    return _model_file(name)
 
 
 def _model_file(name: str) -> bool:

@@ -7,7 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +164,50 @@ def random_dcp(path: Path, tensors: int, seed: int = 0) -> Path:
 def slow_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """~400 MB of fp32 in 8 tensors: a conversion slow enough to signal or kill midway."""
     return random_dcp(tmp_path_factory.mktemp("slow") / "ckpt", 8)
+
+
+SECRET = "not-a-real-secret-but-one-that-must-not-leak"
+
+
+def s3_options(endpoint: str, secret: str = SECRET) -> dict[str, str]:
+    """--storage-options for the test's S3 server."""
+    return {"key": "test-key", "secret": secret, "endpoint_url": endpoint}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto's standalone S3 server (as s3fs's own test suite runs it) in its own process, on a free port."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto's server did not start") from None
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def s3(s3_endpoint: str) -> Any:
+    """An s3fs client of that server, with the bucket `ckpts` made."""
+    import s3fs
+
+    client = s3fs.S3FileSystem(**s3_options(s3_endpoint), use_listings_cache=False)
+    client.mkdir("ckpts")
+    return client

@@ -4,15 +4,11 @@ by the test, checkpoints written by FSDP2 jobs and uploaded to it, read by ckptc
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ckptconv, tree_sha256
+from conftest import SECRET, ckptconv, s3_options, tree_sha256
 
 s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
 pytest.importorskip("moto", reason="moto's server is part of the test extras")
@@ -21,59 +17,14 @@ from ckptconv.formats.dcp import open_dcp  # noqa: E402
 from ckptconv.remote import urls  # noqa: E402
 from ckptconv.remote.files import RemoteFiles  # noqa: E402
 
-SECRET = "not-a-real-secret-but-one-that-must-not-leak"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    """moto's S3 server in its own process, on a free port."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        stdin=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto's server did not start") from None
-            time.sleep(0.1)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
-def _options(endpoint: str, secret: str = SECRET) -> dict[str, str]:
-    return {"key": "test-key", "secret": secret, "endpoint_url": endpoint}
-
-
-@pytest.fixture(scope="module")
-def fs(endpoint: str) -> s3fs.S3FileSystem:
-    client = s3fs.S3FileSystem(**_options(endpoint), use_listings_cache=False)
-    client.mkdir("ckpts")
-    return client
-
-
-def _upload(fs: s3fs.S3FileSystem, local: Path, key: str) -> str:
-    fs.put(str(local), f"ckpts/{key}", recursive=True)
+def _upload(s3: s3fs.S3FileSystem, local: Path, key: str) -> str:
+    s3.put(str(local), f"ckpts/{key}", recursive=True)
     return f"s3://ckpts/{key}"
 
 
-def _run(endpoint: str, *args: str, nproc: int = 0, **kw: str) -> subprocess.CompletedProcess[str]:
-    options = json.dumps(_options(endpoint, **kw))
+def _run(s3_endpoint: str, *args: str, nproc: int = 0, **kw: str) -> subprocess.CompletedProcess[str]:
+    options = json.dumps(s3_options(s3_endpoint, **kw))
     return ckptconv(*args, "--storage-options", options, nproc=nproc)
 
 
@@ -95,18 +46,20 @@ def _files(ckpt: Path) -> int:
 
 @pytest.mark.parametrize("fixture", ["fsdp2_ckpt", "mesh2d_ckpt"])
 def test_dcp_to_hf_from_s3_matches_local_bytes(
-    fixture: str, request: pytest.FixtureRequest, endpoint: str, fs: s3fs.S3FileSystem, tmp_path: Path
+    fixture: str, request: pytest.FixtureRequest, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
 ) -> None:
     """torch_save and safetensors serializations: the same files as from a local copy, and every byte
     fetched is a byte needed (gaps of at most --coalesce-gap read across; 0: none)."""
     ckpt: Path = request.getfixturevalue(fixture)
-    url = _upload(fs, ckpt, fixture)
+    url = _upload(s3, ckpt, fixture)
     local = tmp_path / "local"
     assert ckptconv("dcp-to-hf", str(ckpt), str(local), "--fp32", "A_log$", "-q").returncode == 0
     requests = {}
     for gap in ("0", "1MB"):
         out = tmp_path / f"remote-{gap}"
-        proc = _run(endpoint, "dcp-to-hf", url, str(out), "--fp32", "A_log$", "--json", "--coalesce-gap", gap)
+        proc = _run(
+            s3_endpoint, "dcp-to-hf", url, str(out), "--fp32", "A_log$", "--json", "--coalesce-gap", gap
+        )
         assert proc.returncode == 0, proc.stderr
         assert tree_sha256(out) == tree_sha256(local)
         report = json.loads(proc.stdout)
@@ -121,13 +74,13 @@ def test_dcp_to_hf_from_s3_matches_local_bytes(
 
 @pytest.mark.slow
 def test_two_ranks_from_s3_byte_identical(
-    fsdp2_ckpt: Path, endpoint: str, fs: s3fs.S3FileSystem, tmp_path: Path
+    fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
 ) -> None:
-    url = _upload(fs, fsdp2_ckpt, "two-ranks")
+    url = _upload(s3, fsdp2_ckpt, "two-ranks")
     local = tmp_path / "local"
     assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(local), "-q").returncode == 0
     out = tmp_path / "remote"
-    proc = _run(endpoint, "dcp-to-hf", url, str(out), "--json", "--coalesce-gap", "0", nproc=2)
+    proc = _run(s3_endpoint, "dcp-to-hf", url, str(out), "--json", "--coalesce-gap", "0", nproc=2)
     assert proc.returncode == 0, proc.stderr
     assert tree_sha256(out) == tree_sha256(local)
     ranks = json.loads(proc.stdout)["ranks"]
@@ -137,10 +90,10 @@ def test_two_ranks_from_s3_byte_identical(
 
 
 def test_inspect_and_verify_take_urls(
-    fsdp2_ckpt: Path, endpoint: str, fs: s3fs.S3FileSystem, tmp_path: Path
+    fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
 ) -> None:
-    url = _upload(fs, fsdp2_ckpt, "run/step-10")
-    remote = _run(endpoint, "inspect", "s3://ckpts/run", "--json")  # the one checkpoint inside
+    url = _upload(s3, fsdp2_ckpt, "run/step-10")
+    remote = _run(s3_endpoint, "inspect", "s3://ckpts/run", "--json")  # the one checkpoint inside
     local = ckptconv("inspect", str(fsdp2_ckpt), "--json")
     assert remote.returncode == 0, remote.stderr
     doc, expected = json.loads(remote.stdout), json.loads(local.stdout)
@@ -148,25 +101,25 @@ def test_inspect_and_verify_take_urls(
     assert {k: v for k, v in doc.items() if k != "path"} == {k: v for k, v in expected.items() if k != "path"}
     out = tmp_path / "hf"
     assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(out), "--dtype", "fp32", "-q").returncode == 0
-    same = _run(endpoint, "verify", url, str(out), "--prefix", "model.")
+    same = _run(s3_endpoint, "verify", url, str(out), "--prefix", "model.")
     assert same.returncode == 0, same.stderr
     assert "match" in same.stdout
 
 
 def test_bad_credentials_missing_objects_and_extras(
-    fsdp2_ckpt: Path, endpoint: str, fs: s3fs.S3FileSystem, tmp_path: Path
+    fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
 ) -> None:
     """Each is one line, exit 2, no OUT; the secret of --storage-options is in no message."""
-    url = _upload(fs, fsdp2_ckpt, "broken")
+    url = _upload(s3, fsdp2_ckpt, "broken")
     out = tmp_path / "out"
     cases = {
-        "wrong endpoint": (_run("http://127.0.0.1:9", "dcp-to-hf", url, str(out)), "cannot read"),
-        "no prefix": (_run(endpoint, "dcp-to-hf", "s3://ckpts/nothing", str(out)), "no such object"),
-        "no bucket": (_run(endpoint, "dcp-to-hf", "s3://no-bucket/x", str(out)), "s3://no-bucket/x"),
+        "wrong s3_endpoint": (_run("http://127.0.0.1:9", "dcp-to-hf", url, str(out)), "cannot read"),
+        "no prefix": (_run(s3_endpoint, "dcp-to-hf", "s3://ckpts/nothing", str(out)), "no such object"),
+        "no bucket": (_run(s3_endpoint, "dcp-to-hf", "s3://no-bucket/x", str(out)), "s3://no-bucket/x"),
         "bad json": (ckptconv("dcp-to-hf", url, str(out), "--storage-options", "{"), "--storage-options"),
     }
-    fs.rm(f"ckpts/broken/{next(n for n in fs.ls('ckpts/broken') if n.endswith('.distcp')).split('/')[-1]}")
-    cases["object removed"] = (_run(endpoint, "dcp-to-hf", url, str(out)), "missing")
+    s3.rm(f"ckpts/broken/{next(n for n in s3.ls('ckpts/broken') if n.endswith('.distcp')).split('/')[-1]}")
+    cases["object removed"] = (_run(s3_endpoint, "dcp-to-hf", url, str(out)), "missing")
     try:
         import gcsfs  # noqa: F401
     except ImportError:
@@ -180,17 +133,17 @@ def test_bad_credentials_missing_objects_and_extras(
         assert not out.exists()
 
 
-def test_object_removed_while_reading(fsdp2_ckpt: Path, endpoint: str, fs: s3fs.S3FileSystem) -> None:
+def test_object_removed_while_reading(fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem) -> None:
     """Listed, then gone: the ranged GET's failure is one error naming the object."""
-    url = _upload(fs, fsdp2_ckpt, "vanishing")
-    urls.configure(json.dumps(_options(endpoint)))
+    url = _upload(s3, fsdp2_ckpt, "vanishing")
+    urls.configure(json.dumps(s3_options(s3_endpoint)))
     try:
         root = urls.url_path(url)
         assert root is not None
         files = RemoteFiles(root)
         name = next(n for n in files.sizes() if n.endswith(".distcp"))
         assert files.read(name, 0, 4) == b"PK\x03\x04"
-        fs.rm(f"ckpts/vanishing/{name}")
+        s3.rm(f"ckpts/vanishing/{name}")
         with pytest.raises(Exception, match=r"vanishing/.*no such object \(removed while being read\?\)"):
             files.read(name, 4, 4)
     finally:
@@ -198,15 +151,15 @@ def test_object_removed_while_reading(fsdp2_ckpt: Path, endpoint: str, fs: s3fs.
 
 
 def test_storage_options_win_over_the_environment(
-    fsdp2_ckpt: Path, endpoint: str, fs: s3fs.S3FileSystem, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url = _upload(fs, fsdp2_ckpt, "env")
+    url = _upload(s3, fsdp2_ckpt, "env")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)  # the environment alone reaches the server
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the environment alone reaches the server
     assert ckptconv("dcp-to-hf", url, str(tmp_path / "a"), "-q").returncode == 0
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # wrong, but --storage-options wins
-    options = json.dumps({"endpoint_url": endpoint})
+    options = json.dumps({"endpoint_url": s3_endpoint})
     proc = ckptconv("dcp-to-hf", url, str(tmp_path / "b"), "-q", "--storage-options", options)
     assert proc.returncode == 0, proc.stderr
     assert tree_sha256(tmp_path / "a") == tree_sha256(tmp_path / "b")

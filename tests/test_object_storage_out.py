@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import s3fs
-from conftest import ckptconv, tree_sha256
+from conftest import ckptconv, s3_options, tree_sha256
 from test_bad_input import assert_one_line
-from test_object_storage import _options, endpoint, fs  # noqa: F401  (fixtures: moto's server, a client)
 
-from ckptconv.cli import main
+s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
+pytest.importorskip("moto", reason="moto's server is part of the test extras")
+
+from ckptconv.cli import main  # noqa: E402
 
 
 def _objects(client: s3fs.S3FileSystem, key: str) -> dict[str, str]:
@@ -29,9 +30,9 @@ def _uploads_in_progress(client: s3fs.S3FileSystem) -> list[Any]:
     return list(client.list_multipart_uploads("ckpts"))
 
 
-def _in_process(capsys: pytest.CaptureFixture[str], endpoint: str, *argv: str) -> tuple[int, str]:  # noqa: F811
+def _in_process(capsys: pytest.CaptureFixture[str], s3_endpoint: str, *argv: str) -> tuple[int, str]:
     try:
-        main([*argv, "--storage-options", json.dumps(_options(endpoint))])
+        main([*argv, "--storage-options", json.dumps(s3_options(s3_endpoint))])
         code = 0
     except SystemExit as exc:
         code = int(exc.code or 0)
@@ -44,27 +45,27 @@ def test_out_in_s3_holds_the_local_bytes(
     nproc: int,
     shards: str,
     fsdp2_ckpt: Path,
-    endpoint: str,  # noqa: F811
-    fs: s3fs.S3FileSystem,  # noqa: F811
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
     tmp_path: Path,
 ) -> None:
     local = tmp_path / "local"
     flags = ("--max-shard-size", shards, "--fp32", "A_log$")
     assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(local), *flags, "-q").returncode == 0
     key = f"out-{nproc}-{shards}"
-    options = json.dumps(_options(endpoint))
+    options = json.dumps(s3_options(s3_endpoint))
     proc = ckptconv(
         "dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/{key}", *flags, "--storage-options", options, nproc=nproc
     )
     assert proc.returncode == 0, proc.stderr
-    assert _objects(fs, key) == tree_sha256(local)
-    assert _uploads_in_progress(fs) == []
+    assert _objects(s3, key) == tree_sha256(local)
+    assert _uploads_in_progress(s3) == []
 
 
 def test_completing_object_is_last(
     fsdp2_ckpt: Path,
-    endpoint: str,  # noqa: F811
-    fs: s3fs.S3FileSystem,  # noqa: F811
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -86,11 +87,11 @@ def test_completing_object_is_last(
     for shards, last in (("400", "model.safetensors.index.json"), ("5GB", "model.safetensors")):
         done.clear()
         argv = ("dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/order-{shards}", "--max-shard-size", shards)
-        assert _in_process(capsys, endpoint, *argv, "-q")[0] == 0
+        assert _in_process(capsys, s3_endpoint, *argv, "-q")[0] == 0
         done[:] = [n for i, n in enumerate(done) if i == 0 or done[i - 1] != n]  # put_file nests a put_file
         assert done[-1] == last and done.count(last) == 1
         assert done[-2] == "ckptconv_state.json"
-        shards = {n for n in _objects(fs, f"order-{shards}") if n.startswith("model-")}
+        shards = {n for n in _objects(s3, f"order-{shards}") if n.startswith("model-")}
         assert set(done[:-2]) == shards
 
 
@@ -123,35 +124,35 @@ def _failing_parts(monkeypatch: pytest.MonkeyPatch, after: int) -> None:
 def test_store_failing_midway_leaves_nothing(
     after: int,
     fsdp2_ckpt: Path,
-    endpoint: str,  # noqa: F811
-    fs: s3fs.S3FileSystem,  # noqa: F811
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fs.pipe_file("ckpts/neighbour-v2/keep.txt", b"another prefix")
+    s3.pipe_file("ckpts/neighbour-v2/keep.txt", b"another prefix")
     _failing_parts(monkeypatch, after)
     argv = ("dcp-to-hf", str(fsdp2_ckpt), "s3://ckpts/neighbour", "--max-shard-size", "400", "-q")
-    code, err = _in_process(capsys, endpoint, *argv)
+    code, err = _in_process(capsys, s3_endpoint, *argv)
     assert_one_line(code, err, "s3://ckpts/neighbour", "cannot write")
     monkeypatch.undo()
-    assert _objects(fs, "neighbour") == {}  # no completing object, nor any other of the run
-    assert _uploads_in_progress(fs) == []
-    assert fs.cat_file("ckpts/neighbour-v2/keep.txt") == b"another prefix"
+    assert _objects(s3, "neighbour") == {}  # no completing object, nor any other of the run
+    assert _uploads_in_progress(s3) == []
+    assert s3.cat_file("ckpts/neighbour-v2/keep.txt") == b"another prefix"
 
 
 def test_overwrite_removes_the_completing_object_first(
     fsdp2_ckpt: Path,
-    endpoint: str,  # noqa: F811
-    fs: s3fs.S3FileSystem,  # noqa: F811
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     argv = ("dcp-to-hf", str(fsdp2_ckpt), "s3://ckpts/release", "--max-shard-size", "400", "-q")
-    assert _in_process(capsys, endpoint, *argv)[0] == 0
-    old = _objects(fs, "release")
-    code, err = _in_process(capsys, endpoint, *argv)
+    assert _in_process(capsys, s3_endpoint, *argv)[0] == 0
+    old = _objects(s3, "release")
+    code, err = _in_process(capsys, s3_endpoint, *argv)
     assert_one_line(code, err, "s3://ckpts/release", "--overwrite")
-    assert _objects(fs, "release") == old
+    assert _objects(s3, "release") == old
     removed: list[str] = []
     rm = s3fs.S3FileSystem._rm  # the sync `rm` of each instance wraps it
 
@@ -163,40 +164,40 @@ def test_overwrite_removes_the_completing_object_first(
     monkeypatch.setattr(s3fs.S3FileSystem, "_rm", record_rm)
     s3fs.S3FileSystem.clear_instance_cache()  # a new instance binds the recorder into its sync `rm`
     _failing_parts(monkeypatch, 1)
-    code, err = _in_process(capsys, endpoint, *argv, "--overwrite")
+    code, err = _in_process(capsys, s3_endpoint, *argv, "--overwrite")
     assert_one_line(code, err, "cannot write", "no longer holds the previous result")
     assert removed[0] == "model.safetensors.index.json"  # the old result stops looking complete first
     monkeypatch.undo()
-    assert "model.safetensors.index.json" not in _objects(fs, "release") and _uploads_in_progress(fs) == []
-    assert _in_process(capsys, endpoint, *argv, "--overwrite")[0] == 0
-    assert _objects(fs, "release") == old
+    assert "model.safetensors.index.json" not in _objects(s3, "release") and _uploads_in_progress(s3) == []
+    assert _in_process(capsys, s3_endpoint, *argv, "--overwrite")[0] == 0
+    assert _objects(s3, "release") == old
 
 
 def test_refused_before_any_work(
     fsdp2_ckpt: Path,
-    endpoint: str,  # noqa: F811
-    fs: s3fs.S3FileSystem,  # noqa: F811
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    fs.pipe_file("ckpts/data/train.jsonl", b"{}")
+    s3.pipe_file("ckpts/data/train.jsonl", b"{}")
     cases = [
         (["s3://ckpts/data"], "not a checkpoint"),
         (["s3://ckpts/new", "--verify"], "--verify"),
         (["s3://ckpts/new", "--push-to-hub", "org/model"], "--push-to-hub"),
     ]
     for extra, words in cases:
-        code, err = _in_process(capsys, endpoint, "dcp-to-hf", str(fsdp2_ckpt), *extra)
+        code, err = _in_process(capsys, s3_endpoint, "dcp-to-hf", str(fsdp2_ckpt), *extra)
         assert_one_line(code, err, words)
-    assert _objects(fs, "new") == {}
-    assert list(_objects(fs, "data")) == ["train.jsonl"]
+    assert _objects(s3, "new") == {}
+    assert list(_objects(s3, "data")) == ["train.jsonl"]
 
 
 @pytest.mark.parametrize("nproc", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_hf_to_dcp_out_in_s3_loads_with_torch(
     nproc: int,
     fsdp2_ckpt: Path,
-    endpoint: str,  # noqa: F811
-    fs: s3fs.S3FileSystem,  # noqa: F811
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
     tmp_path: Path,
 ) -> None:
     """The data files of a local hf-to-dcp, `.metadata` last, and torch's own fsspec reader loads them."""
@@ -208,11 +209,11 @@ def test_hf_to_dcp_out_in_s3_loads_with_torch(
     assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(hf), "--dtype", "fp32", "-q").returncode == 0
     assert ckptconv("hf-to-dcp", str(hf), str(local), "-q", nproc=nproc).returncode == 0
     key = f"dcp-{nproc}"
-    options = json.dumps(_options(endpoint))
+    options = json.dumps(s3_options(s3_endpoint))
     argv = ("hf-to-dcp", str(hf), f"s3://ckpts/{key}", "--storage-options", options, "--json")
     proc = ckptconv(*argv, nproc=nproc)
     assert proc.returncode == 0, proc.stderr
-    remote, expected = _objects(fs, key), tree_sha256(local)
+    remote, expected = _objects(s3, key), tree_sha256(local)
     report = json.loads(proc.stdout)
     assert report["out"] == f"s3://ckpts/{key}" and report["written_files"] == sorted(remote)
     assert set(remote) == set(expected) and ".metadata" in remote
@@ -223,16 +224,16 @@ def test_hf_to_dcp_out_in_s3_loads_with_torch(
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
     mine = {t["key"]: torch.empty(t["shape"], dtype=dtypes[t["dtype"]]) for t in keys}
     theirs = {k: torch.empty_like(v) for k, v in mine.items()}
-    dcp.load(mine, storage_reader=FsspecReader(f"s3://ckpts/{key}", **_options(endpoint)), no_dist=True)
+    dcp.load(mine, storage_reader=FsspecReader(f"s3://ckpts/{key}", **s3_options(s3_endpoint)), no_dist=True)
     dcp.load(theirs, checkpoint_id=str(local), no_dist=True)
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
-    assert _uploads_in_progress(fs) == []
+    assert _uploads_in_progress(s3) == []
 
 
 def test_hf_to_dcp_store_failing_leaves_nothing(
     fsdp2_ckpt: Path,
-    endpoint: str,  # noqa: F811
-    fs: s3fs.S3FileSystem,  # noqa: F811
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -241,7 +242,7 @@ def test_hf_to_dcp_store_failing_leaves_nothing(
     assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(hf), "-q").returncode == 0
     for after in (0, 2):  # a data file, then `.metadata` itself
         _failing_parts(monkeypatch, after)
-        code, err = _in_process(capsys, endpoint, "hf-to-dcp", str(hf), "s3://ckpts/dcp-fail", "-q")
+        code, err = _in_process(capsys, s3_endpoint, "hf-to-dcp", str(hf), "s3://ckpts/dcp-fail", "-q")
         monkeypatch.undo()
         assert_one_line(code, err, "s3://ckpts/dcp-fail", "cannot write")
-        assert _objects(fs, "dcp-fail") == {} and _uploads_in_progress(fs) == []
+        assert _objects(s3, "dcp-fail") == {} and _uploads_in_progress(s3) == []

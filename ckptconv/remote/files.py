@@ -187,12 +187,25 @@ class RemoteFiles:
 _DENIED = ("Credential", "AccessDenied", "Forbidden", "Signature", "InvalidAccessKey", "Unauthorized")
 
 
+def denied(e: BaseException) -> bool:
+    """Whether a backend's error means the credentials are missing or not allowed."""
+    return isinstance(e, PermissionError) or any(word in type(e).__name__ for word in _DENIED)
+
+
+def forget(url: UrlPath) -> None:
+    """Drop what this process knows of the objects under `url` (before listing them afresh)."""
+    _listings.pop(str(url), None)
+    fs = filesystem(url)
+    if hasattr(fs, "invalidate_cache"):
+        fs.invalidate_cache(url.key)
+
+
 def remote_error(url: Any, e: BaseException) -> CkptconvError:
     """The one-line error for a failed request on `url` (secrets of --storage-options redacted)."""
     if isinstance(e, FileNotFoundError):
         cause = "no such object (removed while being read?)"
         fix = "check the URL, and that nothing deletes the checkpoint while it is converted"
-    elif isinstance(e, PermissionError) or any(word in type(e).__name__ for word in _DENIED):
+    elif denied(e):
         cause = "access denied"
         fix = "check the credentials (--storage-options, or the backend's usual variables and profiles)"
     else:

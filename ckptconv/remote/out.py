@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from ..errors import CkptconvError
 from ..world import World, everyone, on_main
-from .files import RemoteFiles
+from .files import RemoteFiles, denied, forget
 from .urls import UrlPath, filesystem, redact
 
 T = TypeVar("T")
@@ -49,12 +49,14 @@ class RemoteTarget:
     def check(self) -> list[str]:
         """Rank 0: refuse an OUT prefix holding anything but a previous result (or one without
         --overwrite); the names of the objects there."""
-        from ..outcheck import is_checkpoint_file, is_model_file
+        from ..outcheck import not_a_checkpoint
 
         names = sorted(listing(self.url))
-        foreign = [n for n in names if "/" in n or not (is_checkpoint_file(n) or is_model_file(n))]
-        if names and not any(is_checkpoint_file(n) for n in names):
-            foreign = names
+        # an object under a deeper prefix counts as a subdirectory would
+        entries = {
+            (n.split("/")[0], n.split("/")[0] + ("/" if "/" in n else ""), "/" not in n) for n in names
+        }
+        foreign = not_a_checkpoint(sorted(entries))
         if foreign:
             shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
             raise CkptconvError(
@@ -79,23 +81,20 @@ class RemoteTarget:
                     raise CkptconvError(
                         redact(f"{self.url}: cannot remove the previous result ({type(e).__name__}: {e})")
                     ) from None
-        _forget(self.url)
+        forget(self.url)
         return bool(names)
+
+
+def _entry(name: str) -> tuple[str, str, bool]:
+    """An object's name as a directory entry: one under a deeper prefix is that prefix, a subdirectory."""
+    head, sub, _ = name.partition("/")
+    return head, head + sub, not sub
 
 
 def listing(url: UrlPath) -> dict[str, int]:
     """{name: size} of the objects under `url`, listed afresh (no cached listing)."""
-    _forget(url)
+    forget(url)
     return RemoteFiles(url).sizes()
-
-
-def _forget(url: UrlPath) -> None:
-    from . import files
-
-    files._listings.pop(str(url), None)
-    fs = filesystem(url)
-    if hasattr(fs, "invalidate_cache"):
-        fs.invalidate_cache(url.key)
 
 
 class Stream:
@@ -182,7 +181,7 @@ def stream(url: UrlPath) -> Stream:
 def write_error(url: object, e: BaseException) -> CkptconvError:
     if isinstance(e, CkptconvError):
         return e
-    if isinstance(e, PermissionError) or "AccessDenied" in type(e).__name__:
+    if denied(e):
         cause = "access denied; check the credentials and the bucket's permissions"
     else:
         cause = f"{type(e).__name__}: {e}".strip()

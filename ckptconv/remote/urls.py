@@ -95,10 +95,6 @@ def configure(storage_options: str | None, coalesce_gap: int | None = None) -> N
     _options.update(options)
 
 
-def storage_options() -> dict[str, Any]:
-    return dict(_options)
-
-
 def coalesce_gap() -> int:
     return _gap[0]
 

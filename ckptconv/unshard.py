@@ -255,19 +255,35 @@ def direct_tensors(
     plan: HfSavePlan, world: World, reader: DcpReader, bucket_bytes: int, pool: BufferPool | None = None
 ) -> Iterator[Item]:
     """This rank's writes (`plan.writes_of`) with their data, in file order, read directly, up to
-    `bucket_bytes` ahead in threads (their tensors made in `pool`, when given)."""
+    `bucket_bytes` ahead in threads (their tensors made in `pool`, when given). From object storage, the
+    reads of the next `bucket_bytes` of writes are announced (`reader.expect`) before a write is read, so
+    which neighbours one GET fetches does not depend on how far the loop got while a thread was reading."""
     pending: deque[tuple[Write, Future[torch.Tensor]]] = deque()
-    in_flight = 0
+    announced: deque[Write] = deque()
+    in_flight = ahead = 0
+    look_ahead = bucket_bytes if reader.remote else 0
     rows = direct_rows(reader)
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptconv-read") as threads:
-        for w in plan.writes_of(world.rank):
+
+        def submit(w: Write) -> Iterator[Item]:
+            nonlocal in_flight
             while pending and in_flight + w.nbytes > bucket_bytes:
                 done, future = pending.popleft()
                 in_flight -= done.nbytes
                 yield done, future.result()
-            _expect(reader, w)
             pending.append((w, threads.submit(assemble, w.tensor, rows, reader, w.window, pool)))
             in_flight += w.nbytes
+
+        for w in plan.writes_of(world.rank):
+            _expect(reader, w)
+            announced.append(w)
+            ahead += w.nbytes
+            while announced and ahead > look_ahead:
+                first = announced.popleft()
+                ahead -= first.nbytes
+                yield from submit(first)
+        while announced:
+            yield from submit(announced.popleft())
         while pending:
             done, future = pending.popleft()
             yield done, future.result()

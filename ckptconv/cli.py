@@ -320,20 +320,22 @@ def inspect_cmd(
     """Show what a checkpoint holds (reads metadata and headers only); with --mapping, the mapped view too."""
     from rich.console import Console
 
-    from .formats.hf import download, looks_like_repo_id
+    from .formats.files import is_directory
+    from .formats.hf_hub import download, looks_like_repo_id
     from .mapping import load_config, load_mapping
+    from .remote.urls import url_path
     from .report import inspect, mapped_targets, mapped_view, render_inspect, render_mapped
 
     if explain and not mapping:
         raise typer.BadParameter("needs --mapping", param_hint="--explain")
     use_storage(storage_options, "0")
-    local = download(path, revision) if looks_like_repo_id(path) else Path(path)
+    local = download(path, revision) if looks_like_repo_id(path) else (url_path(path) or Path(path))
     with _trust(trust_pickle):
         info = inspect(local)
     console = Console(highlight=False, soft_wrap=True)
     if mapping:
         key_mapping = load_mapping(mapping)
-        model_config = load_config(config or (local / "config.json" if local.is_dir() else None))
+        model_config = load_config(config or (local / "config.json" if is_directory(local) else None))
         targets = mapped_targets(info, key_mapping, model_config, allow_unmapped).targets
         info["mapped"] = mapped_view(targets)
         if explain:

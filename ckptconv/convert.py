@@ -276,7 +276,7 @@ def hf_to_dcp(
     located = on_main(world, sources.hf_source, src, revision)
     path: Path = world.all_gather_object(located)[0]  # rank 0 downloads; the others read what it found
 
-    config_file = config or (_first_file(path) if path.is_dir() else None)
+    config_file = config or (_first_file(path) if is_directory(path) else None)
 
     def check_inputs() -> tuple[DtypePolicy, outcheck.Target | None]:
         inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
@@ -284,7 +284,7 @@ def hf_to_dcp(
         return DtypePolicy(parse_dtype_flag(dtype), fp32), target
 
     def prepare(hf: HfCheckpoint, policy: DtypePolicy) -> tuple[DcpSavePlan, dict[str, Any]]:
-        stash = read_stash(path) if path.is_dir() else []
+        stash = read_stash(path) if is_directory(path) else []
         key_mapping = load_mapping(mapping) if mapping else None
         model_config = load_config(config_file)
         plan = plan_hf_to_dcp(

@@ -44,7 +44,7 @@ def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> RankByte
         written = remote_out.bytes_written()
     else:
         written = sum(p.stat().st_size for p in staging.glob(f"__{world.rank}_*.distcp"))
-    return RankBytes(world.rank, reader.bytes_read, written)
+    return RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
 
 
 def _dcp_state_dict(

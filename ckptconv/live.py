@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,14 +30,16 @@ from .dtype_names import short_name
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
-from .formats.files import refuse_url
-from .formats.hf import INDEX_FILE, open_hf, write_index
+from .formats.hf import INDEX_FILE, SINGLE_FILE, open_hf, write_index
 from .formats.safetensors_io import RowReader
 from .hf_write import follow_config, write_files
 from .layout import tiling_problem
 from .mapping import CONFIG_FILE, load_mapping
 from .plan import mapped_tensors, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .quant.policy import QuantPolicy
+from .remote import out as remote_out
+from .remote import urls
+from .remote.out import RemoteTarget
 from .schedule import Holding, ShardStep, plan_rounds
 from .specs import ChunkSpec, TensorSpec
 from .stash import StashedItem, json_exact, write_stash
@@ -158,6 +161,7 @@ def save_hf(
     quantize: str | None = None,
     quantize_skip: Sequence[str] = (),
     write_granularity: str = "tensor",
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SaveReport:
     """Collective (call on every rank): write `state_dict` as HF safetensors into the directory `path`.
 
@@ -167,8 +171,14 @@ def save_hf(
     `copy_from` follows what was written). Rank 0 publishes `path` atomically after every rank succeeded.
     `write_granularity`: "tensor" (every rank writes its share of every file) or "file" (one rank per file),
     as dcp-to-hf's `--write-granularity`.
+    `path` may be a URL (`s3://bucket/step-1000`): each file is streamed by one rank as a multipart upload and
+    the index (or the single file) completes it last, as dcp-to-hf writes a URL OUT; `storage_options` go
+    to the backend's file system.
     """
-    world, out = _world(), Path(path)
+    if storage_options is not None:
+        urls.configure(json.dumps(dict(storage_options)))
+    world, url = _world(), urls.url_path(path)
+    out = url or Path(path)
     tensors: dict[str, torch.Tensor] = {}
     paths: dict[str, tuple[str, ...]] = {}
     others: list[tuple[tuple[str, ...], Any]] = []
@@ -197,11 +207,10 @@ def save_hf(
             mapping=load_mapping(mapping) if mapping else None,
             config=dict(config or {}),
             quantize=QuantPolicy(quantize, quantize_skip) if quantize else None,
-            write_granularity=_granularity(write_granularity),
+            write_granularity="file" if url else _granularity(write_granularity),  # a URL: one rank a file
         )
-        target = outcheck.target(
-            out, overwrite, [("copy_from", _path(copy_from))], "overwrite=True", world.is_main
-        )
+        inputs = [("copy_from", _path(copy_from))]
+        target = outcheck.hf_target(world.is_main, out, overwrite, inputs, False, False, "overwrite=True")
         budget = parse_size(bucket_size, "bucket_size")
         jobs, order, needs = live_jobs(plan, holding, budget)
         return plan, jobs, order, needs, plan_rounds(jobs, budget), target
@@ -223,7 +232,14 @@ def save_hf(
 
     results = run_rounds(jobs, rounds, world.rank, local, TorchCollective(handles))
     items = emit(order, needs, world.rank, results, jobs)
-    outdir.atomically(world, target, lambda staging: write_files(plan, items, staging, world, ui), finish)
+
+    def write(staging: Path) -> None:
+        write_files(plan, items, staging, world, ui)
+
+    if isinstance(target, RemoteTarget):
+        remote_out.publish(world, target, INDEX_FILE if plan.sharded else SINGLE_FILE, write, finish)
+    else:
+        outdir.atomically(world, target, write, finish)
     return SaveReport(
         [f.name for f in plan.files],
         plan.total_size,
@@ -266,6 +282,7 @@ def load_hf(
     fp32: Sequence[str] = (),
     strict: bool = True,
     config: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadReport:
     """Fill the tensors of `state_dict` (DTensors with any placements, or plain tensors) from HF safetensors.
 
@@ -280,10 +297,13 @@ def load_hf(
     counts as config.json's dtype (bf16 when it names none), and each rank reads only its block's weight and
     scale rows, dequantized straight into the dtype loaded (the fp32 product rounded once).
     `strict` raises on missing or unexpected keys.
+    `path` may be a URL (`s3://bucket/model`): each rank lists the prefix, reads the headers and then its
+    blocks' bytes by ranged GETs; `storage_options` go to the backend's file system (as `--storage-options`).
     Not collective: ranks do not talk to each other.
     """
-    refuse_url(path, "path")
-    hf = open_hf(Path(path))
+    if storage_options is not None:
+        urls.configure(json.dumps(dict(storage_options)))
+    hf = open_hf(urls.url_path(path) or Path(path))
     forced = parse_dtype_flag(dtype, "dtype") if dtype is not None else None
     plan = plan_hf_to_dcp(
         hf,

@@ -15,7 +15,7 @@ from . import outlock
 from .errors import CkptconvError
 from .formats.files import refuse_url
 from .remote.out import RemoteTarget
-from .remote.urls import is_url, url_path
+from .remote.urls import UrlPath, is_url, url_path
 
 PARTIAL_SUFFIX = ".ckptconv-partial"
 OLD_SUFFIX = ".ckptconv-old"
@@ -173,6 +173,21 @@ def _check_not_input(out: Path, label: str, path: Path) -> None:
             raise CkptconvError(f"{out}: is inside {what} {real}; choose an OUT outside the inputs")
 
 
+def _url_not_input(out: UrlPath, label: str, path: Path) -> None:
+    """A URL OUT must not be an input in object storage, hold one or lie inside one (--overwrite there
+    would delete the source). A local input is never under a URL."""
+    src = url_path(path)
+    if src is None or src.protocol != out.protocol:
+        return
+    a, b = out.key.rstrip("/"), src.key.rstrip("/")
+    if a == b:
+        raise CkptconvError(f"{out}: is {label} {src} itself; OUT must never be an input")
+    if b.startswith(a + "/"):
+        raise CkptconvError(f"{out}: holds {label} {src}; choose an OUT prefix that holds no input")
+    if a.startswith(b + "/"):
+        raise CkptconvError(f"{out}: is inside {label} {src}; choose an OUT prefix outside the inputs")
+
+
 def _linked(label: str, path: Path) -> list[tuple[str, Path]]:
     """What an input directory points to: its symlinked entries' targets, a hub snapshot's repo folder."""
     found: list[tuple[str, Path]] = []
@@ -207,12 +222,20 @@ def _within(inner: Path, outer: Path) -> bool:
 Target = Output | RemoteTarget
 
 
-def hf_target(main: bool, out: Path, overwrite: bool, inputs: Inputs, verify: bool, push: bool) -> Target:
+def hf_target(
+    main: bool,
+    out: Path,
+    overwrite: bool,
+    inputs: Inputs,
+    verify: bool,
+    push: bool,
+    flag: str = "--overwrite",
+) -> Target:
     """Where a conversion writes: a checked local OUT, or a prefix in object storage (checked on rank 0),
     where the flags that read the output back or upload it are refused by name."""
     url = url_path(out)
     if url is None:
-        return target(out, overwrite, inputs, main=main)
+        return target(out, overwrite, inputs, flag, main=main)
     if verify:
         raise CkptconvError(
             f"--verify with OUT {url}: reading the output back from object storage is not supported yet; "
@@ -223,6 +246,9 @@ def hf_target(main: bool, out: Path, overwrite: bool, inputs: Inputs, verify: bo
             f"--push-to-hub with OUT {url}: pushing from object storage is not supported; write OUT to a "
             "local path to push it"
         )
+    for label, path in inputs:
+        if path is not None:
+            _url_not_input(url, label, path)
     remote = RemoteTarget(url, overwrite)
     if main:
         remote.check()

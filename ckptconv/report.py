@@ -31,9 +31,9 @@ def inspect(path: Path) -> dict[str, Any]:
 
 def _inspect(path: Path) -> dict[str, Any]:
     if is_url(path):
-        from .sources import dcp_source
+        from .sources import any_source
 
-        path = dcp_source(path)  # object storage: DCP checkpoints
+        path = any_source(str(path))  # object storage: a DCP or an HF checkpoint
     elif not exists(path):
         raise CkptconvError(f"{path}: no such file or directory")
     if is_dcp_dir(path):

@@ -3,13 +3,14 @@ repo id, downloaded through huggingface_hub's cache (weights and config only).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .errors import CkptconvError
 from .formats.dcp import METADATA_FILE, is_dcp_dir
 from .formats.files import exists, is_directory, is_regular, listdir, refuse_url
-from .formats.hf import download, is_hf_dir, looks_like_repo_id
+from .formats.hf import is_hf_dir
+from .formats.hf_hub import download, looks_like_repo_id
 from .outcheck import refuse_partial
 from .remote.files import RemoteFiles
 from .remote.urls import UrlPath, url_path
@@ -50,26 +51,58 @@ def _remote_dcp(url: UrlPath) -> UrlPath:
     names = RemoteFiles(url).sizes()
     if METADATA_FILE in names:
         return url
-    inner = sorted(
-        {
-            name.rsplit("/", 1)[0]
-            for name in names
-            if name.count("/") == 1 and name.endswith("/" + METADATA_FILE)
-        }
-    )
+    inner = _dcp_inside(names)
     models = [name for name in inner if not name.startswith("optimizer")]
     if len(models) == 1 or len(inner) == 1:
         return url / (models or inner)[0]
     if inner:
         shown = ", ".join(name + "/" for name in inner[:4]) + (", ..." if len(inner) > 4 else "")
         raise CkptconvError(f"{url}: holds {len(inner)} DCP checkpoints ({shown}); point at one of them")
+    if any(name.endswith((".safetensors", ".safetensors.index.json")) for name in names) or (
+        not names and _object(url)
+    ):
+        raise CkptconvError(f"{url}: is a Hugging Face safetensors checkpoint, not DCP; use hf-to-dcp")
     if not names:
         raise CkptconvError(f"{url}: no such object or prefix (or no access to list it)")
-    if any(name.endswith((".safetensors", ".safetensors.index.json")) for name in names):
-        raise CkptconvError(f"{url}: is a Hugging Face safetensors checkpoint, not DCP; use hf-to-dcp")
     raise CkptconvError(
         f"{url}: not a DCP checkpoint (no .metadata under it); point at the checkpoint prefix"
     )
+
+
+def _dcp_inside(names: Iterable[str]) -> list[str]:
+    """The DCP checkpoints one level under a prefix holding objects `names`."""
+    found = {n.rsplit("/", 1)[0] for n in names if n.count("/") == 1 and n.endswith("/" + METADATA_FILE)}
+    return sorted(found)
+
+
+def _object(url: UrlPath) -> bool:
+    """Whether `url` names one .safetensors object (not a prefix)."""
+    from .remote import tree
+
+    return url.name.endswith(".safetensors") and tree.size(url) is not None
+
+
+def _remote_hf(url: UrlPath) -> UrlPath:
+    """The HF checkpoint at `url`: a prefix with .safetensors objects directly under it, or one object."""
+    names = RemoteFiles(url).sizes()
+    if not names and _object(url):
+        return url
+    if not names:
+        raise CkptconvError(f"{url}: no such object or prefix (or no access to list it)")
+    if METADATA_FILE in names or _dcp_inside(names):
+        raise CkptconvError(f"{url}: is a DCP checkpoint, not Hugging Face safetensors; use dcp-to-hf")
+    if not any(n.endswith(".safetensors") and "/" not in n for n in names):
+        raise CkptconvError(
+            f"{url}: no .safetensors objects directly under it (only safetensors weights are read, not .bin)"
+        )
+    return url
+
+
+def _remote_any(url: UrlPath) -> UrlPath:
+    """A DCP or HF checkpoint in object storage (inspect's and verify's inputs)."""
+    names = RemoteFiles(url).sizes()
+    dcp = METADATA_FILE in names or _dcp_inside(names)
+    return _remote_dcp(url) if dcp else _remote_hf(url)
 
 
 def checkpoints_inside(directory: Path) -> list[Path]:
@@ -95,7 +128,13 @@ def _local_or_hub(src: str, revision: str | None, check: Callable[[Path], None])
 
 
 def hf_source(src: str, revision: str | None) -> Path:
-    """The local safetensors file or directory `src` names, downloading a hub repo id if needed."""
+    """The safetensors file or directory `src` names: local, a hub repo id (downloaded if needed), or a URL
+    (object storage: read in place)."""
+    url = url_path(src)
+    if url is not None:
+        if revision is not None:
+            raise CkptconvError(f"--revision applies to hub repo ids; {src} is a URL")
+        return _remote_hf(url)
 
     def check(path: Path) -> None:
         if is_dcp_dir(path):
@@ -116,10 +155,11 @@ def hf_source(src: str, revision: str | None) -> Path:
 
 
 def any_source(src: str, revision: str | None = None) -> Path:
-    """A DCP directory, an HF directory or .safetensors file, or a hub repo id (verify's inputs); a URL
-    names a DCP checkpoint in object storage."""
-    if url_path(src) is not None:
-        return dcp_source(Path(src))
+    """A DCP directory, an HF directory or .safetensors file, or a hub repo id (verify's and inspect's
+    inputs); a URL names either kind in object storage."""
+    url = url_path(src)
+    if url is not None:
+        return _remote_any(url)
 
     def check(path: Path) -> None:
         if not (is_dcp_dir(path) or is_hf_dir(path) or path.suffix == ".safetensors"):

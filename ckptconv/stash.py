@@ -81,11 +81,11 @@ def write_stash(directory: Path, items: list[StashedItem]) -> None:
 
 def read_stash(directory: Path) -> list[StashedItem]:
     """The items stashed in `directory`, [] when there is no stash file."""
-    from .formats.files import read_regular
+    from .formats.files import exists, read_regular
     from .formats.hf import checkpoint_root
 
     path = directory / STASH_FILE
-    if not path.exists() and not path.is_symlink():
+    if not exists(path) and not path.is_symlink():
         return []
     raw = read_regular(path, checkpoint_root(directory))  # a FIFO or a link out of the checkpoint: refused
     try:

@@ -27,11 +27,13 @@ from .dtypes import DtypePolicy
 from .errors import CkptconvError, VerifyMismatch
 from .formats.dcp import is_dcp_dir, open_dcp
 from .formats.dcp_reader import DcpReader
+from .formats.files import exists, is_regular
 from .formats.hf import open_hf
 from .formats.safetensors_io import RowReader
 from .mapping import VARIANTS, load_config, load_mapping
 from .plan import assign_owners, mapped_tensors, natural_key
 from .quant import fp8
+from .remote.urls import is_url
 from .sources import any_source
 from .ui import Ui
 from .unshard import assemble, check_read_pieces, direct_rows
@@ -262,14 +264,14 @@ def verify(
     """Collective: compare checkpoint `a` with `b` (paths or hub repo ids). Rank 0 downloads repo ids."""
 
     def where(src: str) -> Path:  # --revision is for the hub repo id(s) among A and B
-        return any_source(src, None if Path(src).exists() else revision)
+        return any_source(src, None if exists(Path(src)) or is_url(src) else revision)
 
     located = on_main(world, lambda: (where(a), where(b)))
     path_a, path_b = world.all_gather_object(located)[0]
 
     def prepare() -> tuple[Side, Side]:
         found = config or next(
-            (p / "config.json" for p in (path_a, path_b) if (p / "config.json").is_file()), None
+            (p / "config.json" for p in (path_a, path_b) if is_regular(p / "config.json")), None
         )
         return open_sides(
             path_a,

@@ -235,13 +235,14 @@ def test_object_storage_urls_are_refused_by_name_and_never_written_locally(
     monkeypatch.chdir(tmp_path)
     hf = tmp_path / "hf"
     assert run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(hf), "--quiet")[0] == 0
-    cases = [(["hf-to-dcp", url, "out"], f"SRC {url}", "object storage")]
+    cases = []
     extra = {"gs": ("gcsfs", "gcs"), "abfs": ("adlfs", "azure")}.get(url.split(":")[0])
     if extra and importlib.util.find_spec(extra[0]) is None:  # no network: only where it fails at once
         for argv in (
             ["dcp-to-hf", url, "out"],
             ["dcp-to-hf", str(fsdp2_ckpt), url],
             ["hf-to-dcp", str(hf), url],
+            ["hf-to-dcp", url, "out"],
             ["inspect", url],
             ["verify", url, str(hf)],
         ):
@@ -251,7 +252,8 @@ def test_object_storage_urls_are_refused_by_name_and_never_written_locally(
         assert_one_line(code, err, where, what)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no "s3:" directory, no "out"
 
-    from ckptconv import load_hf
+    from ckptconv import save_hf
 
     with pytest.raises(CkptconvError, match="object storage"):
-        load_hf({}, url)
+        save_hf({"w": torch.zeros(2)}, url)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -22,6 +22,7 @@ import stat
 from pathlib import Path
 
 from ..errors import CkptconvError
+from ..remote.urls import UrlPath
 
 Stamp = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) of a file when it was first read
 
@@ -52,8 +53,8 @@ def refuse_url(path: str | Path, what: str) -> None:
     if match:
         url = f"{match.group(1)}://{text[match.end() :]}"
         raise CkptconvError(
-            f"{what} {url}: object storage URLs are not supported here yet (dcp-to-hf's SRC and OUT, "
-            "hf-to-dcp's OUT, inspect and verify take them); use a local or mounted file system path "
+            f"{what} {url}: object storage URLs are not supported here yet (the commands' SRC and OUT, "
+            "inspect, verify and load_hf take them); use a local or mounted file system path "
             f"(./{text} for a local directory of that name)"
         )
 
@@ -66,8 +67,14 @@ def no_nul(path: object) -> None:
 
 
 def inside(path: Path, root: Path) -> Path:
-    """The real path of `path` (symlinks resolved), which must lie in the real directory `root`."""
+    """The real path of `path` (symlinks resolved), which must lie in the real directory `root`. In object
+    storage: `path` with no `..` leading out of the prefix `root`."""
     no_nul(path)
+    if isinstance(path, UrlPath):
+        name, prefix = os.path.normpath(path.key), os.path.normpath(getattr(root, "key", ""))
+        if name != prefix and not name.startswith(prefix + "/"):
+            raise CkptconvError(f"{path}: lies outside the checkpoint's prefix {root}; refusing to read it")
+        return path
     try:
         real, base = Path(os.path.realpath(path)), Path(os.path.realpath(root))
     except OSError as e:  # a symlink loop (Python 3.13 raises it even without strict=True)
@@ -183,6 +190,12 @@ def pread_exact(fd: int, path: object, offset: int, view: memoryview, shrank: bo
 
 def read_regular(path: Path, root: Path | None = None, limit: int | None = None) -> bytes:
     """The whole content of the regular file `path` (inside `root` if given), at most `limit` bytes."""
+    if isinstance(path, UrlPath):
+        from ..remote import tree
+
+        if root is not None:
+            inside(path, root)
+        return tree.read_small(path, limit)
     fd = open_regular(path, root)
     try:
         size = os.fstat(fd).st_size
@@ -197,8 +210,13 @@ def read_regular(path: Path, root: Path | None = None, limit: int | None = None)
 
 def mode_of(path: Path) -> int | None:
     """The st_mode of what `path` leads to (symlinks followed), None when nothing is there (a dangling
-    symlink included); any other error (EACCES on a parent directory, ELOOP) is a CkptconvError naming it."""
+    symlink included); any other error (EACCES on a parent directory, ELOOP) is a CkptconvError naming it.
+    A URL: an object is a regular file, a prefix with objects under it a directory (`remote.tree`)."""
     no_nul(path)
+    if isinstance(path, UrlPath):
+        from ..remote import tree
+
+        return tree.mode(path)
     try:
         return os.stat(path).st_mode
     except OSError as e:
@@ -226,6 +244,10 @@ def is_directory(path: Path) -> bool:
 
 def listdir(path: Path) -> list[str]:
     """The names in directory `path`, sorted; an unreadable directory is a CkptconvError naming it."""
+    if isinstance(path, UrlPath):
+        from ..remote import tree
+
+        return tree.children(path)
     try:
         return sorted(os.listdir(path))
     except OSError as e:

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
 from ..errors import CkptconvError
+from ..remote.urls import UrlPath
 from .files import Stamp, inside, listdir, mode_of, open_regular, pread_exact, read_error, read_regular, stamp
 
 if TYPE_CHECKING:
@@ -131,6 +131,17 @@ def read_header(path: Path, root: Path | None = None) -> tuple[dict[str, StoredT
 
     `path` must be a regular file, inside `root` when given (see `files.open_regular`). The file is held to
     what the safetensors library accepts: the tensors tile the data exactly up to the end of the file."""
+    if isinstance(path, UrlPath):
+        if root is not None:
+            inside(path, root)
+        raw, size, version = _remote_header(path)
+    else:
+        raw, size, version = _local_header(path, root)
+    tensors, metadata = header_tensors(parse_header(raw, path), path, 8 + len(raw), size)
+    return {k: dataclasses.replace(t, stamp=version) for k, t in tensors.items()}, metadata
+
+
+def _local_header(path: Path, root: Path | None) -> tuple[bytes, int, Stamp]:
     fd = open_regular(path, root)
     try:
         st = _fstat(fd, path)
@@ -138,18 +149,31 @@ def read_header(path: Path, root: Path | None = None) -> tuple[dict[str, StoredT
         if st.st_size < 8:
             raise CkptconvError(f"{path}: too short to be a safetensors file (truncated?)")
         pread_exact(fd, path, 0, memoryview(head))
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER_BYTES or 8 + length > st.st_size:
-            raise CkptconvError(
-                f"{path}: header length {length} is impossible; the file is corrupt or truncated"
-            )
-        raw = bytearray(length)
+        raw = bytearray(_header_length(path, bytes(head), st.st_size))
         pread_exact(fd, path, 8, memoryview(raw))
     finally:
         os.close(fd)
-    tensors, metadata = header_tensors(parse_header(bytes(raw), path), path, 8 + length, st.st_size)
-    version = stamp(st)
-    return {k: dataclasses.replace(t, stamp=version) for k, t in tensors.items()}, metadata
+    return bytes(raw), st.st_size, stamp(st)
+
+
+def _remote_header(url: UrlPath) -> tuple[bytes, int, Stamp]:
+    """An object's header: two ranged GETs (its length, then the JSON), never a tensor byte."""
+    from ..remote import tree
+
+    size = tree.size(url)
+    if size is None:
+        raise CkptconvError(f"{url}: no such object")
+    if size < 8:
+        raise CkptconvError(f"{url}: too short to be a safetensors file (truncated?)")
+    length = _header_length(url, tree.read(url, 0, 8), size)
+    return tree.read(url, 8, length), size, (0, 0, size, 0)
+
+
+def _header_length(path: Path, head: bytes, size: int) -> int:
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER_BYTES or 8 + length > size:
+        raise CkptconvError(f"{path}: header length {length} is impossible; the file is corrupt or truncated")
+    return int(length)
 
 
 def _fstat(fd: int, path: Path) -> os.stat_result:
@@ -251,6 +275,8 @@ def checkpoint_root(directory: Path) -> Path:
     """The directory every file of the HF checkpoint in `directory` must resolve into: `directory` itself,
     or for a huggingface_hub cache snapshot (`models--org--name/snapshots/<rev>/`, whose files are symlinks
     to `../../blobs/<sha>`) the repo's cache folder `models--org--name/`."""
+    if isinstance(directory, UrlPath):
+        return directory
     real = Path(os.path.realpath(directory))
     if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
         return real.parent.parent
@@ -338,59 +364,3 @@ def _weight_map(index_path: Path, root: Path) -> dict[str, str]:
     for name in weight_map.values():
         inside(index_path.parent / name, root)
     return weight_map
-
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# what hf-to-dcp and inspect fetch from the hub: weights, index, config, and a ckptconv stash if any
-HUB_PATTERNS = [
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "config.json",
-    "generation_config.json",
-    "ckptconv_state.json",
-]
-
-
-def looks_like_repo_id(src: str) -> bool:
-    return bool(_REPO_ID.match(src)) and mode_of(Path(src)) is None
-
-
-def download(repo_id: str, revision: str | None) -> Path:
-    """The local snapshot of a hub repo (weights and config only), through huggingface_hub's cache.
-
-    Honors HF_HOME and HF_HUB_OFFLINE: offline, a cached snapshot is used and an uncached one is an error.
-    """
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    where = f"{repo_id}" + (f"@{revision}" if revision else "")
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
-    except HFValidationError as e:
-        raise CkptconvError(
-            f"{where}: not a valid hub repo id or revision ({_first_line(e)}); pass org/name or a local path"
-        ) from None
-    except LocalEntryNotFoundError:
-        raise CkptconvError(
-            f"{where}: not in the local Hugging Face cache and the hub cannot be reached "
-            "(HF_HUB_OFFLINE is set or no network); download it once online, or pass a local directory"
-        ) from None
-    except RevisionNotFoundError:
-        raise CkptconvError(f"{where}: no such revision; check --revision") from None
-    except RepositoryNotFoundError:
-        raise CkptconvError(
-            f"{where}: no such repository on the hub (or it is private: run `hf auth login`)"
-        ) from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise CkptconvError(f"{where}: download failed ({type(e).__name__}: {_first_line(e)})") from None
-
-
-def _first_line(e: Exception) -> str:
-    """The first line of an exception's message, at most 300 characters."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

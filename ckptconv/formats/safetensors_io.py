@@ -26,6 +26,7 @@ import torch
 
 from ..dtypes import st_name
 from ..errors import CkptconvError
+from ..remote.files import RemoteFiles
 from ..remote.urls import UrlPath
 from .dcp_reader import byte_view
 from .dequant import quantized_block
@@ -142,6 +143,7 @@ class RowReader:
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
+        self._remote: dict[str, RemoteFiles] = {}  # prefix URL -> its objects, read by range
         self.bytes_read = 0
 
     def rows(
@@ -198,7 +200,16 @@ class RowReader:
 
     def _pread(self, t: StoredTensor, start: int, view: memoryview) -> None:
         """Read `view` from `t.file` at `start`: a regular file, the one whose header was read (same inode,
-        size and mtime), which must still hold every byte; otherwise a CkptconvError naming it."""
+        size and mtime), which must still hold every byte; otherwise a CkptconvError naming it. An object in
+        object storage: one ranged GET, which must return every byte."""
+        if isinstance(t.file, UrlPath):
+            parent = t.file.parent
+            files = self._remote.get(str(parent))
+            if files is None:
+                files = self._remote[str(parent)] = RemoteFiles(parent)
+            files.pread(t.file.name, start, view)
+            self.bytes_read += len(view)
+            return
         fd = self._fds.get(t.file)
         if fd is None:
             fd = open_regular(t.file)
@@ -210,6 +221,11 @@ class RowReader:
             self._fds[t.file] = fd
         pread_exact(fd, t.file, start, view, shrank=True)
         self.bytes_read += len(view)
+
+    def fetched(self) -> tuple[int, int]:
+        """(bytes, requests) fetched from object storage so far."""
+        remote = self._remote.values()
+        return sum(f.bytes_fetched for f in remote), sum(f.requests for f in remote)
 
     def close(self) -> None:
         """Close the files (a read error was raised where it happened: `dcp_writer` finds it inside torch's

@@ -5,6 +5,7 @@ usage: live.py save OUT LAYOUT   seeded model (no training step: the same values
                                  OUT/live_fp8), dcp.save -> OUT/dcp (for
                                  dcp-to-hf to compare against), rank 0 writes the full values to OUT/ref.pt
                                  and save_hf's report (+ the number of shard steps) to OUT/report.json
+       live.py save-url OUT LAYOUT URL OPTIONS_JSON   save_hf -> OUT/live and -> URL (object storage)
        live.py load OUT LAYOUT   a differently seeded bf16 model sharded per LAYOUT; load_hf(OUT/live); rank 0
                                  prints one JSON line: the report, and which keys equal the reference bits
 """
@@ -39,7 +40,11 @@ def main() -> None:
         model = model.to(torch.bfloat16)
     shard(model, layout, dist.get_world_size())
     sd = model.state_dict()
-    if mode == "save":
+    if mode == "save-url":
+        for where, options in ((out / "live", None), (sys.argv[4], json.loads(sys.argv[5]))):
+            kw = {"max_shard_size": 300, "bucket_size": BUCKET, "storage_options": options}
+            ckptconv.save_hf(sd, where, extra={"step": 7}, **kw)
+    elif mode == "save":
         report = ckptconv.save_hf(sd, out / "live", extra={"step": 7}, max_shard_size=300, bucket_size=BUCKET)
         fp8 = {"quantize": "fp8", "max_shard_size": 300, "bucket_size": BUCKET}
         ckptconv.save_hf(sd, out / "live_fp8", extra={"step": 7}, **fp8)

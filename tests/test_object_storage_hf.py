@@ -1,0 +1,206 @@
+"""Hugging Face checkpoints in object storage (moto's S3 server, started by the test): hf-to-dcp, inspect,
+verify and load_hf read the safetensors objects in place (headers by two ranged GETs, tensors by range), and
+give what they give from a local copy of the same files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SECRET, WORKERS, ckptconv, s3_options, torchrun, tree_sha256
+from families import tiny
+
+s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
+pytest.importorskip("moto", reason="moto's server is part of the test extras")
+
+from ckptconv import load_hf  # noqa: E402
+from ckptconv.remote import urls  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama saved by transformers' save_pretrained in shards (index, 3+ files, config.json)."""
+    import transformers as tf
+
+    path = tiny("llama", tmp_path_factory.mktemp("llama") / "model")
+    model = tf.AutoModelForCausalLM.from_pretrained(path)
+    model.save_pretrained(path, max_shard_size="40KB")
+    for single in path.glob("model.safetensors"):
+        single.unlink()
+    assert len(list(path.glob("*.safetensors"))) >= 3 and (path / "model.safetensors.index.json").exists()
+    return path
+
+
+def _upload(s3: s3fs.S3FileSystem, local: Path, key: str) -> str:
+    s3.put(str(local), f"ckpts/{key}", recursive=True)
+    return f"s3://ckpts/{key}"
+
+
+def _same_dcp(a: Path, b: Path) -> None:
+    """The same data files, byte for byte, and the same tensors in `.metadata` (which also records the
+    staging directory and a random save id)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    files_a, files_b = tree_sha256(a), tree_sha256(b)
+    assert files_a.pop(".metadata") and files_b.pop(".metadata")
+    assert files_a == files_b
+    meta_a, meta_b = (FileSystemReader(str(p)).read_metadata() for p in (a, b))
+    assert meta_a.state_dict_metadata == meta_b.state_dict_metadata
+    assert meta_a.storage_data == meta_b.storage_data
+
+
+def _run(s3_endpoint: str, *args: str, nproc: int = 0) -> subprocess.CompletedProcess[str]:
+    return ckptconv(*args, "--storage-options", json.dumps(s3_options(s3_endpoint)), nproc=nproc)
+
+
+@pytest.mark.parametrize("nproc", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_hf_to_dcp_from_s3_matches_local(
+    nproc: int, llama: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    """A sharded transformers model (index, config.json) in S3: the DCP a local copy gives, with a preset that
+    reads config.json (the config is kept beside .metadata), on 1 and 2 ranks; --verify reads it back from
+    S3; every rank fetches only the rows it writes."""
+    url = _upload(s3, llama, f"llama-{nproc}")
+    flags = ("--mapping", "torchtitan-llama3")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    assert ckptconv("hf-to-dcp", str(llama), str(local), *flags, "-q", nproc=nproc).returncode == 0
+    proc = _run(s3_endpoint, "hf-to-dcp", url, str(remote), *flags, "--json", "--verify", nproc=nproc)
+    assert proc.returncode == 0, proc.stderr
+    _same_dcp(remote, local)
+    assert "config.json" in tree_sha256(remote)
+    report = json.loads(proc.stdout)
+    assert report["src"] == url and report["verified"] is True
+    data = sum(p.stat().st_size for p in llama.glob("*.safetensors"))  # headers included
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(max(nproc, 1)))
+    assert all(0 < r["bytes_fetched"] == r["bytes_read"] for r in ranks)  # no byte but those read
+    assert sum(r["bytes_fetched"] for r in ranks) < data  # each rank its rows only
+
+
+def test_ckptconv_release_in_s3_round_trips_its_stash(
+    fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    """dcp-to-hf straight into S3, then hf-to-dcp straight from it: the stashed step/args come back, and the
+    DCP equals the one made from a local release."""
+    local_hf, local_dcp, remote_dcp = tmp_path / "hf", tmp_path / "dcp", tmp_path / "from-s3"
+    assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(local_hf), "--dtype", "fp32", "-q").returncode == 0
+    assert ckptconv("hf-to-dcp", str(local_hf), str(local_dcp), "-q").returncode == 0
+    url = "s3://ckpts/release"
+    made = _run(s3_endpoint, "dcp-to-hf", str(fsdp2_ckpt), url, "--dtype", "fp32", "-q")
+    assert made.returncode == 0, made.stderr
+    proc = _run(s3_endpoint, "hf-to-dcp", url, str(remote_dcp), "-q")
+    assert proc.returncode == 0, proc.stderr
+    _same_dcp(remote_dcp, local_dcp)
+    items = json.loads(ckptconv("inspect", str(remote_dcp), "--json").stdout)["non_tensor_items"]
+    assert (
+        "step" in items
+        and items == json.loads(ckptconv("inspect", str(local_dcp), "--json").stdout)["non_tensor_items"]
+    )
+
+
+def test_single_object_inspect_and_verify(
+    llama: Path, fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    """One .safetensors object, and a sharded prefix: inspect as of the local files; verify a DCP against
+    the HF prefix in S3 (and the S3 DCP against a local HF directory)."""
+    hf = tmp_path / "hf"
+    assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(hf), "--dtype", "fp32", "-q").returncode == 0
+    prefix = _upload(s3, hf, "verify/hf")
+    one = f"{prefix}/model.safetensors"
+    for url, local in ((one, hf / "model.safetensors"), (_upload(s3, llama, "inspect"), llama)):
+        remote = _run(s3_endpoint, "inspect", url, "--json")
+        assert remote.returncode == 0, remote.stderr
+        doc = json.loads(remote.stdout)
+        expected = json.loads(ckptconv("inspect", str(local), "--json").stdout)
+        assert doc.pop("path") == url and expected.pop("path") == str(local)
+        assert doc == expected
+    same = _run(s3_endpoint, "verify", str(fsdp2_ckpt), prefix, "--prefix", "model.")
+    assert same.returncode == 0, same.stderr
+    dcp_url = _upload(s3, fsdp2_ckpt, "verify/dcp")
+    same = _run(s3_endpoint, "verify", dcp_url, one, "--prefix", "model.")
+    assert same.returncode == 0, same.stderr
+    single = tmp_path / "from-one"
+    assert _run(s3_endpoint, "hf-to-dcp", one, str(single), "-q").returncode == 0
+    assert ckptconv("verify", str(single), str(hf)).returncode == 0
+
+
+def test_load_hf_from_s3(llama: Path, s3_endpoint: str, s3: s3fs.S3FileSystem) -> None:
+    """load_hf of a URL fills a state dict exactly as load_hf of the local directory."""
+    url = _upload(s3, llama, "load")
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(llama)
+    want = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    got = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    load_hf(want, llama, strict=False)
+    try:
+        load_hf(got, url, strict=False, storage_options=s3_options(s3_endpoint))
+    finally:
+        urls.configure(None)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items() if k in got and v.any())
+
+
+@pytest.mark.slow
+def test_save_hf_into_s3_writes_what_it_writes_locally(
+    s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    """save_hf from an FSDP2 job on 2 ranks into a URL: the objects are the files it writes into a directory,
+    the index last (as dcp-to-hf writes a URL OUT)."""
+    options = json.dumps(s3_options(s3_endpoint))
+    torchrun(2, str(WORKERS / "live.py"), "save-url", str(tmp_path), "fsdp2", "s3://ckpts/live", options)
+    local = tree_sha256(tmp_path / "live")
+    assert "model.safetensors.index.json" in local and "ckptconv_state.json" in local
+    s3.invalidate_cache()
+    remote = {p.rsplit("/", 1)[1]: hashlib.sha256(s3.cat_file(p)).hexdigest() for p in s3.find("ckpts/live")}
+    assert remote == local
+    assert list(s3.list_multipart_uploads("ckpts")) == []
+
+
+def test_wrong_kind_and_broken_objects(
+    llama: Path, fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    """Each is one line, exit 2, nothing written, no secret in it."""
+    from test_bad_input import assert_one_line
+
+    hf = _upload(s3, llama, "wrong/hf")
+    dcp = _upload(s3, fsdp2_ckpt, "wrong/dcp")
+    shard = sorted(p.name for p in llama.glob("*.safetensors"))[0]
+    s3.pipe("ckpts/wrong/cut/model.safetensors", (1 << 40).to_bytes(8, "little") + b"{}")
+    s3.pipe("ckpts/wrong/bin/pytorch_model.bin", b"not read")
+    index = json.loads((llama / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"
+    s3.put(str(llama), "ckpts/wrong/escape", recursive=True)
+    s3.pipe("ckpts/wrong/escape/model.safetensors.index.json", json.dumps(index).encode())
+    out = tmp_path / "out"
+    cases = {
+        "dcp into hf-to-dcp": (_run(s3_endpoint, "hf-to-dcp", dcp, str(out)), "use dcp-to-hf"),
+        "hf into dcp-to-hf": (_run(s3_endpoint, "dcp-to-hf", hf, str(out)), "use hf-to-dcp"),
+        "one object into dcp-to-hf": (
+            _run(s3_endpoint, "dcp-to-hf", f"{hf}/{shard}", str(out)),
+            "use hf-to-dcp",
+        ),
+        "revision": (_run(s3_endpoint, "hf-to-dcp", hf, str(out), "--revision", "main"), "--revision"),
+        "header": (_run(s3_endpoint, "hf-to-dcp", "s3://ckpts/wrong/cut", str(out)), "header length"),
+        "no safetensors": (_run(s3_endpoint, "hf-to-dcp", "s3://ckpts/wrong/bin", str(out)), "not .bin"),
+        "escape": (_run(s3_endpoint, "hf-to-dcp", "s3://ckpts/wrong/escape", str(out)), "outside"),
+        "nothing": (_run(s3_endpoint, "inspect", "s3://ckpts/wrong/none"), "no such object"),
+        "out is src": (_run(s3_endpoint, "hf-to-dcp", hf, hf, "--overwrite"), "OUT must never be an input"),
+        "out in src": (_run(s3_endpoint, "hf-to-dcp", hf, f"{hf}/dcp", "--overwrite"), "is inside SRC"),
+        "out holds src": (
+            _run(s3_endpoint, "dcp-to-hf", dcp, "s3://ckpts/wrong", "--overwrite"),
+            "holds SRC",
+        ),
+    }
+    for name, (proc, words) in cases.items():
+        assert_one_line(proc.returncode, proc.stderr, words)
+        assert SECRET not in proc.stderr + proc.stdout
+        assert not out.exists(), name
+    s3.invalidate_cache()  # the source is whole: no --overwrite removed it
+    assert sorted(n.rsplit("/", 1)[1] for n in s3.find("ckpts/wrong/hf")) == sorted(
+        p.name for p in llama.iterdir()
+    )

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from forkserver import ForkServer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -30,18 +31,39 @@ def _env() -> dict[str, str]:
 def torchrun(
     nproc: int, *args: str, check: bool = True, timeout: int = 300
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python -m torch.distributed.run --standalone --nproc-per-node nproc ARGS...`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    """Run `python -m torch.distributed.run --standalone --nproc-per-node nproc ARGS...` (its launcher forked
+    from `forkserver`'s zygote, unless CKPTCONV_TEST_FORKSERVER=0; its workers are new interpreters)."""
+    argv = ["--standalone", f"--nproc-per-node={nproc}", *args]
+    if _forked():
+        proc = _forkserver[0].run("torch.distributed.run", argv, _env(), timeout)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(f"{proc.args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
+_forkserver: list[ForkServer] = []
+
+
+def _forked() -> bool:
+    """Whether commands go through the fork server (started on first use)."""
+    if os.environ.get("CKPTCONV_TEST_FORKSERVER", "1") != "1":
+        return False
+    if not _forkserver:
+        _forkserver.append(ForkServer(_env()))
+    return True
+
+
 def ckptconv(*args: str, nproc: int = 0, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    """Run the CLI in a fresh process: plain `python -m ckptconv` (nproc=0) or under torchrun."""
+    """Run the CLI in a fresh process: `python -m ckptconv` forked from a process that has imported torch
+    already (`forkserver`; CKPTCONV_TEST_FORKSERVER=0: `python -m ckptconv` itself), or under torchrun
+    (nproc > 0)."""
     if nproc:
         return torchrun(nproc, "-m", "ckptconv", *args, check=False, timeout=timeout)
+    if _forked():
+        return _forkserver[0].run("ckptconv", list(args), _env(), timeout)
     cmd = [sys.executable, "-m", "ckptconv", *args]
     return subprocess.run(
         cmd, capture_output=True, text=True, env=_env(), timeout=timeout, stdin=subprocess.DEVNULL

@@ -7,6 +7,21 @@ from typing import Annotated, Any
 
 import typer
 
+
+def _local(flag: str) -> Any:
+    """A typer callback: a URL given to an option that reads a local file is refused by name (a `Path`
+    would take `s3://b/x` for a local `s3:/b/x` and find nothing there)."""
+
+    def check(value: Path | None) -> Path | None:
+        from .formats.files import refuse_url
+
+        if value is not None:
+            refuse_url(value, flag)
+        return value
+
+    return check
+
+
 DtypeOpt = Annotated[
     str,
     typer.Option(
@@ -27,7 +42,11 @@ PrefixOpt = Annotated[
 ]
 CopyFromOpt = Annotated[
     Path | None,
-    typer.Option("--copy-from", help="HF directory whose config, tokenizer and other files to copy."),
+    typer.Option(
+        "--copy-from",
+        help="HF directory whose config, tokenizer and other files to copy.",
+        callback=_local("--copy-from"),
+    ),
 ]
 OverwriteOpt = Annotated[
     bool,
@@ -109,7 +128,11 @@ MappingOpt = Annotated[
 ]
 ConfigOpt = Annotated[
     Path | None,
-    typer.Option("--config", help="config.json the mapping reads sizes from (heads, tied embeddings)."),
+    typer.Option(
+        "--config",
+        help="config.json the mapping reads sizes from (heads, tied embeddings).",
+        callback=_local("--config"),
+    ),
 ]
 KeepTrainerStateOpt = Annotated[
     bool,

@@ -102,7 +102,9 @@ def dcp_to_hf(
     start = time.perf_counter()
     _return_freed_memory()
 
-    def check_inputs() -> tuple[DtypePolicy, QuantPolicy | None, int, int, Path, outcheck.Target | None]:
+    def check_inputs(
+        located: Path,
+    ) -> tuple[DtypePolicy, QuantPolicy | None, int, int, outcheck.Target | None]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         if quantize_skip and not quantize:
             raise CkptconvError("--quantize-skip applies with --quantize fp8")
@@ -115,14 +117,13 @@ def dcp_to_hf(
         bucket = parse_size(bucket_size, "--bucket-size")
         if copy_from is not None and not copy_from.is_dir():
             raise CkptconvError(f"--copy-from {copy_from}: not a directory")
-        located = sources.dcp_source(src)
         inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", config), _mapping_file(mapping)]
         target = (
             None
             if dry_run
             else outcheck.hf_target(world.is_main, out, overwrite, inputs, verify, push is not None)
         )
-        return policy, quant, shard_bytes, bucket, located, target
+        return policy, quant, shard_bytes, bucket, target
 
     def prepare(
         ckpt: DcpCheckpoint, policy: DtypePolicy, quant: QuantPolicy | None, shard_bytes: int
@@ -154,7 +155,8 @@ def dcp_to_hf(
         return plan, model_config, described
 
     with gcpause.paused():
-        policy, quant, shard_bytes, bucket, located, target = everyone(world, check_inputs)
+        located = sources.for_all(world, lambda: sources.dcp_source(src))
+        policy, quant, shard_bytes, bucket, target = everyone(world, check_inputs, located)
         ckpt = everyone(world, open_dcp_shared, world, located)  # rank 0 reads .metadata, for all
         plan, model_config, described = everyone(world, prepare, ckpt, policy, quant, shard_bytes)
     if described is not None and copy_from is None:
@@ -273,8 +275,7 @@ def hf_to_dcp(
     """Convert the HF model `src` (directory, file or hub repo id) to the DCP directory `out`. Collective."""
     start = time.perf_counter()
     _return_freed_memory()
-    located = on_main(world, sources.hf_source, src, revision)
-    path: Path = world.all_gather_object(located)[0]  # rank 0 downloads; the others read what it found
+    path = sources.for_all(world, lambda: sources.hf_source(src, revision))  # rank 0 downloads or lists
 
     config_file = config or (_first_file(path) if is_directory(path) else None)
 

@@ -30,6 +30,7 @@ from .dtype_names import short_name
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
+from .formats.files import refuse_url
 from .formats.hf import INDEX_FILE, SINGLE_FILE, open_hf, write_index
 from .formats.safetensors_io import RowReader
 from .hf_write import follow_config, write_files
@@ -256,7 +257,11 @@ def _granularity(value: str) -> Granularity:
 
 
 def _path(value: str | Path | None) -> Path | None:
-    return Path(value) if value is not None else None
+    """`copy_from` as a local path (a URL is refused by name: files are not copied from object storage)."""
+    if value is None:
+        return None
+    refuse_url(value, "copy_from")
+    return Path(value)
 
 
 def _stashed(path: tuple[str, ...], value: Any) -> StashedItem:

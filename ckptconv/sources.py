@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from .errors import CkptconvError
 from .formats.dcp import METADATA_FILE, is_dcp_dir
@@ -14,6 +15,19 @@ from .formats.hf_hub import download, looks_like_repo_id
 from .outcheck import refuse_partial
 from .remote.files import RemoteFiles
 from .remote.urls import UrlPath, url_path
+from .world import World, everyone, from_main
+
+T = TypeVar("T")
+
+
+def for_all(world: World, find: Callable[[], T]) -> T:
+    """`find()` (where the inputs are) on rank 0 alone, its result or its error on every rank. Inputs in
+    object storage come with the listings rank 0 made, so no other rank lists a prefix again."""
+    from .remote import tree
+
+    found, known = everyone(world, from_main, world, lambda: (find(), tree.known()))
+    tree.remember(known)
+    return found
 
 
 def dcp_source(src: Path) -> Path:

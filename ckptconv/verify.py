@@ -34,10 +34,10 @@ from .mapping import VARIANTS, load_config, load_mapping
 from .plan import assign_owners, mapped_tensors, natural_key
 from .quant import fp8
 from .remote.urls import is_url
-from .sources import any_source
+from .sources import any_source, for_all
 from .ui import Ui
 from .unshard import assemble, check_read_pieces, direct_rows
-from .world import World, everyone, on_main
+from .world import World, everyone
 
 
 @dataclass
@@ -266,8 +266,7 @@ def verify(
     def where(src: str) -> Path:  # --revision is for the hub repo id(s) among A and B
         return any_source(src, None if exists(Path(src)) or is_url(src) else revision)
 
-    located = on_main(world, lambda: (where(a), where(b)))
-    path_a, path_b = world.all_gather_object(located)[0]
+    path_a, path_b = for_all(world, lambda: (where(a), where(b)))
 
     def prepare() -> tuple[Side, Side]:
         found = config or next(

@@ -2,22 +2,49 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 from forkserver import ForkServer
 
+T = TypeVar("T")
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+# The modules that take longest (seconds of one run, summed over their tests), started first: with
+# `--dist loadfile` each module runs whole on one worker, in collection order, so a long module collected
+# last would run alone at the end while the other worker idles (longest first is the classic fix).
+LONGEST_FIRST = (
+    "test_presets_v2.py",  # 416 s
+    "test_output_safety.py",  # 186 s
+    "test_megatron_harness.py",  # 153 s
+    "test_hostile_inputs.py",  # 151 s
+    "test_live.py",  # 123 s
+    "test_verify.py",  # 112 s
+    "test_megatron_gpt.py",  # 111 s
+    "test_object_storage.py",  # 110 s
+    "test_mapping.py",  # 96 s
+    "test_dcp_to_hf.py",  # 94 s
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 def _env() -> dict[str, str]:
@@ -204,11 +231,14 @@ def s3_endpoint() -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
+    recording = tempfile.mkdtemp(prefix="ckptconv-moto-")  # its request log (s3_requests), not the cwd
+    atexit.register(shutil.rmtree, recording, True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL,
+        env={**os.environ, "MOTO_RECORDER_FILEPATH": os.path.join(recording, "requests.jsonl")},
     )
     deadline = time.monotonic() + 30
     while True:
@@ -223,6 +253,21 @@ def s3_endpoint() -> Iterator[str]:
     yield f"http://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(timeout=10)
+
+
+def s3_requests(endpoint: str, run: Callable[[], T]) -> tuple[T, list[dict[str, Any]]]:
+    """`run()`'s result and every request the S3 server got meanwhile (moto's recorder: method, url)."""
+    import requests
+
+    api = f"{endpoint}/moto-api/recorder"
+    requests.post(f"{api}/reset-recording", timeout=10)
+    requests.post(f"{api}/start-recording", timeout=10)
+    try:
+        result = run()
+    finally:
+        requests.post(f"{api}/stop-recording", timeout=10)
+    log = requests.get(f"{api}/download-recording", timeout=10).text
+    return result, [json.loads(line) for line in log.splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,11 @@ ends.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import queue
 import runpy
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -113,8 +111,6 @@ class ForkServer:
         self._pids: queue.Queue[int] = queue.Queue()
         self._codes: dict[int, int] = {}
         self._ended = threading.Condition()
-        self._dir = tempfile.mkdtemp(prefix="ckptconv-forkserver-")
-        atexit.register(shutil.rmtree, self._dir, True)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -131,31 +127,26 @@ class ForkServer:
     def run(
         self, module: str, argv: list[str], env: dict[str, str], timeout: float
     ) -> subprocess.CompletedProcess[str]:
-        fd, out = tempfile.mkstemp(dir=self._dir)
-        os.close(fd)
-        fd, err = tempfile.mkstemp(dir=self._dir)
-        os.close(fd)
-        request = {
-            "module": module,
-            "argv": argv,
-            "cwd": os.getcwd(),
-            "env": env,
-            "stdout": out,
-            "stderr": err,
-        }
-        assert self._proc.stdin is not None
-        with self._send:
-            self._proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self._proc.stdin.flush()
-            pid = self._pids.get(timeout=60)
-        with self._ended:
-            if not self._ended.wait_for(lambda: pid in self._codes, timeout=timeout):
-                os.kill(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired([sys.executable, "-m", module, *argv], timeout)
-            code = self._codes.pop(pid)
-        stdout, stderr = (Path(p).read_text() for p in (out, err))
-        os.unlink(out)
-        os.unlink(err)
+        out, err = (tempfile.mkstemp(prefix=f"ckptconv-forkserver-{name}-") for name in ("out", "err"))
+        try:
+            os.close(out[0])
+            os.close(err[0])
+            request = {"module": module, "argv": argv, "cwd": os.getcwd(), "env": env}
+            request.update(stdout=out[1], stderr=err[1])
+            assert self._proc.stdin is not None
+            with self._send:
+                self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+                self._proc.stdin.flush()
+                pid = self._pids.get(timeout=60)
+            with self._ended:
+                if not self._ended.wait_for(lambda: pid in self._codes, timeout=timeout):
+                    os.kill(pid, signal.SIGKILL)
+                    raise subprocess.TimeoutExpired([sys.executable, "-m", module, *argv], timeout)
+                code = self._codes.pop(pid)
+            stdout, stderr = (Path(p).read_text() for p in (out[1], err[1]))
+        finally:
+            for _, path in (out, err):
+                os.unlink(path)
         return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], code, stdout, stderr)
 
 

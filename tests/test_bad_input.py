@@ -235,7 +235,10 @@ def test_object_storage_urls_are_refused_by_name_and_never_written_locally(
     monkeypatch.chdir(tmp_path)
     hf = tmp_path / "hf"
     assert run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(hf), "--quiet")[0] == 0
-    cases = []
+    cases = [
+        (["dcp-to-hf", str(fsdp2_ckpt), "out", "--copy-from", url], f"--copy-from {url}", "object storage"),
+        (["hf-to-dcp", str(hf), "out", "--config", url], f"--config {url}", "object storage"),
+    ]
     extra = {"gs": ("gcsfs", "gcs"), "abfs": ("adlfs", "azure")}.get(url.split(":")[0])
     if extra and importlib.util.find_spec(extra[0]) is None:  # no network: only where it fails at once
         for argv in (
@@ -255,5 +258,5 @@ def test_object_storage_urls_are_refused_by_name_and_never_written_locally(
     from ckptconv import save_hf
 
     with pytest.raises(CkptconvError, match="object storage"):
-        save_hf({"w": torch.zeros(2)}, url)
+        save_hf({"w": torch.zeros(2)}, str(tmp_path / "out"), copy_from=url)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -7,11 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SECRET, WORKERS, ckptconv, s3_options, torchrun, tree_sha256
+from conftest import SECRET, WORKERS, ckptconv, s3_options, s3_requests, torchrun, tree_sha256
 from families import tiny
 
 s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
@@ -79,6 +80,27 @@ def test_hf_to_dcp_from_s3_matches_local(
     assert [r["rank"] for r in ranks] == list(range(max(nproc, 1)))
     assert all(0 < r["bytes_fetched"] == r["bytes_read"] for r in ranks)  # no byte but those read
     assert sum(r["bytes_fetched"] for r in ranks) < data  # each rank its rows only
+
+
+@pytest.mark.slow
+def test_only_rank_0_lists_a_source(
+    llama: Path, fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    """On 2 ranks, the source prefix is listed once for the whole job (the server's own request log), and
+    the index, the headers and `.metadata` are fetched once: rank 0 shares what it found."""
+    hf, dcp = _upload(s3, llama, "listed/hf"), _upload(s3, fsdp2_ckpt, "listed/dcp")
+    for command, src in (("hf-to-dcp", hf), ("dcp-to-hf", dcp)):
+        out = tmp_path / command
+        proc, seen = s3_requests(s3_endpoint, partial(_run, s3_endpoint, command, src, str(out), nproc=2))
+        assert proc.returncode == 0, proc.stderr
+        listings = [r["url"] for r in seen if r["method"] == "GET" and "list-type=2" in r["url"]]
+        assert len(listings) == 1, (command, listings)
+        whole = [r["url"] for r in seen if r["method"] == "GET" and "Range" not in r["headers"]]
+        assert all("list-type" in url for url in whole), whole  # every object read by range
+        small = ("model.safetensors.index.json", ".metadata")
+        for name in small:
+            reads = [r for r in seen if r["method"] == "GET" and r["url"].split("?")[0].endswith("/" + name)]
+            assert len(reads) <= 1, (command, name, len(reads))
 
 
 def test_ckptconv_release_in_s3_round_trips_its_stash(

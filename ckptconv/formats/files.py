@@ -54,7 +54,7 @@ def refuse_url(path: str | Path, what: str) -> None:
         url = f"{match.group(1)}://{text[match.end() :]}"
         raise CkptconvError(
             f"{what} {url}: object storage URLs are not supported here yet (the commands' SRC and OUT, "
-            "inspect, verify and load_hf take them); use a local or mounted file system path "
+            "save_hf and load_hf take them); use a local or mounted file system path "
             f"(./{text} for a local directory of that name)"
         )
 

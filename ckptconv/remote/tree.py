@@ -76,3 +76,20 @@ def _files(url: UrlPath) -> RemoteFiles:
     known = _listings.get(str(url.parent))
     n = _objects.get(str(url))
     return RemoteFiles(url.parent, sizes=known if known is not None else {url.name: n or 0})
+
+
+Known = tuple[dict[str, dict[str, int]], dict[str, int]]
+
+
+def known() -> Known:
+    """What this process has listed and found (for rank 0 to give the other ranks)."""
+    return dict(_listings), dict(_objects)
+
+
+def remember(found: Known) -> None:
+    """Take listings made by another rank as this process's own (no rank lists a prefix rank 0 listed)."""
+    listings, objects = found
+    for url, sizes in listings.items():
+        _listings.setdefault(url, sizes)
+    for url, n in objects.items():
+        _objects.setdefault(url, n)

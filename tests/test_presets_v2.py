@@ -15,6 +15,7 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,8 +103,7 @@ def without_mtp_copies(hf_dir: Path, out: Path, config: dict) -> Path:
     return out
 
 
-def logits(model_dir: Path, family: str, options: dict) -> torch.Tensor:
-    model = auto_class(family, **options).from_pretrained(model_dir)
+def logits(model: Any) -> torch.Tensor:
     ids = torch.arange(12).reshape(2, 6) % model.config.get_text_config().vocab_size
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -152,9 +152,9 @@ def test_preset_against_torchtitan_and_transformers(name: str, tmp_path: Path, c
     back = load_dir(tmp_path / "hf_one")
     assert back.keys() == hf.keys()
     assert all(same_bits(back[k], hf[k]) for k in hf)
-    _, info = auto_class(family, **options).from_pretrained(tmp_path / "hf_one", output_loading_info=True)
-    _, original = auto_class(family, **options).from_pretrained(hf_dir, output_loading_info=True)
+    ours, info = auto_class(family, **options).from_pretrained(tmp_path / "hf_one", output_loading_info=True)
+    theirs, original = auto_class(family, **options).from_pretrained(hf_dir, output_loading_info=True)
     assert not info["missing_keys"] and info["unexpected_keys"] == original["unexpected_keys"], info
     first_mtp = f"model.layers.{config.get('num_hidden_layers')}."
     assert all(k.startswith(first_mtp) for k in info["unexpected_keys"])  # transformers has no MTP module
-    assert torch.equal(logits(tmp_path / "hf_one", family, options), logits(hf_dir, family, options))
+    assert torch.equal(logits(ours), logits(theirs))

@@ -193,6 +193,7 @@ def hf_to_dcp_cmd(
     dry_run: DryRunOpt = False,
     verify: VerifyOpt = False,
     storage_options: StorageOptionsOpt = None,
+    coalesce_gap: CoalesceGapOpt = "1MB",
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
@@ -204,7 +205,7 @@ def hf_to_dcp_cmd(
     from .ui import Ui
     from .world import world_from_env
 
-    use_storage(storage_options, "0")
+    use_storage(storage_options, coalesce_gap)
     out = url_path(out) or out
     with world_from_env() as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)

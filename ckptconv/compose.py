@@ -61,6 +61,17 @@ def target_rows(
     return out
 
 
+def source_rows(t: DcpOutTensor, lo: int, hi: int) -> list[tuple[StoredTensor, int, int]]:
+    """The stored rows [a, b) `target_rows(t, lo, hi, ...)` reads, per stored tensor (a quantized one
+    left out: its parts and scales are read by block)."""
+    if not t.shape:
+        return [(t.parts[0][0], 0, 1)] if t.parts[0][0].quant is None else []
+    if len(t.parts) == 1 and is_whole(*t.parts[0], t.shape):
+        return [(t.parts[0][0], lo, hi)] if t.parts[0][0].quant is None else []
+    found = ((stored, src_rows(part, lo, hi)) for stored, part in t.parts if stored.quant is None)
+    return [(stored, *needed) for stored, needed in found if needed is not None]
+
+
 def _slabs(stored: StoredTensor, r0: int, r1: int) -> list[tuple[int, int]]:
     """Rows [r0, r1) of a stored tensor in runs of at most SLAB_BYTES (one row at least)."""
     if not stored.shape:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .compose import target_rows
+from .compose import source_rows, target_rows
 from .dtype_names import torch_dtype
 from .formats.safetensors_io import RowReader
 from .plan import DcpOutTensor, DcpSavePlan
@@ -34,6 +34,13 @@ def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> RankByte
             return scalars[fqn]
         return target_rows(by_key[fqn], lo, hi, reader, scratch)
 
+    for (
+        t
+    ) in plan.tensors:  # from object storage: what this rank reads, announced (neighbours fetched together)
+        lo, hi = plan.rows_of(t, world.rank)
+        if hi > lo:
+            for stored, a, b in source_rows(t, lo, hi):
+                reader.expect(stored, a, b)
     mine = plan.nbytes_of(world.rank)
     with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
         try:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import SECRET, WORKERS, ckptconv, s3_options, s3_requests, torchrun, tree_sha256
 from families import tiny
+from test_dcp_to_hf import load_dir
 
 s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
 pytest.importorskip("moto", reason="moto's server is part of the test extras")
@@ -67,19 +68,31 @@ def test_hf_to_dcp_from_s3_matches_local(
     S3; every rank fetches only the rows it writes."""
     url = _upload(s3, llama, f"llama-{nproc}")
     flags = ("--mapping", "torchtitan-llama3")
-    local, remote = tmp_path / "local", tmp_path / "remote"
+    local = tmp_path / "local"
     assert ckptconv("hf-to-dcp", str(llama), str(local), *flags, "-q", nproc=nproc).returncode == 0
-    proc = _run(s3_endpoint, "hf-to-dcp", url, str(remote), *flags, "--json", "--verify", nproc=nproc)
-    assert proc.returncode == 0, proc.stderr
-    _same_dcp(remote, local)
-    assert "config.json" in tree_sha256(remote)
-    report = json.loads(proc.stdout)
-    assert report["src"] == url and report["verified"] is True
-    data = sum(p.stat().st_size for p in llama.glob("*.safetensors"))  # headers included
-    ranks = report["ranks"]
-    assert [r["rank"] for r in ranks] == list(range(max(nproc, 1)))
-    assert all(0 < r["bytes_fetched"] == r["bytes_read"] for r in ranks)  # no byte but those read
-    assert sum(r["bytes_fetched"] for r in ranks) < data  # each rank its rows only
+    requests = {}
+    for gap in ("0", "1MB"):
+        out = tmp_path / f"remote-{gap}"
+        argv = ("hf-to-dcp", url, str(out), *flags, "--json", "--verify", "--coalesce-gap", gap)
+        proc = _run(s3_endpoint, *argv, nproc=nproc)
+        assert proc.returncode == 0, proc.stderr
+        _same_dcp(out, local)
+        assert "config.json" in tree_sha256(out)
+        report = json.loads(proc.stdout)
+        assert report["src"] == url and report["verified"] is True
+        ranks = report["ranks"]
+        assert [r["rank"] for r in ranks] == list(range(max(nproc, 1)))
+        requests[gap] = sum(r["requests"] for r in ranks)
+        if gap == "0":  # no byte but those read, each rank its rows only
+            data = sum(p.stat().st_size for p in llama.glob("*.safetensors"))  # headers included
+            assert all(0 < r["bytes_fetched"] == r["bytes_read"] for r in ranks)
+            assert sum(r["bytes_fetched"] for r in ranks) < data
+    # neighbours coalesced (touching ones at any gap): one GET per file and rank, not one per tensor; on 2
+    # ranks a rank's rows of a tensor are a gap (the other rank's rows) apart, read across with 1MB
+    files = len(list(llama.glob("*.safetensors")))
+    assert requests["1MB"] <= min(requests["0"], files * max(nproc, 1)) < len(load_dir(llama)), requests
+    if nproc:
+        assert requests["1MB"] < requests["0"], requests
 
 
 @pytest.mark.slow

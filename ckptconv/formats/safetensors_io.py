@@ -203,11 +203,7 @@ class RowReader:
         size and mtime), which must still hold every byte; otherwise a CkptconvError naming it. An object in
         object storage: one ranged GET, which must return every byte."""
         if isinstance(t.file, UrlPath):
-            parent = t.file.parent
-            files = self._remote.get(str(parent))
-            if files is None:
-                files = self._remote[str(parent)] = RemoteFiles(parent)
-            files.pread(t.file.name, start, view)
+            self._files(t.file).pread(t.file.name, start, view)
             self.bytes_read += len(view)
             return
         fd = self._fds.get(t.file)
@@ -221,6 +217,21 @@ class RowReader:
             self._fds[t.file] = fd
         pread_exact(fd, t.file, start, view, shrank=True)
         self.bytes_read += len(view)
+
+    def expect(self, t: StoredTensor, lo: int, hi: int) -> None:
+        """This reader will read rows [lo, hi) of `t` soon: from object storage, neighbouring expected rows
+        are then fetched together (`RemoteFiles.expect`); on a file system, nothing to do."""
+        if not isinstance(t.file, UrlPath) or hi <= lo:
+            return
+        row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
+        start = t.data_offset + (lo * row_bytes if t.shape else 0)
+        self._files(t.file).expect(t.file.name, start, (hi - lo) * row_bytes if t.shape else t.nbytes)
+
+    def _files(self, file: UrlPath) -> RemoteFiles:
+        files = self._remote.get(str(file.parent))
+        if files is None:
+            files = self._remote[str(file.parent)] = RemoteFiles(file.parent)
+        return files
 
     def fetched(self) -> tuple[int, int]:
         """(bytes, requests) fetched from object storage so far."""

@@ -487,3 +487,22 @@ def test_lock_record_leaves_out_storage_options() -> None:
                  ["ckptconv", "dcp-to-hf", "s3://b/x", "out", f"--storage-options={secret}"]):  # fmt: skip
         shown = _without_options(argv)
         assert "do-not-show" not in shown and "AKIA" not in shown and "s3://b/x out" in shown
+
+
+def test_the_two_lock_files_pin_the_same_versions() -> None:
+    """constraints.txt (what scripts/setup.sh installs) and pylock.toml (the same lock in PEP 751's format,
+    with hashes) name the same packages at the same versions: scripts/lock.sh writes both."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+
+    def name(n: str) -> str:
+        return re.sub(r"[-_.]+", "-", n).lower()
+
+    lines = (root / "constraints.txt").read_text().splitlines()
+    pins = {name(k): v for k, v in (line.split("==") for line in lines if "==" in line)}
+    lock = tomllib.loads((root / "pylock.toml").read_text())["packages"]
+    locked = {name(p["name"]): p["version"].removesuffix("+cpu") for p in lock if "version" in p}
+    assert locked == {k: v for k, v in pins.items() if k != "pip"}
+    assert all(w.get("hashes", {}).get("sha256") for p in lock for w in p.get("wheels", []))

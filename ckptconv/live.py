@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -177,7 +176,7 @@ def save_hf(
     to the backend's file system.
     """
     if storage_options is not None:
-        urls.configure(json.dumps(dict(storage_options)))
+        urls.use_options(storage_options)
     world, url = _world(), urls.url_path(path)
     out = url or Path(path)
     tensors: dict[str, torch.Tensor] = {}
@@ -307,7 +306,7 @@ def load_hf(
     Not collective: ranks do not talk to each other.
     """
     if storage_options is not None:
-        urls.configure(json.dumps(dict(storage_options)))
+        urls.use_options(storage_options)
     hf = open_hf(urls.url_path(path) or Path(path))
     forced = parse_dtype_flag(dtype, "dtype") if dtype is not None else None
     plan = plan_hf_to_dcp(

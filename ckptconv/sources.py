@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from .errors import CkptconvError
 from .formats.dcp import METADATA_FILE, is_dcp_dir
-from .formats.files import exists, is_directory, is_regular, listdir, refuse_url
+from .formats.files import exists, is_directory, is_regular, listdir
 from .formats.hf import is_hf_dir
 from .formats.hf_hub import download, looks_like_repo_id
 from .outcheck import refuse_partial
@@ -128,7 +128,6 @@ def checkpoints_inside(directory: Path) -> list[Path]:
 
 
 def _local_or_hub(src: str, revision: str | None, check: Callable[[Path], None]) -> Path:
-    refuse_url(src, "SRC")
     path = Path(src)
     if exists(path):
         if revision is not None:

@@ -59,7 +59,7 @@ def children(url: UrlPath) -> list[str]:
 
 def read(url: UrlPath, offset: int, length: int) -> bytes:
     """Bytes [offset, offset + length) of the object `url`, exactly (one ranged GET)."""
-    return _files(url).read(url.name, offset, length)
+    return RemoteFiles(url.parent).read(url.name, offset, length)  # a ranged read lists nothing
 
 
 def read_small(url: UrlPath, limit: int | None) -> bytes:
@@ -69,13 +69,7 @@ def read_small(url: UrlPath, limit: int | None) -> bytes:
         raise CkptconvError(f"{url}: no such object")
     if limit is not None and n > limit:
         raise CkptconvError(f"{url}: {n} bytes, more than the {limit} a file of its kind may have")
-    return _files(url).read(url.name, 0, n)
-
-
-def _files(url: UrlPath) -> RemoteFiles:
-    known = _listings.get(str(url.parent))
-    n = _objects.get(str(url))
-    return RemoteFiles(url.parent, sizes=known if known is not None else {url.name: n or 0})
+    return read(url, 0, n)
 
 
 Known = tuple[dict[str, dict[str, int]], dict[str, int]]

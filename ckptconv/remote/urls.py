@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path, PosixPath
 from typing import Any
 
@@ -78,10 +79,9 @@ def url_path(path: str | Path) -> UrlPath | None:
 def configure(storage_options: str | None, coalesce_gap: int | None = None) -> None:
     """`--storage-options JSON`: keyword arguments for every file system this run opens; `--coalesce-gap`:
     the most bytes between two needed ranges that one request reads across."""
-    _filesystems.clear()
-    _options.clear()
     _gap[0] = DEFAULT_COALESCE_GAP if coalesce_gap is None else coalesce_gap
     if storage_options is None:
+        use_options({})
         return
     try:
         options = json.loads(storage_options)
@@ -92,6 +92,14 @@ def configure(storage_options: str | None, coalesce_gap: int | None = None) -> N
         ) from None
     if not isinstance(options, dict):
         raise CkptconvError("--storage-options: must be a JSON object of the backend's keyword arguments")
+    use_options(options)
+
+
+def use_options(options: Mapping[str, Any]) -> None:
+    """The backend's keyword arguments for every file system opened from now on (`save_hf`/`load_hf`'s
+    `storage_options`; the CLI's come through `configure`)."""
+    _filesystems.clear()
+    _options.clear()
     _options.update(options)
 
 

@@ -263,17 +263,20 @@ def direct_tensors(
     in_flight = ahead = 0
     look_ahead = bucket_bytes if reader.remote else 0
     rows = direct_rows(reader)
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptconv-read") as threads:
+    # not `with`: a generator abandoned on an error may be finalized in one of these threads, which cannot
+    # join itself; the reads in flight finish on their own, and those not started are cancelled
+    threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptconv-read")
 
-        def submit(w: Write) -> Iterator[Item]:
-            nonlocal in_flight
-            while pending and in_flight + w.nbytes > bucket_bytes:
-                done, future = pending.popleft()
-                in_flight -= done.nbytes
-                yield done, future.result()
-            pending.append((w, threads.submit(assemble, w.tensor, rows, reader, w.window, pool)))
-            in_flight += w.nbytes
+    def submit(w: Write) -> Iterator[Item]:
+        nonlocal in_flight
+        while pending and in_flight + w.nbytes > bucket_bytes:
+            done, future = pending.popleft()
+            in_flight -= done.nbytes
+            yield done, future.result()
+        pending.append((w, threads.submit(assemble, w.tensor, rows, reader, w.window, pool)))
+        in_flight += w.nbytes
 
+    try:
         for w in plan.writes_of(world.rank):
             _expect(reader, w)
             announced.append(w)
@@ -287,6 +290,8 @@ def direct_tensors(
         while pending:
             done, future = pending.popleft()
             yield done, future.result()
+    finally:
+        threads.shutdown(wait=False, cancel_futures=True)
 
 
 def _expect(reader: DcpReader, w: Write) -> None:

@@ -35,7 +35,6 @@ from .quant.config import dequantized_config
 from .quant.policy import QuantPolicy
 from .remote import out as remote_out
 from .remote.out import RemoteTarget
-from .remote.urls import url_path
 from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
 from .unshard import check_read_pieces
@@ -150,7 +149,7 @@ def dcp_to_hf(
             keep_trainer_state=keep_trainer_state,
             file_split=ckpt.file_split if keep_file_split else None,
             quantize=quant,
-            write_granularity="file" if url_path(out) else write_granularity,  # object storage: one writer
+            write_granularity=remote_out.granularity(out, write_granularity, quant is not None),
         )
         return plan, model_config, described
 
@@ -174,7 +173,7 @@ def dcp_to_hf(
         result.seconds = time.perf_counter() - start
         return result
     if isinstance(target, RemoteTarget):
-        if world.size > 1:
+        if world.size > 1 and remote_out.granularity(out, write_granularity, quant is not None) == "file":
             ui.info(f"{target.url}: each file is uploaded whole by one rank (--write-granularity file)")
     elif target.note:
         ui.info(target.note)
@@ -213,7 +212,8 @@ def dcp_to_hf(
     with gcpause.paused():  # the plan's records are not walked again and again while the bytes move
         if isinstance(target, RemoteTarget):
             last = INDEX_FILE if plan.sharded else remote_out.SINGLE_FILE
-            result.copied = remote_out.publish(world, target, last, write, finish, check) or []
+            layout = (plan.files, plan.writes)
+            result.copied = remote_out.publish(world, target, last, write, finish, check, layout) or []
         else:
             result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
     result.ranks = world.all_gather_object(mine[0])

@@ -207,7 +207,7 @@ def save_hf(
             mapping=load_mapping(mapping) if mapping else None,
             config=dict(config or {}),
             quantize=QuantPolicy(quantize, quantize_skip) if quantize else None,
-            write_granularity="file" if url else _granularity(write_granularity),  # a URL: one rank a file
+            write_granularity=remote_out.granularity(out, _granularity(write_granularity), bool(quantize)),
         )
         inputs = [("copy_from", _path(copy_from))]
         target = outcheck.hf_target(world.is_main, out, overwrite, inputs, False, False, "overwrite=True")
@@ -237,7 +237,8 @@ def save_hf(
         write_files(plan, items, staging, world, ui)
 
     if isinstance(target, RemoteTarget):
-        remote_out.publish(world, target, INDEX_FILE if plan.sharded else SINGLE_FILE, write, finish)
+        last = INDEX_FILE if plan.sharded else SINGLE_FILE
+        remote_out.publish(world, target, last, write, finish, layout=(plan.files, plan.writes))
     else:
         outdir.atomically(world, target, write, finish)
     return SaveReport(

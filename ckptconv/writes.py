@@ -9,6 +9,9 @@ each `pwrite`-ing its ranges in place. Two granularities:
   whatever the number of files, and writes one contiguous run (at most a few files).
 - "file": each file is written whole by one rank (`OutFile.owner`), for storage that does not take
   concurrent writes to one file.
+- "parts" (an OUT in object storage, not a user's choice): "tensor", then every rank's run of a file that is
+  not the file's last and holds under `MIN_PIECE` bytes goes to the rank after it, so that each run can be
+  uploaded as parts of one multipart upload (S3 refuses a part under 5 MiB but the last).
 
 A quantized weight (written with its scale) and a tensor of one row are never split. Which rank writes what
 never changes what a file holds: the bytes are the same for any number of ranks.
@@ -25,8 +28,9 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 if TYPE_CHECKING:
     from .plan import OutFile, OutTensor
 
-Granularity = Literal["tensor", "file"]
-GRANULARITIES: tuple[str, ...] = ("tensor", "file")
+Granularity = Literal["tensor", "file", "parts"]
+GRANULARITIES: tuple[str, ...] = ("tensor", "file")  # the user's choices
+MIN_PIECE = 5 << 20  # "parts": S3's smallest part but an object's last
 
 
 def rows_of(t: OutTensor) -> int:
@@ -108,6 +112,14 @@ def plan_writes(files: Sequence[OutFile], world_size: int, granularity: Granular
     units = [(f, t) for f in files for t in f.tensors if t.op != "fp8_scale"]
     if granularity == "file" or world_size == 1:
         return _headed([Write(f, t, 0, rows_of(t), f.owner) for f, t in units])
+    writes = _tensor_writes(units, scales, world_size)
+    return _headed(_no_small_runs(writes, scales) if granularity == "parts" else writes)
+
+
+def _tensor_writes(
+    units: list[tuple[OutFile, OutTensor]], scales: dict[str, int], world_size: int
+) -> list[Write]:
+    """The "tensor" granularity's writes: the stream of all files' data cut into equal shares."""
     total = sum(stored_nbytes(t, scales) for _, t in units)
     writes: list[Write] = []
     at = 0  # bytes of the stream before the current tensor
@@ -121,7 +133,24 @@ def plan_writes(files: Sequence[OutFile], world_size: int, granularity: Granular
                 middle = at + (lo + hi) * n // (2 * rows)
                 writes.append(Write(f, t, lo, hi, _rank_at(middle, total, world_size)))
         at += n
-    return _headed(writes)
+    return writes
+
+
+def _no_small_runs(writes: list[Write], scales: dict[str, int]) -> list[Write]:
+    """Each run of one rank's writes in a file that is not the file's last and holds under MIN_PIECE
+    bytes, given to the rank of the run after it (every rank's writes stay one contiguous run)."""
+    out = list(writes)
+    for _, group in itertools.groupby(range(len(out)), key=lambda i: out[i].file.name):
+        runs = [(rank, list(g)) for rank, g in itertools.groupby(group, key=lambda i: out[i].rank)]
+        pending: list[int] = []
+        for k, (rank, run) in enumerate(runs):
+            pending += run
+            size = sum(_stored(out[i], scales) for i in pending)
+            if size >= MIN_PIECE or k == len(runs) - 1:
+                for i in pending:
+                    out[i] = replace(out[i], rank=rank)
+                pending = []
+    return out
 
 
 def _headed(writes: list[Write]) -> tuple[Write, ...]:
@@ -167,5 +196,10 @@ def bytes_per_rank(writes: Sequence[Write], world_size: int) -> list[int]:
     scales = _scales(list({w.file.name: w.file for w in writes}.values()))
     out = [0] * world_size
     for w in writes:
-        out[w.rank] += w.nbytes + (scales.get(w.tensor.hf_key, 0) if w.tensor.quant else 0)
+        out[w.rank] += _stored(w, scales)
     return out
+
+
+def _stored(w: Write, scales: dict[str, int]) -> int:
+    """Bytes `w` puts in its file: a quantized weight's scale comes with it."""
+    return w.nbytes + (scales.get(w.tensor.hf_key, 0) if w.tensor.quant else 0)

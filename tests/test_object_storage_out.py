@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ckptconv, s3_options, tree_sha256
+from conftest import WORKERS, ckptconv, random_dcp, s3_options, torchrun, tree_sha256
 from test_bad_input import assert_one_line
 
 s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
@@ -62,6 +63,74 @@ def test_out_in_s3_holds_the_local_bytes(
     assert _uploads_in_progress(s3) == []
 
 
+@pytest.fixture(scope="module")
+def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 fp32 tensors of 47 MiB: bf16 files of 23 MiB, large enough for pieces of S3's 5 MiB parts."""
+    return random_dcp(tmp_path_factory.mktemp("big") / "ckpt", 3)
+
+
+@pytest.mark.slow
+def test_ranks_upload_parts_of_one_object(
+    big_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    """Tensor-level parallel writing in S3: the middle file is cut between the 2 ranks, each uploading its
+    parts of the one multipart upload that rank 0 completes (its ETag counts 2 parts); the bytes are the
+    local conversion's."""
+    local = tmp_path / "local"
+    assert ckptconv("dcp-to-hf", str(big_ckpt), str(local), "--max-shard-size", "30MB", "-q").returncode == 0
+    options = json.dumps(s3_options(s3_endpoint))
+    argv = ("dcp-to-hf", str(big_ckpt), "s3://ckpts/parallel", "--max-shard-size", "30MB", "--json")
+    proc = ckptconv(*argv, "--storage-options", options, nproc=2)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    written = [r["bytes_written"] for r in report["ranks"]]
+    assert min(written) > 30 << 20 and sum(written) == sum(
+        f.stat().st_size for f in local.glob("*.safetensors")
+    )
+    assert _objects(s3, "parallel") == tree_sha256(local)
+    etags = {p.rsplit("/", 1)[1]: s3.info(p)["ETag"].strip('"') for p in s3.find("ckpts/parallel")}
+    assert etags["model-00002-of-00003.safetensors"].endswith("-2")  # one part from each rank
+    assert _uploads_in_progress(s3) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_rank_refused_midway_leaves_nothing(
+    rank: int, big_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem
+) -> None:
+    """On 2 ranks uploading parts of the same objects, the store refuses one rank's writes after its first
+    part: one error line for the job, no object and no unfinished multipart upload left."""
+    options = json.dumps(s3_options(s3_endpoint))
+    url = f"s3://ckpts/refused-{rank}"
+    argv = ("dcp-to-hf", str(big_ckpt), url, "--max-shard-size", "30MB", "--storage-options", options)
+    proc = torchrun(2, str(WORKERS / "failing_s3.py"), str(rank), "1", *argv, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ckptconv: error:")]
+    assert len(errors) == 1 and url in errors[0] and "cannot write" in errors[0], proc.stderr
+    assert not re.search(r'File ".*/ckptconv/(\w+/)?\w+\.py"', proc.stderr)  # torchrun's frames only
+    assert _objects(s3, f"refused-{rank}") == {} and _uploads_in_progress(s3) == []
+
+
+def test_fp8_release_in_s3(
+    fsdp2_ckpt: Path,
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    """--quantize fp8 into S3: each weight's scale lies before it in the file but is written after it
+    (the part holding it goes up last); the bytes are the local release's."""
+    flags = ("--max-shard-size", "400", "--quantize", "fp8", "-q")
+    local = tmp_path / "local"
+    assert ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(local), *flags).returncode == 0
+    assert any(
+        "scale_inv" in k
+        for k in json.loads((local / "model.safetensors.index.json").read_text())["weight_map"]
+    )
+    assert _in_process(capsys, s3_endpoint, "dcp-to-hf", str(fsdp2_ckpt), "s3://ckpts/fp8", *flags)[0] == 0
+    assert _objects(s3, "fp8") == tree_sha256(local)
+
+
 def test_completing_object_is_last(
     fsdp2_ckpt: Path,
     s3_endpoint: str,
@@ -72,18 +141,21 @@ def test_completing_object_is_last(
     """Data objects, then ckptconv_state.json, then the index (sharded) or the single file: the order in
     which the store completes them, recorded at s3fs's boundary."""
     done: list[str] = []
-    commit, put_file = s3fs.core.S3File.commit, s3fs.S3FileSystem.put_file
+    call, put_file = s3fs.S3FileSystem.call_s3, s3fs.S3FileSystem.put_file
 
-    def record_commit(self: Any) -> None:
-        commit(self)
-        done.append(self.path.rsplit("/", 1)[1])
+    def record_call(self: Any, method: str, *args: Any, **kw: Any) -> Any:
+        result = call(self, method, *args, **kw)
+        if method == "complete_multipart_upload":
+            done.append(kw["Key"].rsplit("/", 1)[1])
+        return result
 
     def record_put(self: Any, lpath: str, rpath: str, **kw: Any) -> None:
         put_file(self, lpath, rpath, **kw)
         done.append(rpath.rsplit("/", 1)[1])
 
-    monkeypatch.setattr(s3fs.core.S3File, "commit", record_commit)
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", record_call)
     monkeypatch.setattr(s3fs.S3FileSystem, "put_file", record_put)
+    s3fs.S3FileSystem.clear_instance_cache()  # a new instance binds the recorder into its sync `put_file`
     for shards, last in (("400", "model.safetensors.index.json"), ("5GB", "model.safetensors")):
         done.clear()
         argv = ("dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/order-{shards}", "--max-shard-size", shards)

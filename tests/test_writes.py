@@ -20,8 +20,9 @@ from ckptconv.formats.dcp_reader import DcpReader
 from ckptconv.formats.safetensors_io import Entry, header_bytes
 from ckptconv.mapping import load_config, load_mapping
 from ckptconv.plan import plan_dcp_to_hf
+from ckptconv.remote.parts import PART_BYTES, plan_pieces
 from ckptconv.unshard import assemble, direct_rows
-from ckptconv.writes import bytes_per_rank, plan_writes, rows_of
+from ckptconv.writes import MIN_PIECE, bytes_per_rank, plan_writes, rows_of
 
 shapes = st.lists(
     st.tuples(st.integers(0, 40), st.integers(1, 6), st.sampled_from([torch.float32, torch.bfloat16])),
@@ -80,6 +81,48 @@ def test_every_rank_busy_with_fewer_files_than_ranks() -> None:
         ckpt, DtypePolicy(None), max_shard_size=9 * 2**20, world_size=8, write_granularity="file"
     )
     assert sorted(bytes_per_rank(by_file.writes, 8)) == [0] * 6 + [2**23] * 2
+
+
+big_shapes = st.lists(
+    st.tuples(st.integers(0, 3000), st.integers(1, 3000), st.sampled_from([torch.float32, torch.bfloat16])),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(big_shapes, st.integers(1, 9), st.integers(1, 80))
+def test_parts_of_one_object_from_many_ranks(spec, world, shard_mib) -> None:
+    """An OUT in S3 ("parts"): every rank writes one piece of each file it touches, each piece but a file's
+    last at least 5 MiB (S3's smallest part), the pieces tile the file, and their parts are numbered in file
+    order from 1, each part but the file's last at least 5 MiB, none above twice PART_BYTES."""
+    ckpt = fake_ckpt({f"model.t{i}": ((r, c) if r else (c,), d) for i, (r, c, d) in enumerate(spec)})
+    shard = shard_mib << 20
+    plan = plan_dcp_to_hf(
+        ckpt, DtypePolicy(None), max_shard_size=shard, world_size=world, write_granularity="parts"
+    )
+    ranks = [w.rank for w in plan.writes]
+    assert ranks == sorted(ranks)  # still one contiguous run of the stream per rank
+    pieces = plan_pieces(plan.files, plan.writes)  # raises unless they tile each file, one per rank
+    assert [p.file for p in pieces] == sorted(
+        (p.file for p in pieces), key=[f.name for f in plan.files].index
+    )
+    for f in plan.files:
+        mine = [p for p in pieces if p.file == f.name]
+        sizes = [s for p in mine for s in p.part_sizes()]
+        assert [p.first_part for p in mine] == [
+            1 + sum(len(q.part_sizes()) for q in mine[:i]) for i in range(len(mine))
+        ]
+        assert all(p.end - p.start >= MIN_PIECE for p in mine[:-1])
+        assert all(MIN_PIECE <= s < 2 * PART_BYTES for s in sizes[:-1]) and 0 < sizes[-1] < 2 * PART_BYTES
+        assert sum(sizes) == mine[-1].end and mine[0].start == 0
+        for p in mine:
+            for offset in (p.start, p.end - 1):
+                number, first, size = p.part_at(offset)
+                assert first <= offset < first + size and p.first_part <= number < p.first_part + len(
+                    p.part_sizes()
+                )
+    assert sum(bytes_per_rank(plan.writes, world)) == plan.total_size
 
 
 CASES = {  # family, options, preset: permuted q/k (llama), stacked experts (qwen3 moe), interleaved (gpt-oss)

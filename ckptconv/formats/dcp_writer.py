@@ -176,7 +176,7 @@ class _RecordWriter(FileSystemWriter):
     def _write_items(self, path: Path, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
         results = []
         f: Any
-        with remote_out.stream(path) if isinstance(path, UrlPath) else open(path, "wb") as f:
+        with remote_out.whole(path) if isinstance(path, UrlPath) else open(path, "wb") as f:
             for item in items:
                 offset = f.tell()
                 if item.tensor_data is None:

@@ -1,10 +1,13 @@
 """OUT in object storage (`dcp-to-hf SRC s3://bucket/release`): objects written in place, completed last.
 
-An object store has no rename, so nothing is staged. Each data file is streamed to its final name by the
-rank that owns it, as a multipart upload (`fs.open(key, "wb")`: parts go up as they fill, memory stays within
-a part), and OUT is made complete by one last object. The order:
+An object store has no rename, so nothing is staged. Each data file is streamed to its final name as a
+multipart upload, and OUT is made complete by one last object. In S3 every rank uploads the parts of its
+pieces of every file (remote.parts, remote.multipart: tensor-level parallel writing) and rank 0 completes
+each upload; elsewhere (gcs, azure, ...) each file is streamed by the rank that owns it (`fs.open(key,
+"wb")`).
+Either way parts go up as they fill: memory stays within a part or two. The order:
 
-  1. the data files (`model-0000N-of-0000M.safetensors`), each by its owner;
+  1. the data files (`model-0000N-of-0000M.safetensors`);
   2. the small files rank 0 writes (`ckptconv_state.json`, the config and tokenizer files), made in a local
      temporary directory and uploaded;
   3. the completing object: `model.safetensors.index.json`, or for a one-file result `model.safetensors`
@@ -24,15 +27,21 @@ Call order: `RemoteTarget.check()` on rank 0 before any work; `publish(...)` on 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import CkptconvError
-from ..world import World, everyone, on_main
+from ..world import World, everyone, from_main, on_main
+from . import multipart
 from .files import RemoteFiles, denied, forget
-from .urls import UrlPath, filesystem, redact
+from .parts import Piece, plan_pieces
+from .urls import UrlPath, filesystem, redact, url_path
+
+if TYPE_CHECKING:
+    from ..plan import OutFile
+    from ..writes import Granularity, Write
 
 T = TypeVar("T")
 PART_BYTES = 16 << 20  # multipart part size: 10,000 parts (S3's limit) hold 160 GiB, far above a shard
@@ -85,6 +94,16 @@ class RemoteTarget:
         return bool(names)
 
 
+def granularity(out: str | Path, asked: Granularity, quantize: bool) -> Granularity:
+    """The write granularity for OUT: as asked on a file system; in S3 "parts" (tensor-level, every piece
+    a multipart upload's parts) unless asked for "file" or quantizing (a weight's scale lies apart from it);
+    one rank a file in other stores."""
+    url = url_path(out)
+    if url is None:
+        return asked
+    return "parts" if asked == "tensor" and not quantize and multipart.supported(url) else "file"
+
+
 def _entry(name: str) -> tuple[str, str, bool]:
     """An object's name as a directory entry: one under a deeper prefix is that prefix, a subdirectory."""
     head, sub, _ = name.partition("/")
@@ -103,6 +122,7 @@ class Stream:
 
     def __init__(self, url: UrlPath, hold: bool) -> None:
         self.url, self.hold, self.pos = url, hold, 0
+        self.written = 0
         try:
             self._file = filesystem(url).open(url.key, "wb", block_size=PART_BYTES)
         except Exception as e:
@@ -116,6 +136,7 @@ class Stream:
         except Exception as e:
             raise write_error(self.url, e) from None
         self.pos += len(data)
+        self.written = self.pos
 
     def write(self, data: bytes | memoryview) -> int:
         """File-like: append (torch_record's writer)."""
@@ -160,17 +181,32 @@ class _Run:
     def __init__(self) -> None:
         self.completed: list[UrlPath] = []
         self.held: list[Stream] = []
-        self.open: list[Stream] = []
+        self.open: list[Stream | multipart.PartStream] = []
         self.left: list[str] = []
         self.completing = ""
         self.local: Path | None = None  # rank's temporary directory: small files, hf-to-dcp's .metadata
+        self.uploads: dict[str, str] = {}  # S3, written by parts: {file: upload id}
+        self.owned: dict[str, str] = {}  # rank 0: those uploads it has not completed yet
+        self.out: UrlPath | None = None
+        self.pieces: dict[str, Piece] = {}  # this rank's piece of each file
+        self.tags: multipart.Tags = {}  # this rank's parts sent
+        self.last_tags: list[tuple[int, str]] | None = None  # rank 0: the completing file's, once gathered
 
 
 _run = _Run()
 
 
-def stream(url: UrlPath) -> Stream:
-    """The upload of `url` (SafetensorsWriter's sink for a URL path)."""
+def stream(url: UrlPath) -> Stream | multipart.PartStream:
+    """The upload of `url` (SafetensorsWriter's sink for a URL path): this rank's piece of it, or all."""
+    if url.name in _run.pieces:
+        part = multipart.PartStream(url, _run.uploads[url.name], _run.pieces[url.name], _run.tags)
+        _run.open.append(part)
+        return part
+    return whole(url)
+
+
+def whole(url: UrlPath) -> Stream:
+    """The upload of all of `url` by this rank, written front to back."""
     s = Stream(url, hold=url.name == _run.completing)
     _run.open.append(s)
     if s.hold:
@@ -195,8 +231,10 @@ def publish(
     write: Callable[[Path], object],
     finish: Callable[[Path], T],
     check: Callable[[Path], None] | None = None,
+    layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
 ) -> T | None:
-    """Collective: rank 0 clears OUT (--overwrite), every rank streams its data files, every rank `check`s
+    """Collective: rank 0 clears OUT (--overwrite), every rank streams its data files (in S3, with the
+    plan's `layout` (files, writes): its pieces of them, as parts), every rank `check`s
     (the CRC-32s of chunks read in pieces), rank 0 `finish`es into a local temporary directory (index,
     stash, copied files) and uploads those files, the `completing` object last (an index or `.metadata`
     made in that directory, or a held upload). On any failure, each rank removes what this run wrote."""
@@ -208,7 +246,11 @@ def publish(
         with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
             _run.local = Path(tmp)
             cleared = bool(on_main(world, target.clear))
+            if layout is not None and multipart.supported(target.url):
+                everyone(world, _start_parts, world, target.url, *layout)
             everyone(world, write, target.url)
+            if _run.uploads:
+                on_main(world, _complete_parts, target.url, world.all_gather_object(_run.tags))
             if check is not None:
                 check(target.url)
             result = on_main(world, finish, Path(tmp))
@@ -224,6 +266,36 @@ def publish(
         _run.local = None
 
 
+def _start_parts(world: World, url: UrlPath, files: Sequence[OutFile], writes: Sequence[Write]) -> None:
+    """Every rank: the uploads rank 0 starts, and this rank's pieces."""
+    pieces = plan_pieces(files, writes)
+    _run.uploads = from_main(world, lambda: multipart.start(url, [f.name for f in files]))
+    _run.out, _run.owned = url, dict(_run.uploads) if world.is_main else {}
+    _run.pieces = {p.file: p for p in pieces if p.rank == world.rank}
+
+
+def _complete_parts(url: UrlPath, gathered: list[multipart.Tags]) -> None:
+    """Rank 0, once every rank has sent its parts: each upload completed (the completing one held)."""
+    tags: multipart.Tags = {}
+    for rank_tags in gathered:
+        for name, numbered in rank_tags.items():
+            tags.setdefault(name, []).extend(numbered)
+    for name, upload_id in _run.uploads.items():
+        if name == _run.completing:
+            _run.last_tags = tags.get(name, [])
+            continue
+        _complete_upload(url / name, upload_id, tags.get(name, []))
+
+
+def _complete_upload(url: UrlPath, upload_id: str, tags: list[tuple[int, str]]) -> None:
+    try:
+        multipart.complete(url, upload_id, tags)
+    except Exception as e:
+        raise write_error(url, e) from None
+    _run.completed.append(url)
+    del _run.owned[url.name]
+
+
 def local_dir() -> Path:
     """The run's local temporary directory (where torch's DCP writer leaves `.metadata` for rank 0)."""
     assert _run.local is not None, "outside publish()"
@@ -232,7 +304,7 @@ def local_dir() -> Path:
 
 def bytes_written() -> int:
     """What this rank has streamed in the current run."""
-    return sum(s.pos for s in _run.open)
+    return sum(s.written for s in _run.open)
 
 
 def _upload_small(url: UrlPath, tmp: Path) -> None:
@@ -251,6 +323,8 @@ def _complete(url: UrlPath, tmp: Path) -> None:
     """Every rank, last: the held upload is completed (its owner) or the index or `.metadata` put (rank 0)."""
     for held in list(_run.held):
         held.commit()
+    if _run.last_tags is not None:
+        _complete_upload(url / _run.completing, _run.uploads[_run.completing], _run.last_tags)
     last = tmp / _run.completing
     if last.is_file():
         try:
@@ -266,6 +340,8 @@ def _remove_ours() -> list[str]:
         if s.url not in _run.completed:
             s.discard()
     left = list(_run.left)
+    if _run.owned and _run.out is not None:  # rank 0 started the uploads: it aborts those not completed
+        left += multipart.abort_all(_run.out, _run.owned)
     if _run.completed:
         fs = filesystem(_run.completed[0])
         for url in _run.completed:

@@ -118,9 +118,7 @@ def dcp_to_hf(
             raise CkptconvError(f"--copy-from {copy_from}: not a directory")
         inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", config), _mapping_file(mapping)]
         target = (
-            None
-            if dry_run
-            else outcheck.hf_target(world.is_main, out, overwrite, inputs, verify, push is not None)
+            None if dry_run else outcheck.hf_target(world.is_main, out, overwrite, inputs, push is not None)
         )
         return policy, quant, shard_bytes, bucket, target
 
@@ -281,7 +279,7 @@ def hf_to_dcp(
 
     def check_inputs() -> tuple[DtypePolicy, outcheck.Target | None]:
         inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
-        target = None if dry_run else outcheck.hf_target(world.is_main, out, overwrite, inputs, verify, False)
+        target = None if dry_run else outcheck.hf_target(world.is_main, out, overwrite, inputs, False)
         return DtypePolicy(parse_dtype_flag(dtype), fp32), target
 
     def prepare(hf: HfCheckpoint, policy: DtypePolicy) -> tuple[DcpSavePlan, dict[str, Any]]:
@@ -336,12 +334,10 @@ def hf_to_dcp(
         _finish_dcp(staging, plan, config_file if mapping else None)
 
     with gcpause.paused():
+        check = (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None
         if isinstance(target, RemoteTarget):
-            remote_out.publish(world, target, METADATA_FILE, write, finish)
+            remote_out.publish(world, target, METADATA_FILE, write, finish, check)
         else:
-            check = (
-                (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None
-            )
             outdir.atomically(world, target, write, finish, check, ui.warn)
     result.ranks = world.all_gather_object(mine[0])
     result.seconds = time.perf_counter() - start

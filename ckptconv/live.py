@@ -210,7 +210,7 @@ def save_hf(
             write_granularity=remote_out.granularity(out, _granularity(write_granularity), bool(quantize)),
         )
         inputs = [("copy_from", _path(copy_from))]
-        target = outcheck.hf_target(world.is_main, out, overwrite, inputs, False, False, "overwrite=True")
+        target = outcheck.hf_target(world.is_main, out, overwrite, inputs, False, "overwrite=True")
         budget = parse_size(bucket_size, "bucket_size")
         jobs, order, needs = live_jobs(plan, holding, budget)
         return plan, jobs, order, needs, plan_rounds(jobs, budget), target

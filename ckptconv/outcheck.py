@@ -227,20 +227,14 @@ def hf_target(
     out: Path,
     overwrite: bool,
     inputs: Inputs,
-    verify: bool,
     push: bool,
     flag: str = "--overwrite",
 ) -> Target:
     """Where a conversion writes: a checked local OUT, or a prefix in object storage (checked on rank 0),
-    where the flags that read the output back or upload it are refused by name."""
+    where --push-to-hub is refused by name."""
     url = url_path(out)
     if url is None:
         return target(out, overwrite, inputs, flag, main=main)
-    if verify:
-        raise CkptconvError(
-            f"--verify with OUT {url}: reading the output back from object storage is not supported yet; "
-            "leave --verify out and check a local copy with `ckptconv verify`"
-        )
     if push:
         raise CkptconvError(
             f"--push-to-hub with OUT {url}: pushing from object storage is not supported; write OUT to a "

@@ -75,14 +75,23 @@ def test_ranks_upload_parts_of_one_object(
 ) -> None:
     """Tensor-level parallel writing in S3: the middle file is cut between the 2 ranks, each uploading its
     parts of the one multipart upload that rank 0 completes (its ETag counts 2 parts); the bytes are the
-    local conversion's."""
+    local conversion's, and --verify reads them back on both ranks."""
     local = tmp_path / "local"
     assert ckptconv("dcp-to-hf", str(big_ckpt), str(local), "--max-shard-size", "30MB", "-q").returncode == 0
     options = json.dumps(s3_options(s3_endpoint))
-    argv = ("dcp-to-hf", str(big_ckpt), "s3://ckpts/parallel", "--max-shard-size", "30MB", "--json")
+    argv = (
+        "dcp-to-hf",
+        str(big_ckpt),
+        "s3://ckpts/parallel",
+        "--max-shard-size",
+        "30MB",
+        "--json",
+        "--verify",
+    )
     proc = ckptconv(*argv, "--storage-options", options, nproc=2)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
+    assert report["verified"] is True  # both ranks read the objects back
     written = [r["bytes_written"] for r in report["ranks"]]
     assert min(written) > 30 << 20 and sum(written) == sum(
         f.stat().st_size for f in local.glob("*.safetensors")
@@ -245,6 +254,38 @@ def test_overwrite_removes_the_completing_object_first(
     assert _objects(s3, "release") == old
 
 
+@pytest.mark.parametrize("shards", ["400", "5GB"])
+def test_verify_reads_the_objects_back(
+    shards: str,
+    fsdp2_ckpt: Path,
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--verify with OUT in S3 compares the written objects with the source: a sharded result before its
+    index is put, a one-file result once complete. A writer bug that changes one element: exit 1 naming
+    the tensor, and nothing of the run is left (objects or uploads)."""
+    argv = ("dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/verified-{shards}", "--max-shard-size", shards)
+    code, err = _in_process(capsys, s3_endpoint, *argv, "--verify")
+    assert code == 0 and "verified: " in err, err
+    from ckptconv.formats.safetensors_io import SafetensorsWriter
+
+    real_write = SafetensorsWriter.write
+
+    def corrupting_write(self: SafetensorsWriter, key: str, tensor: Any, start: int = 0) -> None:
+        if key == "layers.0.up.weight":
+            tensor = tensor.clone()
+            tensor.view(-1)[0] += 1
+        real_write(self, key, tensor, start)
+
+    monkeypatch.setattr(SafetensorsWriter, "write", corrupting_write)
+    bad = ("dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/wrong-{shards}", "--max-shard-size", shards, "--verify")
+    code, err = _in_process(capsys, s3_endpoint, *bad)
+    assert code == 1 and "--verify: the output differs" in err and "layers.0.up.weight" in err, err
+    assert _objects(s3, f"wrong-{shards}") == {} and _uploads_in_progress(s3) == []
+
+
 def test_refused_before_any_work(
     fsdp2_ckpt: Path,
     s3_endpoint: str,
@@ -254,7 +295,6 @@ def test_refused_before_any_work(
     s3.pipe_file("ckpts/data/train.jsonl", b"{}")
     cases = [
         (["s3://ckpts/data"], "not a checkpoint"),
-        (["s3://ckpts/new", "--verify"], "--verify"),
         (["s3://ckpts/new", "--push-to-hub", "org/model"], "--push-to-hub"),
     ]
     for extra, words in cases:
@@ -282,12 +322,13 @@ def test_hf_to_dcp_out_in_s3_loads_with_torch(
     assert ckptconv("hf-to-dcp", str(hf), str(local), "-q", nproc=nproc).returncode == 0
     key = f"dcp-{nproc}"
     options = json.dumps(s3_options(s3_endpoint))
-    argv = ("hf-to-dcp", str(hf), f"s3://ckpts/{key}", "--storage-options", options, "--json")
+    argv = ("hf-to-dcp", str(hf), f"s3://ckpts/{key}", "--storage-options", options, "--json", "--verify")
     proc = ckptconv(*argv, nproc=nproc)
     assert proc.returncode == 0, proc.stderr
     remote, expected = _objects(s3, key), tree_sha256(local)
     report = json.loads(proc.stdout)
     assert report["out"] == f"s3://ckpts/{key}" and report["written_files"] == sorted(remote)
+    assert report["verified"] is True  # read back from S3
     assert set(remote) == set(expected) and ".metadata" in remote
     assert {n: h for n, h in remote.items() if n != ".metadata"} == {
         n: h for n, h in expected.items() if n != ".metadata"

@@ -234,10 +234,12 @@ def publish(
     layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
 ) -> T | None:
     """Collective: rank 0 clears OUT (--overwrite), every rank streams its data files (in S3, with the
-    plan's `layout` (files, writes): its pieces of them, as parts), every rank `check`s
-    (the CRC-32s of chunks read in pieces), rank 0 `finish`es into a local temporary directory (index,
-    stash, copied files) and uploads those files, the `completing` object last (an index or `.metadata`
-    made in that directory, or a held upload). On any failure, each rank removes what this run wrote."""
+    plan's `layout` (files, writes): its pieces of them, as parts), every rank `check`s (the CRC-32s of
+    chunks read in pieces, --verify reading the written objects back), rank 0 `finish`es into a local
+    temporary directory (index, stash, copied files) and uploads those files, the `completing` object last
+    (an index or `.metadata` made in that directory, or a held upload). A one-file result and a DCP are
+    checked once complete (they cannot be read before). On any failure, each rank removes what this run
+    wrote."""
     global _run
     _run = _Run()
     _run.completing = completing
@@ -251,11 +253,14 @@ def publish(
             everyone(world, write, target.url)
             if _run.uploads:
                 on_main(world, _complete_parts, target.url, world.all_gather_object(_run.tags))
-            if check is not None:
-                check(target.url)
+            late = completing != INDEX_FILE  # the one data file or `.metadata`: read back once complete
+            if check is not None and not late:
+                _check(check, target.url)
             result = on_main(world, finish, Path(tmp))
             on_main(world, _upload_small, target.url, Path(tmp))
             everyone(world, _complete, target.url, Path(tmp))
+            if check is not None and late:
+                _check(check, target.url)
         return world.all_gather_object(result)[0]
     except BaseException as e:
         left = _remove_ours()
@@ -264,6 +269,11 @@ def publish(
         raise
     finally:
         _run.local = None
+
+
+def _check(check: Callable[[Path], None], url: UrlPath) -> None:
+    forget(url)  # listed empty when the run began
+    check(url)
 
 
 def _start_parts(world: World, url: UrlPath, files: Sequence[OutFile], writes: Sequence[Write]) -> None:

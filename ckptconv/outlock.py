@@ -261,7 +261,7 @@ def _maybe_alive(out: Path, path: Path, info: dict[str, Any]) -> CkptconvError |
             f"cannot check; wait for it to finish, or once it is gone, remove {path}"
         )
     # this process's own leftover (a failed unlink) is stale: its flock is free, so no lock of ours holds it
-    if isinstance(pid, int) and pid > 0 and pid != os.getpid() and _alive(pid):
+    if isinstance(pid, int) and pid > 0 and pid != os.getpid() and alive(pid):
         return CkptconvError(
             f"{out}: the lock {path} names a run whose process is still there ({describe(info)}); wait for "
             f"it to finish, or if that process is not ckptconv, remove {path}"
@@ -269,7 +269,7 @@ def _maybe_alive(out: Path, path: Path, info: dict[str, Any]) -> CkptconvError |
     return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether process `pid` exists on this host (one of another user counts)."""
     try:
         os.kill(pid, 0)
@@ -309,15 +309,20 @@ class _Tmp:
             self.fd = -1
 
 
-def _make_tmp(path: Path) -> _Tmp:
-    """A complete lock file under a unique temporary name beside `path`, flocked by this process."""
-    tmp = path.parent / f"{path.name}.{socket.gethostname()}.{os.getpid()}.{time.monotonic_ns()}"
-    info = {
+def run_info() -> dict[str, Any]:
+    """What a lock says of the run holding it."""
+    return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": time.time(),
         "command": redact(_without_options(sys.argv))[:512],
     }
+
+
+def _make_tmp(path: Path) -> _Tmp:
+    """A complete lock file under a unique temporary name beside `path`, flocked by this process."""
+    tmp = path.parent / f"{path.name}.{socket.gethostname()}.{os.getpid()}.{time.monotonic_ns()}"
+    info = run_info()
     try:
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
     except OSError as e:

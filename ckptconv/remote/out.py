@@ -15,11 +15,11 @@ Either way parts go up as they fill: memory stays within a part or two. The orde
 
 A reader that takes the completing object as the sign of a finished result never sees a partial one. On
 any failure or signal every rank aborts its multipart uploads in progress and deletes the objects it
-completed; those that cannot be deleted are named in the error. `--overwrite` deletes the previous result's
-completing object first, then its other objects (only those directly under OUT/: a neighbouring prefix such
-as `release-v2/` is never touched), so old and new are never seen mixed as complete; after that point a
-failure leaves OUT visibly incomplete, and the error says so. There is no lock: two runs writing one OUT at
-once are the user's to avoid.
+completed; those that cannot be deleted are named in the error. Rank 0 holds OUT's lock object for the
+whole run (remote.lock): a second run writing the same OUT stops with a line naming the first.
+`--overwrite` deletes the previous result's completing object first, then its other objects (only those
+directly under OUT/: a neighbouring prefix such as `release-v2/` is never touched), so old and new are never
+seen mixed as complete; after that point a failure leaves OUT visibly incomplete, and the error says so.
 
 Call order: `RemoteTarget.check()` on rank 0 before any work; `publish(...)` on every rank.
 """
@@ -36,6 +36,10 @@ from ..errors import CkptconvError
 from ..world import World, everyone, from_main, on_main
 from . import multipart
 from .files import RemoteFiles, denied, forget
+from .lock import NAME as LOCK_NAME
+from .lock import RemoteLock
+from .lock import peek as peek_lock
+from .lock import take as take_lock
 from .parts import Piece, plan_pieces
 from .urls import UrlPath, filesystem, redact, url_path
 
@@ -60,6 +64,7 @@ class RemoteTarget:
         --overwrite); the names of the objects there."""
         from ..outcheck import not_a_checkpoint
 
+        peek_lock(self.url)
         names = sorted(listing(self.url))
         # an object under a deeper prefix counts as a subdirectory would
         entries = {
@@ -113,7 +118,7 @@ def _entry(name: str) -> tuple[str, str, bool]:
 def listing(url: UrlPath) -> dict[str, int]:
     """{name: size} of the objects under `url`, listed afresh (no cached listing)."""
     forget(url)
-    return RemoteFiles(url).sizes()
+    return {n: size for n, size in RemoteFiles(url).sizes().items() if n != LOCK_NAME}  # a bucket's lock
 
 
 class Stream:
@@ -244,9 +249,11 @@ def publish(
     _run = _Run()
     _run.completing = completing
     cleared = False
+    held: list[RemoteLock] = []
     try:
         with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
             _run.local = Path(tmp)
+            on_main(world, lambda: held.append(take_lock(target.url)))
             cleared = bool(on_main(world, target.clear))
             if layout is not None and multipart.supported(target.url):
                 everyone(world, _start_parts, world, target.url, *layout)
@@ -269,6 +276,8 @@ def publish(
         raise
     finally:
         _run.local = None
+        for lock in held:
+            lock.release()
 
 
 def _check(check: Callable[[Path], None], url: UrlPath) -> None:

@@ -1,0 +1,91 @@
+"""One writer per OUT prefix in object storage (moto's S3 server): the lock object beside OUT, taken with
+S3's create-only put, refused to a second run, taken over from a dead run of this host, and never left by a
+finished, failed or interrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import s3_options, start
+from test_bad_input import assert_one_line
+from test_object_storage_out import _in_process, _objects, _uploads_in_progress
+
+s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
+
+
+def _lock(s3: s3fs.S3FileSystem, name: str, **info: object) -> str:
+    key = f"ckpts/.{name}.ckptconv-lock"
+    s3.pipe_file(
+        key, json.dumps({"started": time.time(), "command": "ckptconv dcp-to-hf ...", **info}).encode()
+    )
+    return key
+
+
+def test_a_live_run_elsewhere_holds_the_prefix(
+    fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lock of a run on another host (or of a live process here): exit 2 before any work, naming the run
+    and, for another host, the object to remove once it is gone; OUT untouched."""
+    key = _lock(s3, "held", host="node-17", pid=4242)
+    argv = ("dcp-to-hf", str(fsdp2_ckpt), "s3://ckpts/held", "-q")
+    code, err = _in_process(capsys, s3_endpoint, *argv)
+    assert_one_line(code, err, "s3://ckpts/held", "another ckptconv run", "node-17", f"remove s3://{key}")
+    assert _objects(s3, "held") == {} and s3.exists(key)
+    _lock(s3, "held", host=socket.gethostname(), pid=os.getppid())  # alive: the test runner's parent
+    code, err = _in_process(capsys, s3_endpoint, *argv, "--overwrite")
+    assert_one_line(code, err, "another ckptconv run", f"pid {os.getppid()}")
+    assert _objects(s3, "held") == {}
+
+
+def test_a_dead_runs_lock_is_taken_over_and_every_run_removes_its_own(
+    fsdp2_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dead = start([sys.executable, "-c", "pass"])
+    dead.communicate()
+    key = _lock(s3, "stale", host=socket.gethostname(), pid=dead.pid)  # a run killed with SIGKILL, say
+    argv = ("dcp-to-hf", str(fsdp2_ckpt), "s3://ckpts/stale", "-q")
+    assert _in_process(capsys, s3_endpoint, *argv)[0] == 0
+    assert "model.safetensors" in _objects(s3, "stale") and not s3.exists(key)
+    code, err = _in_process(capsys, s3_endpoint, *argv)  # refused (exists): its lock is gone too
+    assert_one_line(code, err, "--overwrite")
+    assert not s3.exists(key)
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_one_writes(
+    slow_ckpt: Path, s3_endpoint: str, s3: s3fs.S3FileSystem, tmp_path: Path
+) -> None:
+    """A second run on the same OUT while the first is writing: exit 2 naming the first; the first finishes
+    and its result is whole. Then a run interrupted (SIGTERM) midway leaves no lock, object or upload."""
+    options = json.dumps(s3_options(s3_endpoint))
+    argv = ["dcp-to-hf", str(slow_ckpt), "s3://ckpts/busy", "--storage-options", options]
+    first = start([sys.executable, "-m", "ckptconv", *argv, "-q"])
+    deadline = time.monotonic() + 60
+    while not s3.exists("ckpts/.busy.ckptconv-lock"):
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    second = start([sys.executable, "-m", "ckptconv", *argv, "--overwrite"])
+    _, err = second.communicate(timeout=120)
+    assert_one_line(second.returncode, err, "s3://ckpts/busy", "another ckptconv run", f"pid {first.pid}")
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert "model.safetensors" in _objects(s3, "busy") and not s3.exists("ckpts/.busy.ckptconv-lock")
+
+    third = start([sys.executable, "-m", "ckptconv", *argv, "--overwrite", "--bucket-size", "8MB"])
+    deadline = time.monotonic() + 60
+    while not s3.exists("ckpts/.busy.ckptconv-lock") or not _uploads_in_progress(s3):
+        assert third.poll() is None, third.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    third.send_signal(signal.SIGTERM)
+    _, err = third.communicate(timeout=60)
+    assert third.returncode == 143, err
+    assert not s3.exists("ckpts/.busy.ckptconv-lock") and _uploads_in_progress(s3) == []

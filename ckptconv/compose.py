@@ -10,7 +10,7 @@ read dequantized straight into the target's dtype: the fp32 product rounded once
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -59,6 +59,31 @@ def target_rows(
             dtype = t.dtype if stored.quant is not None else None  # others: cast by `place`
             place(view, part, box, reader.rows(stored, a, b, dtype=dtype), window=lo)
     return out
+
+
+def block_of(
+    t: DcpOutTensor, offsets: Sequence[int], sizes: Sequence[int], reader: RowReader
+) -> torch.Tensor:
+    """The block of `t` at `offsets` of `sizes` (a rank's shard, `load_hf`): only the block's bytes for a
+    tensor stored as is (any shard dims), else the rows of the block composed from `t`'s parts, then cut."""
+    if not t.shape:
+        return target_rows(t, 0, 1, reader)
+    if len(t.parts) == 1 and is_whole(t.parts[0][0], t.parts[0][1], t.shape):
+        return reader.block(t.parts[0][0], offsets, sizes, dtype=t.dtype)
+    rows = target_rows(t, offsets[0], offsets[0] + sizes[0], reader)
+    for dim in range(1, len(t.shape)):
+        rows = rows.narrow(dim, offsets[dim], sizes[dim])
+    return rows
+
+
+def expect_block(reader: RowReader, t: DcpOutTensor, offsets: Sequence[int], sizes: Sequence[int]) -> None:
+    """Tell `reader` the stored rows `block_of` will read, when they are whole rows (a block cut on a later
+    dim reads only its runs: announcing whole rows would fetch other ranks' bytes)."""
+    if tuple(sizes[1:]) != tuple(t.shape[1:]):
+        return
+    lo, hi = (offsets[0], offsets[0] + sizes[0]) if t.shape else (0, 1)
+    for stored, a, b in source_rows(t, lo, hi):
+        reader.expect(stored, a, b)
 
 
 def source_rows(t: DcpOutTensor, lo: int, hi: int) -> list[tuple[StoredTensor, int, int]]:

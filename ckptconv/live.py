@@ -23,7 +23,7 @@ import torch
 
 from . import outcheck, outdir
 from .allgather import TorchCollective, describe, emit, group_handles, holdings, live_jobs, run_rounds
-from .compose import is_whole, target_rows
+from .compose import block_of, expect_block
 from .copy_from import copy_non_weights
 from .dtype_names import short_name
 from .dtypes import DtypePolicy, parse_dtype_flag
@@ -332,12 +332,14 @@ def load_hf(
         )
     policy = DtypePolicy(forced, fp32)
     reader = RowReader()
+    specs = {key: LoadSpec.from_tensor(key, target) for key, (_, target) in targets.items() if key in sources}
+    for key, spec in specs.items():  # from object storage, neighbouring blocks are fetched together
+        expect_block(reader, sources[key], spec.offsets, spec.sizes)
     try:
         for key, (p, target) in targets.items():
             if key not in sources:
                 continue
-            src = sources[key]
-            spec = LoadSpec.from_tensor(key, target)
+            src, spec = sources[key], specs[key]
             if spec.shape != src.shape:
                 raise CkptconvError(
                     f"load_hf: {key!r} is {list(src.shape)} in {path}, {list(spec.shape)} in the state dict"
@@ -348,7 +350,9 @@ def load_hf(
                 want = torch.promote_types(src.dtype, spec.dtype)
             # a quantized weight is dequantized straight into `want` (one rounding), others cast after reading
             quantized = any(stored.quant is not None for stored, _ in src.parts)
-            values = _block(replace(src, dtype=want) if quantized else src, spec, reader)
+            values = block_of(
+                replace(src, dtype=want) if quantized else src, spec.offsets, spec.sizes, reader
+            )
             local = local_data(target)
             if want == local.dtype:
                 with torch.no_grad():
@@ -360,19 +364,6 @@ def load_hf(
     finally:
         reader.close()
     return report
-
-
-def _block(src: Any, spec: LoadSpec, reader: RowReader) -> torch.Tensor:
-    """This rank's block of the checkpoint tensor `src`: only the block's bytes for a tensor stored as is
-    (any shard dims), else the rows of the block composed from the tensors `src` is made of, then cut."""
-    if not spec.shape:
-        return target_rows(src, 0, 1, reader)
-    if len(src.parts) == 1 and is_whole(src.parts[0][0], src.parts[0][1], src.shape):
-        return reader.block(src.parts[0][0], spec.offsets, spec.sizes, dtype=src.dtype)
-    rows = target_rows(src, spec.offsets[0], spec.offsets[0] + spec.sizes[0], reader)
-    for dim in range(1, len(spec.shape)):
-        rows = rows.narrow(dim, spec.offsets[dim], spec.sizes[dim])
-    return rows
 
 
 def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

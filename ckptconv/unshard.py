@@ -278,7 +278,7 @@ def direct_tensors(
 
     try:
         for w in plan.writes_of(world.rank):
-            _expect(reader, w)
+            expect_rows(reader, w.tensor, w.window)
             announced.append(w)
             ahead += w.nbytes
             while announced and ahead > look_ahead:
@@ -294,9 +294,9 @@ def direct_tensors(
         threads.shutdown(wait=False, cancel_futures=True)
 
 
-def _expect(reader: DcpReader, w: Write) -> None:
-    """Tell `reader` which rows of which chunks `w` reads (from object storage, neighbours are fetched
-    together); on a file system, nothing to do."""
+def expect_rows(reader: DcpReader, t: OutTensor, window: tuple[int, int] | None = None) -> None:
+    """Tell `reader` which rows of which chunks reading `t` (rows `window` of it) takes (from object
+    storage, neighbours are fetched together); on a file system, nothing to do."""
     if reader.remote:
-        for spec, chunk, r0, r1 in needed_chunks(w.tensor, w.window):
+        for spec, chunk, r0, r1 in needed_chunks(t, window):
             reader.expect(spec, chunk, r0, r1)

@@ -36,7 +36,7 @@ from .quant import fp8
 from .remote.urls import is_url
 from .sources import any_source, for_all
 from .ui import Ui
-from .unshard import assemble, check_read_pieces, direct_rows
+from .unshard import assemble, check_read_pieces, direct_rows, expect_rows
 from .world import World, everyone
 
 
@@ -81,6 +81,7 @@ class Side:
     close: Callable[[], None]
     check_pieces: Callable[[World], None] = lambda world: None  # collective, after every read
     dequantized: frozenset[str] = frozenset()  # quantized weights: read in the other side's dtype (`follow`)
+    expect: Callable[[str], None] = lambda key: None  # this key will be read soon (object storage: coalesce)
 
 
 def hf_side(label: str, path: Path, keys: set[str] | None = None, like: Side | None = None) -> Side:
@@ -94,8 +95,13 @@ def hf_side(label: str, path: Path, keys: set[str] | None = None, like: Side | N
         t = hf.tensors[key]
         return reader.rows(t, 0, t.shape[0] if t.shape else 1, dtype=shapes[key][1])
 
+    def expect(key: str) -> None:
+        t = hf.tensors[key]
+        if t.quant is None:
+            reader.expect(t, 0, t.shape[0] if t.shape else 1)
+
     dequantized = frozenset(k for k in shapes if hf.tensors[k].quant is not None)
-    side = Side(label, path, shapes, read, reader.close, dequantized=dequantized)
+    side = Side(label, path, shapes, read, reader.close, dequantized=dequantized, expect=expect)
     if like is not None:
         follow(side, like)
     return side
@@ -162,6 +168,7 @@ def dcp_side(
         reader.close,
         lambda world: check_read_pieces(world, ckpt, reader.pieces()),
         quantized,
+        lambda key: expect_rows(reader, outs[key]),
     )
     if like is not None:
         follow(like, side)
@@ -214,6 +221,9 @@ def verify_sides(a: Side, b: Side, world: World, ui: Ui, tolerance: Tolerance | 
     progress_label = f"rank {world.rank} of {world.size}: verifying"
     with ui.bytes_progress(progress_label, sum(_nbytes(b, k) for k in own)) as progress:
         try:
+            for key in own:  # from object storage, neighbouring tensors are then fetched together
+                a.expect(key)
+                b.expect(key)
             for key in own:
                 if a.shapes[key][0] != b.shapes[key][0]:
                     mine.append(Finding(key, "shape", _side(a, key), _side(b, key)))

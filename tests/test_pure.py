@@ -478,6 +478,22 @@ def test_coalesced_span(pieces: list[tuple[int, int]], gap: int, limit: int, dat
     assert span_around(expected, (end + 1, end + 2), gap, limit) is None
 
 
+@given(
+    st.lists(st.tuples(st.integers(0, 200), st.integers(1, 30)), max_size=10),
+    st.integers(0, 250),
+    st.integers(0, 60),
+)
+def test_ranges_without_a_cut(pieces: list[tuple[int, int]], a: int, n: int) -> None:
+    """A fetched span's unread ranges less a read: exactly the bytes not in it, still sorted and disjoint."""
+    from ckptconv.remote.ranges import merged, without
+
+    ranges = merged([(s, s + k) for s, k in pieces])
+    left = without(ranges, (a, a + n))
+    covered = {x for r in ranges for x in range(*r)} - set(range(a, a + n))
+    assert {x for r in left for x in range(*r)} == covered
+    assert left == merged(left) and all(e > s for s, e in left)
+
+
 def test_lock_record_leaves_out_storage_options() -> None:
     """Another run's error shows the command line the lock recorded: never the credentials."""
     from ckptconv.outlock import _without_options

@@ -4,8 +4,10 @@ Call order: rank 0 lists the objects (`sizes`) and reads `.metadata` (`read`) wh
 every rank that reads chunks says which byte ranges it will read (`expect`, a record at a time, ahead of
 reading it) and reads them (`pread`). A read inside an expected range fetches, in one ranged GET, that range
 and its expected neighbours at most `coalesce_gap` bytes apart (up to `span_limit` bytes), then serves the
-reads that follow from the fetched span; any other read fetches exactly its bytes. Fetched spans are kept
-within `cache_bytes` (the oldest go first). Nothing is written to local disk.
+reads that follow from the fetched span; any other read fetches exactly its bytes. A fetched span is dropped
+once every expected byte in it has been read (so memory holds what is fetched and not yet read, as a local
+run holds its reads in flight), and spans are kept within `cache_bytes` anyway (the oldest go first).
+Nothing is written to local disk.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ..errors import CkptconvError
-from .ranges import Range, merged, pieces, span_around
+from .ranges import Range, merged, pieces, span_around, without
 from .urls import UrlPath, coalesce_gap, filesystem, redact
 
 _listings: dict[str, dict[str, int]] = {}  # URL -> its objects' sizes, listed once per process
@@ -40,6 +42,7 @@ class RemoteFiles:
         self._sizes = sizes
         self._expected: dict[str, list[Range]] = {}
         self._spans: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._unread: dict[tuple[str, int], list[Range]] = {}  # a span's expected ranges not read yet
         self._cached = 0
         self._inflight: dict[tuple[str, int, int], threading.Event] = {}  # spans being fetched
         self._lock = threading.Lock()
@@ -114,7 +117,8 @@ class RemoteFiles:
                     ),
                     None,
                 )
-                span = None if pending is not None else self._take_span(rel, want)
+                taken = None if pending is not None else self._take_span(rel, want)
+                span, expected = taken if taken is not None else (None, [])
                 if span is not None and span != want:
                     done = self._inflight[(rel, *span)] = threading.Event()
             if pending is None:
@@ -124,17 +128,16 @@ class RemoteFiles:
             for a, b in itertools.pairwise([offset, *cuts, want[1]]):
                 self.pread(rel, a, out[a - offset : b - offset])
             return
-        if span is None:
-            out[:] = self.read(rel, offset, n)
-            return
-        if span == want:
+        if span is None or span == want:
             out[:] = self.read(rel, offset, n)
             return
         try:
             data = self.read(rel, span[0], span[1] - span[0])
             out[:] = memoryview(data)[offset - span[0] : offset - span[0] + n]
             with self._lock:
-                self._keep(rel, span[0], data)
+                unread = without(expected, want)
+                if unread:  # more of it will be read
+                    self._keep(rel, span[0], data, unread)
         finally:
             with self._lock:
                 del self._inflight[(rel, *span)]
@@ -148,28 +151,38 @@ class RemoteFiles:
         return sorted(x for x in edges if want[0] < x < want[1])
 
     def _from_cache(self, rel: str, want: Range) -> memoryview | None:
+        """`want` from a fetched span (dropped once all its expected bytes are read), or None."""
         for (name, start), data in reversed(self._spans.items()):
             if name == rel and start <= want[0] and want[1] <= start + len(data):
+                left = self._unread[(name, start)] = without(self._unread[(name, start)], want)
+                if not left:
+                    self._drop((name, start))
                 return memoryview(data)[want[0] - start : want[1] - start]
         return None
 
-    def _take_span(self, rel: str, want: Range) -> Range | None:
-        """The span one GET fetches for `want` (its expected ranges then leave the list), or None."""
+    def _drop(self, key: tuple[str, int]) -> None:
+        self._cached -= len(self._spans.pop(key))
+        del self._unread[key]
+
+    def _take_span(self, rel: str, want: Range) -> tuple[Range, list[Range]] | None:
+        """The span one GET fetches for `want` and the expected ranges in it (they then leave the list), or
+        None."""
         expected = self._expected.get(rel, [])
         found = span_around(expected, want, self.coalesce_gap, self.span_limit)
         if found is None:
             return None
         lo, hi = found
         span = (expected[lo][0], expected[hi - 1][1])
+        inside = expected[lo:hi]
         del expected[lo:hi]
-        return span
+        return span, inside
 
-    def _keep(self, rel: str, start: int, data: bytes) -> None:
+    def _keep(self, rel: str, start: int, data: bytes, unread: list[Range]) -> None:
         self._spans[(rel, start)] = data
+        self._unread[(rel, start)] = unread
         self._cached += len(data)
         while self._cached > self.cache_bytes and len(self._spans) > 1:
-            _, old = self._spans.popitem(last=False)
-            self._cached -= len(old)
+            self._drop(next(iter(self._spans)))
 
     def _get(self, rel: str, start: int, end: int | None) -> bytes:
         if end is not None and end <= start:

@@ -53,3 +53,20 @@ def pieces(start: int, end: int, limit: int) -> list[Range]:
     pieces(0, 10, 4)  ->  [(0, 4), (4, 8), (8, 10)]
     """
     return [(a, min(a + limit, end)) for a in range(start, end, limit)]
+
+
+def without(ranges: Sequence[Range], cut: Range) -> list[Range]:
+    """`ranges` (sorted, disjoint) less the bytes of `cut`.
+
+    without([(0, 10), (20, 30)], (5, 25))  ->  [(0, 5), (25, 30)]
+    """
+    out: list[Range] = []
+    for a, b in ranges:
+        if b <= cut[0] or cut[1] <= a:
+            out.append((a, b))
+            continue
+        if a < cut[0]:
+            out.append((a, cut[0]))
+        if cut[1] < b:
+            out.append((cut[1], b))
+    return out

@@ -189,6 +189,13 @@ class DcpReader:
             found = self._locate(spec, chunk)
             with self._lock:
                 self._located[key] = found
+            if self._remote is not None and found is not None and chunk.fmt == "torch_save":
+                end, data_end = (
+                    chunk.byte_offset + chunk.byte_length,
+                    found + chunk.numel * spec.dtype.itemsize,
+                )
+                self._remote.forgo(chunk.file, chunk.byte_offset, found)  # the record's zip entries: read
+                self._remote.forgo(chunk.file, data_end, end)
         return self._located[key]
 
     def _locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:

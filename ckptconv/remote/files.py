@@ -93,6 +93,17 @@ class RemoteFiles:
             new = pieces(start, start + length, self.span_limit)
             self._expected[rel] = merged([*self._expected.get(rel, []), *new])
 
+    def forgo(self, rel: str, start: int, end: int) -> None:
+        """Bytes [start, end) of `rel`, expected, will not be read after all (the zip entries around a
+        chunk's data, once located): fetched spans no longer wait for them."""
+        with self._lock:
+            if rel in self._expected:
+                self._expected[rel] = without(self._expected[rel], (start, end))
+            for key in [k for k in self._spans if k[0] == rel]:
+                self._unread[key] = without(self._unread[key], (start, end))
+                if not self._unread[key]:
+                    self._drop(key)
+
     def pread(self, rel: str, offset: int, out: memoryview) -> None:
         """Fill `out` with the bytes of `rel` at `offset`: from a fetched span, or by waiting for the span
         another thread is fetching, or by fetching the span around them, or exactly."""

@@ -179,13 +179,6 @@ def main() -> None:
             "requests_per_gb": round(requests / (fetched / 1e9), 1),
             "direct_rss_over_local": round(direct.rss_rank / convert.rss_rank, 2),
             "server_ranged_get_seconds": get_cost,
-            # moto answers a ranged GET by copying the whole object: a fixed cost per GET of a large object
-            # that S3 does not charge. Taken off both sides (the three passes' get makes one GET per object)
-            "modelled_direct_over_three_pass": round(
-                (direct.seconds - requests * get_cost["22_bytes"])
-                / (baseline - len(list(ckpt.iterdir())) * get_cost["22_bytes"]),
-                3,
-            ),
             "date": time.strftime("%Y-%m-%d"),
         }
     finally:
@@ -197,10 +190,6 @@ def main() -> None:
     print(
         f"  direct / three passes: {result['direct_over_three_pass']}x "
         f"({direct.seconds:.2f} s / {baseline:.2f} s)"
-    )
-    print(
-        f"  direct / three passes with the server's fixed cost per GET taken off both: "
-        f"{result['modelled_direct_over_three_pass']}x (a model of a server whose GET costs what it reads)"
     )
     print(f"  bytes fetched / needed: {result['fetched_over_needed']} (goal <= 1.05)")
     print(f"  GET requests per GB: {result['requests_per_gb']}")

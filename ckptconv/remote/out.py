@@ -64,6 +64,7 @@ class RemoteTarget:
         --overwrite); the names of the objects there."""
         from ..outcheck import not_a_checkpoint
 
+        filesystem(self.url)  # a missing extra is named with OUT, not with its lock
         peek_lock(self.url)
         names = sorted(listing(self.url))
         # an object under a deeper prefix counts as a subdirectory would

@@ -180,23 +180,9 @@ def _failing_parts(monkeypatch: pytest.MonkeyPatch, after: int) -> None:
     """The store refuses every write after the first `after` (parts, whole puts, completions): s3fs sees
     what a failing server gives it, an OSError for the request. Both of s3fs's request paths: its file
     objects' (sync) and its file system's (async)."""
-    seen = [0]
-    sync_call, async_call = s3fs.S3FileSystem.call_s3, s3fs.S3FileSystem._call_s3
+    from workers.failing_s3 import failing_calls
 
-    def refuse(method: str) -> None:
-        if method in ("upload_part", "put_object", "complete_multipart_upload"):
-            seen[0] += 1
-            if seen[0] > after:
-                raise OSError(5, "InternalError: We encountered an internal error. Please try again.")
-
-    def failing_sync(self: Any, method: str, *args: Any, **kw: Any) -> Any:
-        refuse(method)
-        return sync_call(self, method, *args, **kw)
-
-    async def failing_async(self: Any, method: str, *args: Any, **kw: Any) -> Any:
-        refuse(method)
-        return await async_call(self, method, *args, **kw)
-
+    failing_sync, failing_async = failing_calls(after)
     monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", failing_sync)
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", failing_async)
 

@@ -16,7 +16,9 @@ from ckptconv.cli import main
 WRITES = ("upload_part", "put_object", "complete_multipart_upload")
 
 
-def refuse_after(after: int) -> None:
+def failing_calls(after: int) -> tuple[Any, Any]:
+    """s3fs's request methods (sync `call_s3`, async `_call_s3`) refusing every write after the first
+    `after` as a failing server does: an OSError for the request."""
     seen = [0]
     sync_call, async_call = s3fs.S3FileSystem.call_s3, s3fs.S3FileSystem._call_s3
 
@@ -34,11 +36,12 @@ def refuse_after(after: int) -> None:
         refuse(method)
         return await async_call(self, method, *args, **kw)
 
-    s3fs.S3FileSystem.call_s3 = failing_sync  # type: ignore[method-assign]
-    s3fs.S3FileSystem._call_s3 = failing_async  # type: ignore[method-assign]
+    return failing_sync, failing_async
 
 
 if __name__ == "__main__":
     if int(os.environ["RANK"]) == int(sys.argv[1]):
-        refuse_after(int(sys.argv[2]))
+        sync_call, async_call = failing_calls(int(sys.argv[2]))
+        s3fs.S3FileSystem.call_s3 = sync_call  # type: ignore[method-assign]
+        s3fs.S3FileSystem._call_s3 = async_call  # type: ignore[method-assign]
     main(sys.argv[3:])

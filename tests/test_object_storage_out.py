@@ -255,17 +255,9 @@ def test_verify_reads_the_objects_back(
     argv = ("dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/verified-{shards}", "--max-shard-size", shards)
     code, err = _in_process(capsys, s3_endpoint, *argv, "--verify")
     assert code == 0 and "verified: " in err, err
-    from ckptconv.formats.safetensors_io import SafetensorsWriter
+    from test_verify import corrupt_one_element
 
-    real_write = SafetensorsWriter.write
-
-    def corrupting_write(self: SafetensorsWriter, key: str, tensor: Any, start: int = 0) -> None:
-        if key == "layers.0.up.weight":
-            tensor = tensor.clone()
-            tensor.view(-1)[0] += 1
-        real_write(self, key, tensor, start)
-
-    monkeypatch.setattr(SafetensorsWriter, "write", corrupting_write)
+    corrupt_one_element(monkeypatch, "layers.0.up.weight")
     bad = ("dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/wrong-{shards}", "--max-shard-size", shards, "--verify")
     code, err = _in_process(capsys, s3_endpoint, *bad)
     assert code == 1 and "--verify: the output differs" in err and "layers.0.up.weight" in err, err

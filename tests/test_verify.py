@@ -166,25 +166,31 @@ def test_compare_rules() -> None:
     assert compare("k", torch.ones(2, 3), torch.ones(3, 2)) is not None
 
 
+def corrupt_one_element(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    """A simulated writer bug: the first element of tensor `key` is written one too high."""
+    from ckptconv.formats.safetensors_io import SafetensorsWriter
+
+    real_write = SafetensorsWriter.write
+
+    def corrupting_write(self: SafetensorsWriter, name: str, tensor: torch.Tensor, start: int = 0) -> None:
+        if name == key:
+            tensor = tensor.clone()
+            tensor.view(-1)[0] += 1
+        real_write(self, name, tensor, start)
+
+    monkeypatch.setattr(SafetensorsWriter, "write", corrupting_write)
+
+
 def test_verify_flag_refuses_to_publish_a_wrong_output(
     converted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A conversion whose written bytes differ from the source (a simulated writer bug) is caught by --verify:
     exit 1, and OUT does not exist."""
     from ckptconv import convert
-    from ckptconv.formats.safetensors_io import SafetensorsWriter
     from ckptconv.ui import Ui
     from ckptconv.world import World
 
-    real_write = SafetensorsWriter.write
-
-    def corrupting_write(self: SafetensorsWriter, key: str, tensor: torch.Tensor, start: int = 0) -> None:
-        if key == "layers.0.up.weight":
-            tensor = tensor.clone()
-            tensor.view(-1)[0] += 1
-        real_write(self, key, tensor, start)
-
-    monkeypatch.setattr(SafetensorsWriter, "write", corrupting_write)
+    corrupt_one_element(monkeypatch, "layers.0.up.weight")
     out = tmp_path / "out"
     with pytest.raises(VerifyMismatch, match=r"layers\.0\.up\.weight: 1 of 60 elements differ"):
         convert.dcp_to_hf(converted["dcp"], out, world=World(), ui=Ui(quiet=True), verify=True)

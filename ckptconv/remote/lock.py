@@ -89,16 +89,23 @@ def peek(out: UrlPath) -> None:
 
 
 def _put_new(fs: Any, url: UrlPath, data: bytes) -> None:
-    """Put `data` at `url` unless an object is there (FileExistsError)."""
-    try:
-        with fs.open(url.key, "xb") as f:
-            f.write(data)
+    """Put `data` at `url` unless an object is there (FileExistsError): with the store's create-only
+    write, or where it has none, after looking."""
+    if _put_create_only(fs, url, data):
         return
-    except (NotImplementedError, ValueError, TypeError):
-        pass  # no create-only write in this store: look first
     if fs.exists(url.key):
         raise FileExistsError(url.key)
     fs.pipe_file(url.key, data)
+
+
+def _put_create_only(fs: Any, url: UrlPath, data: bytes) -> bool:
+    """Put `data` with fsspec's mode "xb" (S3: If-None-Match); False where the store does not take it."""
+    try:
+        with fs.open(url.key, "xb") as f:
+            f.write(data)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    return True
 
 
 def _read(fs: Any, url: UrlPath) -> dict[str, Any]:

@@ -128,7 +128,6 @@ class Stream:
 
     def __init__(self, url: UrlPath, hold: bool) -> None:
         self.url, self.hold, self.pos = url, hold, 0
-        self.written = 0
         try:
             self._file = filesystem(url).open(url.key, "wb", block_size=PART_BYTES)
         except Exception as e:
@@ -142,7 +141,11 @@ class Stream:
         except Exception as e:
             raise write_error(self.url, e) from None
         self.pos += len(data)
-        self.written = self.pos
+
+    @property
+    def written(self) -> int:
+        """Bytes streamed (as `PartStream.written`)."""
+        return self.pos
 
     def write(self, data: bytes | memoryview) -> int:
         """File-like: append (torch_record's writer)."""

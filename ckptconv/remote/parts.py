@@ -63,23 +63,16 @@ def plan_pieces(files: Sequence[OutFile], writes: Sequence[Write]) -> list[Piece
     pieces: list[Piece] = []
     for f in files:
         head = len(header_bytes([Entry(t.hf_key, t.dtype, t.shape) for t in f.tensors]))
-        at = dict(
-            zip(
-                (t.hf_key for t in f.tensors),
-                itertools.accumulate((t.nbytes for t in f.tensors), initial=head),
-                strict=False,  # accumulate gives one more: the end
-            )
-        )
+        starts = itertools.accumulate((t.nbytes for t in f.tensors), initial=head)
+        at = {t.hf_key: (start, start + t.nbytes) for t, start in zip(f.tensors, starts, strict=False)}
         spans = []
         for w in by_file.get(f.name, []):
             if w.header:
                 spans.append((0, head, w.rank))
-            spans.append((at[w.tensor.hf_key] + w.start, at[w.tensor.hf_key] + w.start + w.nbytes, w.rank))
-            if w.tensor.quant:
-                scale = w.tensor.hf_key + "_scale_inv"
-                spans.append(
-                    (at[scale], at[scale] + next(t.nbytes for t in f.tensors if t.hf_key == scale), w.rank)
-                )
+            first = at[w.tensor.hf_key][0] + w.start
+            spans.append((first, first + w.nbytes, w.rank))
+            if w.tensor.quant:  # its scale, written with it
+                spans.append((*at[w.tensor.hf_key + "_scale_inv"], w.rank))
         pieces += _pieces(f.name, sorted(spans), head + f.nbytes)
     return pieces
 

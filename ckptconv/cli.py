@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from . import cli_options as opt
 from .cli_options import (
     AllowUnmappedOpt,
     BucketOpt,
@@ -92,7 +93,7 @@ def dcp_to_hf_cmd(
     out: Annotated[
         Path, typer.Argument(help="Output Hugging Face directory.", show_default=False, metavar="OUT")
     ],
-    dtype: DtypeOpt = "bf16",
+    dtype: opt.ReleaseDtypeOpt = None,
     fp32: Fp32Opt = None,
     max_shard_size: MaxShardOpt = "5GB",
     prefix: PrefixOpt = None,
@@ -121,6 +122,12 @@ def dcp_to_hf_cmd(
     private: PrivateOpt = False,
     commit_message: CommitMessageOpt = None,
     create_pr: CreatePrOpt = False,
+    lora: opt.LoraOpt = None,
+    lora_name: opt.LoraNameOpt = None,
+    lora_alpha: opt.LoraAlphaOpt = None,
+    lora_config: opt.LoraConfigOpt = None,
+    lora_rslora: opt.LoraRsloraOpt = False,
+    lora_base: opt.LoraBaseOpt = None,
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
@@ -136,6 +143,7 @@ def dcp_to_hf_cmd(
         raise CkptconvError(f"--read {read!r} is not one of direct, gather")
     use_storage(storage_options, coalesce_gap)
     push = push_request(push_to_hub, revision, private, commit_message, create_pr)
+    lora_req = opt.lora_request(lora, lora_name, lora_alpha, lora_config, lora_rslora, lora_base)
     with _trust(trust_pickle), world_from_env() as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         result = dcp_to_hf(
@@ -143,7 +151,7 @@ def dcp_to_hf_cmd(
             out,
             world=world,
             ui=ui,
-            dtype=dtype,
+            dtype=dtype or ("keep" if lora == "adapter" else "bf16"),
             fp32=fp32 or (),
             max_shard_size=max_shard_size,
             prefix=prefix,
@@ -163,6 +171,7 @@ def dcp_to_hf_cmd(
             verify=verify,
             write_granularity=write_granularity,  # type: ignore[arg-type]
             push=push,
+            lora=lora_req,
         )
         show_dcp_to_hf(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 

@@ -22,10 +22,12 @@ def _local(flag: str) -> Any:
     return check
 
 
-DtypeOpt = Annotated[
-    str,
+DTYPE_HELP = "bf16, fp16, fp32 or keep: dtype of floating tensors (int/bool never change)."
+DtypeOpt = Annotated[str, typer.Option("--dtype", help=DTYPE_HELP)]
+ReleaseDtypeOpt = Annotated[  # dcp-to-hf: an adapter keeps its trained dtype unless told otherwise
+    str | None,
     typer.Option(
-        "--dtype", help="bf16, fp16, fp32 or keep: dtype of floating tensors (int/bool never change)."
+        "--dtype", help=DTYPE_HELP + " [default: bf16; keep with --lora adapter]", show_default=False
     ),
 ]
 Fp32Opt = Annotated[
@@ -227,3 +229,64 @@ def push_request(
             raise CkptconvError(f"{given[0]} applies with --push-to-hub REPO_ID")
         return None
     return PushRequest(repo_id, revision, private or None, commit_message, create_pr)
+
+
+LoraOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lora",
+        help="What to write of a checkpoint holding LoRA factors: adapter (PEFT's adapter_model.safetensors "
+        "and adapter_config.json), merge (the model with W + scaling * B @ A) or drop (the base model).",
+        show_default=False,
+    ),
+]
+LoraNameOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lora-name", help="The adapter to convert, when the checkpoint holds several.", show_default=False
+    ),
+]
+LoraAlphaOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--lora-alpha",
+        help="The adapter's lora_alpha (scaling = alpha / r), when no --lora-config gives it.",
+        show_default=False,
+    ),
+]
+LoraConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--lora-config",
+        help="The trainer's PEFT adapter_config.json (default: SRC/adapter_config.json, if present).",
+        show_default=False,
+        callback=_local("--lora-config"),
+    ),
+]
+LoraRsloraOpt = Annotated[
+    bool, typer.Option("--lora-rslora", help="rsLoRA scaling (alpha / sqrt(r)), when no --lora-config says.")
+]
+LoraBaseOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lora-base",
+        help="base_model_name_or_path for the adapter_config.json that --lora adapter derives.",
+        show_default=False,
+    ),
+]
+
+
+def lora_request(
+    mode: str | None,
+    name: str | None,
+    alpha: float | None,
+    config: Path | None,
+    rslora: bool,
+    base: str | None,
+) -> Any:
+    """`--lora` and its flags as a `lora.select.LoraRequest` (its flags without `--lora` are refused)."""
+    from .lora.select import LoraRequest
+
+    request = LoraRequest(mode, name, alpha, config, rslora, base)  # type: ignore[arg-type]
+    request.check()
+    return request

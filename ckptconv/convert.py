@@ -6,6 +6,7 @@ Every function here is collective under torchrun: call it on every rank with the
 from __future__ import annotations
 
 import ctypes
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
 from .formats.hf_sharded import HF_METADATA_DIR
 from .hf_write import ReadPath, follow_config, write_shards
 from .hub_push import PushRequest
+from .lora.select import LoraRequest
+from .lora.settings import CONFIG_FILE as LORA_CONFIG_FILE
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .quant.config import dequantized_config
@@ -95,9 +98,10 @@ def dcp_to_hf(
     verify: bool = False,
     write_granularity: Granularity = "tensor",
     push: PushRequest | None = None,
+    lora: LoraRequest | None = None,
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`, and with `push` upload it to the hub
-    once published. Collective."""
+    once published. `lora`: what to make of LoRA factors (`lora.select`). Collective."""
     start = time.perf_counter()
     _return_freed_memory()
 
@@ -105,6 +109,10 @@ def dcp_to_hf(
         located: Path,
     ) -> tuple[DtypePolicy, QuantPolicy | None, int, int, outcheck.Target | None]:
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
+        if lora is not None:
+            lora.check()
+            if lora.mode == "merge" and read_path == "gather":
+                raise CkptconvError("--lora merge reads with --read direct (the default) only, for now")
         if quantize_skip and not quantize:
             raise CkptconvError("--quantize-skip applies with --quantize fp8")
         quant = QuantPolicy(quantize, quantize_skip) if quantize else None
@@ -148,6 +156,7 @@ def dcp_to_hf(
             file_split=ckpt.file_split if keep_file_split else None,
             quantize=quant,
             write_granularity=remote_out.granularity(out, write_granularity, quant is not None),
+            lora=lora,
         )
         return plan, model_config, described
 
@@ -187,6 +196,7 @@ def dcp_to_hf(
             allow_unmapped,
             hf_experts,
             quantized=quantized,
+            lora=lora,
         )
 
     pieces: list[RowPiece] = []
@@ -244,6 +254,9 @@ def _finish(
             write_index(staging, plan.weight_map, plan.total_size)
     if plan.stashed:
         write_stash(staging, collect_stash(plan, ckpt, ui.warn))
+    if plan.lora is not None and plan.lora.config is not None:
+        with outdir.naming(staging / LORA_CONFIG_FILE):
+            (staging / LORA_CONFIG_FILE).write_text(json.dumps(plan.lora.config, indent=2) + "\n")
     return copy_non_weights(copy_from, staging) if copy_from is not None else []
 
 

@@ -24,64 +24,18 @@ from .dtypes import DtypePolicy, st_layout_rank
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
 from .formats.hf import HfCheckpoint, StoredTensor
+from .lora.select import ADAPTER_FILE, LoraPlan, LoraRequest
 from .mapping.rules import KeyMapping, Part, Target, map_keys
 from .mapping.rules import whole as _whole
+from .outs import OutTensor as OutTensor
+from .outs import SourcePart as SourcePart
+from .outs import mapped_tensors as mapped_tensors
 from .quant.policy import QuantPolicy
-from .release import Selection, select_tensors
 from .specs import NonTensorItem, TensorSpec
 from .stash import StashedItem
 from .writes import Granularity, Write, plan_writes
 
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
-
-
-@dataclass(frozen=True)
-class SourcePart:
-    """A block of a stored tensor that lands in a block of an output tensor (see mapping.rules.Part)."""
-
-    spec: TensorSpec
-    part: Part
-
-    @property
-    def whole(self) -> bool:
-        """The whole stored tensor, unpermuted, lands at the origin of the output (alone, if shapes match)."""
-        p = self.part
-        return p.plain and p.src_sizes == self.spec.shape == p.dst_sizes and not any(p.dst_offsets)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.part.src_sizes) * self.spec.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class OutTensor:
-    hf_key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    parts: tuple[SourcePart, ...]
-    op: str = "rename"
-    layout: tuple[int, ...] | None = None  # the shape the parts address (a reshape), when not `shape`
-    padded: bool = False  # some elements come from no part: zeros
-    quant: str | None = None  # "fp8": assembled in the source dtype, written quantized with its scale
-
-    @property
-    def work_dtype(self) -> torch.dtype:
-        """The dtype the tensor is assembled in: its own, or for a quantized one its source's."""
-        return self.src.dtype if self.quant else self.dtype
-
-    @property
-    def src(self) -> TensorSpec:
-        """The (first) stored tensor this one comes from."""
-        return self.parts[0].spec
-
-    @property
-    def src_nbytes(self) -> int:
-        """Bytes read from the checkpoint to make this tensor."""
-        return sum(p.nbytes for p in self.parts)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -106,6 +60,7 @@ class HfSavePlan:
     common: tuple[StashedItem, ...] = ()  # Megatron's common.pt values
     quantization: dict[str, Any] | None = None  # --quantize: the release's config.json quantization_config
     writes: tuple[Write, ...] = ()  # every byte range of the files' data and the rank that writes it
+    lora: LoraPlan | None = None  # what --lora made of the checkpoint's LoRA factors
 
     @property
     def total_size(self) -> int:
@@ -150,56 +105,6 @@ def assign_owners(nbytes: Sequence[int], world_size: int) -> list[int]:
     return owners
 
 
-def _out_tensors(
-    ckpt: DcpCheckpoint,
-    selection: Selection,
-    policy: DtypePolicy,
-    mapping: KeyMapping | None,
-    config: dict[str, Any],
-    allow_unmapped: bool,
-) -> tuple[list[OutTensor], list[str]]:
-    """Output tensors (HF keys, parts) for the selected checkpoint tensors, mapped when a mapping is given."""
-    fqn_of = dict(selection.keys)
-    shapes = {key: ckpt.tensors[fqn].shape for key, fqn in selection.keys}
-    if mapping is None:
-        targets = [
-            Target(k, s, (Part(k, (0,) * len(s), s, (0,) * len(s), s),), "rename") for k, s in shapes.items()
-        ]
-        unmapped: list[str] = []
-    else:
-        mapped = map_keys(mapping, "to_hf", shapes, config, allow_unmapped=allow_unmapped)
-        targets, unmapped = mapped.targets, mapped.unmapped
-    outs = []
-    for target in targets:
-        parts = tuple(SourcePart(ckpt.tensors[fqn_of[p.src]], p) for p in target.parts)
-        dtypes = {sp.spec.dtype for sp in parts}
-        if len(dtypes) > 1:
-            raise CkptconvError(f"{target.key!r} would combine tensors of dtypes {sorted(map(str, dtypes))}")
-        dtype = policy.resolve(target.key, parts[0].spec.dtype)
-        outs.append(
-            OutTensor(target.key, target.shape, dtype, parts, target.op, target.layout, target.padded)
-        )
-    return outs, unmapped
-
-
-def mapped_tensors(
-    ckpt: DcpCheckpoint,
-    policy: DtypePolicy,
-    prefix: str | None = None,
-    mapping: KeyMapping | None = None,
-    config: dict[str, Any] | None = None,
-    allow_unmapped: bool = False,
-    keep_trainer_state: bool = False,
-) -> tuple[Selection, list[OutTensor], list[str]]:
-    """The checkpoint's tensors as HF-named output tensors (selected, mapped, dtypes resolved), before any
-    file planning: what dcp-to-hf writes and what verify compares."""
-    selection = select_tensors(ckpt, prefix, keep_trainer_state)
-    if not selection.keys:
-        raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
-    mapped, unmapped = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
-    return selection, mapped, unmapped
-
-
 def plan_dcp_to_hf(
     ckpt: DcpCheckpoint,
     policy: DtypePolicy,
@@ -214,14 +119,17 @@ def plan_dcp_to_hf(
     file_split: dict[str, int] | None = None,
     quantize: QuantPolicy | None = None,
     write_granularity: Granularity = "tensor",
+    lora: LoraRequest | None = None,
 ) -> HfSavePlan:
     """`file_split` ({source key: file number from 1}, `--keep-file-split`) puts each tensor in the file the
     source's writer put it in, instead of splitting by `max_shard_size`. `quantize` makes the weights it
     selects block FP8, each with its `weight_scale_inv` in the same file. `write_granularity`: which rank
-    writes which bytes (`writes.plan_writes`)."""
+    writes which bytes (`writes.plan_writes`). `lora`: what to make of LoRA factors (`--lora`); an adapter is
+    one `adapter_model.safetensors`, as PEFT reads it."""
     selection, mapped, unmapped = mapped_tensors(
-        ckpt, policy, prefix, mapping, config, allow_unmapped, keep_trainer_state
+        ckpt, policy, prefix, mapping, config, allow_unmapped, keep_trainer_state, lora
     )
+    adapter = selection.lora is not None and selection.lora.mode == "adapter"
     quantization: dict[str, Any] | None = None
     quant_warnings: list[str] = []
     if quantize is not None:
@@ -234,7 +142,14 @@ def plan_dcp_to_hf(
         notes += (
             f"--allow-unmapped: {len(unmapped)} key(s) passed through unchanged: {', '.join(unmapped)}",
         )
-    if file_split is None:
+    if adapter:
+        if file_split is not None or quantize is not None:
+            raise CkptconvError(
+                "--lora adapter writes one adapter_model.safetensors, as PEFT reads it; "
+                "leave out --keep-file-split and --quantize"
+            )
+        by_file = {ADAPTER_FILE: list(outs)}
+    elif file_split is None:
         scales = {t.hf_key.removesuffix("_scale_inv"): t.nbytes for t in outs.values() if t.op == "fp8_scale"}
         by_file = split_state_dict_into_shards_factory(  # a weight and its scale: one storage, one file
             outs,
@@ -262,6 +177,7 @@ def plan_dcp_to_hf(
         selection.common,
         quantization,
         plan_writes(files, world_size, write_granularity),
+        selection.lora,
     )
 
 

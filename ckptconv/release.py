@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
 from .specs import NonTensorItem, TensorSpec
 from .stash import StashedItem
+
+if TYPE_CHECKING:
+    from .lora.select import LoraPlan
 
 MODEL_GROUP = "model"
 OPTIMIZER_GROUPS = frozenset({"optim", "optimizer", "optimizers", "optim_state", "optimizer_state"})
@@ -59,6 +62,7 @@ class Selection:
     scalars: tuple[TensorSpec, ...] = ()  # 0-d progress tensors, stashed as values
     common: tuple[StashedItem, ...] = ()  # Megatron's common.pt values, already read
     warnings: tuple[str, ...] = ()
+    lora: LoraPlan | None = None  # what `--lora` made of the keys (`outs.mapped_tensors`)
 
 
 def group_of(ckpt: DcpCheckpoint, fqn: str) -> str | None:

@@ -11,6 +11,7 @@ every rank (the latter is collective) and consume the iterator to the end.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections import deque
@@ -25,7 +26,9 @@ from .crc32 import crc32
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
 from .layout import Box, intersect
+from .lora.merge import merge_rows
 from .mapping.parts import src_rows
+from .mapping.types import whole as _whole
 from .plan import HfSavePlan, OutTensor, SourcePart
 from .specs import ChunkSpec, TensorSpec
 from .world import World, on_main
@@ -70,8 +73,11 @@ def assemble(
     other part (a block of a stacked or fused tensor, a permuted one, or any part of a slab) reads only the
     rows of the chunks that intersect its block, at most `SLAB_BYTES` at a time, each cast into its place in
     the output as it comes: besides the output, this holds one slab of rows (never a source-dtype copy).
-    The output is made in `pool`'s memory when given (give it back there once written).
+    The output is made in `pool`'s memory when given (give it back there once written). A weight with LoRA to
+    merge (`t.lora`) is assembled in fp32, merged (`lora.merge`) and cast once.
     """
+    if t.lora is not None:
+        return _merged(t, rows, reader, window)
     out = new_out(t, window, pool)
     view = laid_out(out, t, window)
     for sp in t.parts:
@@ -82,6 +88,24 @@ def assemble(
             for lo, hi in row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
                 place(view, sp, rows_box(chunk, lo, hi), rows(sp.spec, chunk, lo, hi), window)
     return out
+
+
+def _merged(
+    t: OutTensor, rows: RowsFn, reader: DcpReader | None, window: tuple[int, int] | None
+) -> torch.Tensor:
+    """`t` (its rows `window`) with its LoRA merged in: W's rows in fp32 plus the factors' product."""
+    assert t.lora is not None
+    plain = dataclasses.replace(t, lora=None, dtype=torch.float32)
+
+    def read(spec: TensorSpec, span: tuple[int, int] | None) -> torch.Tensor:
+        whole = _whole(spec.fqn, spec.shape)
+        return assemble(
+            OutTensor(spec.fqn, spec.shape, torch.float32, (SourcePart(spec, whole),)), rows, None, span
+        )
+
+    w = assemble(plain, rows, reader, window)
+    merged = merge_rows(w, window[0] if window else 0, t.lora, read)
+    return merged.to(t.dtype)
 
 
 def new_out(
@@ -248,6 +272,9 @@ def needed_chunks(
                 _, _, a, b = out[key]
                 r0, r1 = min(a, r0), max(b, r1)
             out[key] = (sp.spec, chunk, r0, r1)
+    for spec in t.lora.specs if t.lora is not None else ():  # LoRA factors: small, read whole
+        for chunk in _unique_chunks(spec):
+            out.setdefault((spec.fqn, chunk.offsets), (spec, chunk, 0, chunk.sizes[0] if chunk.sizes else 1))
     return list(out.values())
 
 

@@ -30,6 +30,7 @@ from .formats.dcp_reader import DcpReader
 from .formats.files import exists, is_regular
 from .formats.hf import open_hf
 from .formats.safetensors_io import RowReader
+from .lora.select import LoraRequest
 from .mapping import VARIANTS, load_config, load_mapping
 from .plan import assign_owners, mapped_tensors, natural_key
 from .quant import fp8
@@ -136,6 +137,7 @@ def dcp_side(
     variant: str | None = None,
     like: Side | None = None,
     quantized: frozenset[str] = frozenset(),
+    lora: LoraRequest | None = None,
 ) -> Side:
     """A DCP directory seen as dcp-to-hf would write it, dtypes kept. With a mapping and no `variant`, in the
     expert form (per expert or fused) that shares the most keys with the HF side `like`. The `quantized` keys
@@ -146,7 +148,9 @@ def dcp_side(
     candidates = []
     for form in forms:
         key_mapping = load_mapping(mapping, form) if mapping else None
-        _, mapped, _ = mapped_tensors(ckpt, DtypePolicy(None), prefix, key_mapping, config, allow_unmapped)
+        _, mapped, _ = mapped_tensors(
+            ckpt, DtypePolicy(None), prefix, key_mapping, config, allow_unmapped, lora=lora
+        )
         candidates.append({t.hf_key: t for t in mapped})
     outs = max(candidates, key=lambda o: len(o.keys() & like.shapes.keys())) if like else candidates[0]
     reader = DcpReader(ckpt)

@@ -1,0 +1,167 @@
+"""PEFT's names for a LoRA-wrapped model's tensors, read from a checkpoint's keys. Pure.
+
+A model wrapped by PEFT (`get_peft_model`) and saved whole (FSDP2 + DCP, `get_model_state_dict`) names its
+tensors, for an adapter called `default`:
+
+    base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight      W  [out, in]   the base weight
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight  A  [r, in]
+    base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight  B  [out, r]
+    base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector.default.weight   m [out]  (DoRA)
+    base_model.model.model.embed_tokens.lora_embedding_A.default            A  [r, vocab]  (an embedding)
+    base_model.model.model.embed_tokens.lora_embedding_B.default            B  [dim, r]
+    base_model.model.model.layers.0.self_attn.k_proj.weight                 an untargeted weight
+
+`find_lora` splits such keys into the base model's keys (`base_model.model.` and `.base_layer` dropped: the
+names the unwrapped model has) and each adapter's factors per targeted module. Other PEFT methods (LoHa,
+LoKr, IA3, ...) and `modules_to_save` copies are refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import CkptconvError
+
+PEFT_PREFIX = "base_model.model."
+EMBEDDING_NAMES = ("embed_tokens", "lm_head")  # PEFT saves these base weights with their factors
+_FACTOR = re.compile(
+    r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])\.(?P<name>[^.]+)\.weight"
+    r"|lora_embedding_(?P<eab>[AB])\.(?P<ename>[^.]+)"
+    r"|lora_magnitude_vector\.(?P<mname>[^.]+)(?:\.weight)?)$"
+)
+_BASE_LAYER = ".base_layer."
+# markers of PEFT methods other than LoRA / DoRA, and of what ckptconv does not convert yet
+_OTHER_KINDS = (
+    (re.compile(r"\.hada_(w|t)\d"), "LoHa"),
+    (re.compile(r"\.lokr_(w|t)\d"), "LoKr"),
+    (re.compile(r"\.ia3_l\."), "IA3"),
+    (re.compile(r"\.(oft_r|oft_s)\."), "OFT"),
+    (re.compile(r"\.boft_"), "BOFT"),
+    (re.compile(r"\.vera_lambda_"), "VeRA"),
+    (re.compile(r"\.lora_E\."), "AdaLoRA"),
+    (re.compile(r"\.lora_bias\."), "LoRA with lora_bias"),
+    (
+        re.compile(r"\.(modules_to_save|original_module)\."),
+        "modules_to_save (a fully trained copy of a module)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Factors:
+    """One targeted module of one adapter: the keys of its A and B (and DoRA's magnitude), as selected."""
+
+    module: str  # the module's name in the unwrapped model: "model.layers.0.self_attn.q_proj"
+    kind: Literal["linear", "embedding"]
+    a: str
+    b: str
+    magnitude: str | None = None
+
+    @property
+    def weight(self) -> str:
+        """The key of the weight it adapts, in the unwrapped model."""
+        return self.module + ".weight"
+
+
+@dataclass(frozen=True)
+class LoraKeys:
+    """What `find_lora` found: the base model's keys and every adapter's factors."""
+
+    base: tuple[tuple[str, str], ...]  # (key in the unwrapped model, key as selected)
+    adapters: dict[str, dict[str, Factors]] = field(default_factory=dict)  # name -> module -> factors
+    prefixed: bool = True  # the keys carry PEFT's `base_model.model.` prefix
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.adapters)
+
+    def adapter(self, name: str | None) -> tuple[str, dict[str, Factors]]:
+        """The adapter `--lora-name` picks (the only one when None)."""
+        if name is None:
+            if len(self.adapters) > 1:
+                raise CkptconvError(
+                    f"the checkpoint holds {len(self.adapters)} LoRA adapters ({', '.join(self.adapters)}); "
+                    "pick one with --lora-name NAME"
+                )
+            name = next(iter(self.adapters))
+        if name not in self.adapters:
+            raise CkptconvError(
+                f"--lora-name {name!r}: no such adapter; the checkpoint holds {', '.join(self.adapters)}"
+            )
+        return name, self.adapters[name]
+
+
+def find_lora(keys: Iterable[str]) -> LoraKeys | None:
+    """The LoRA structure of `keys` (selected HF-side keys), or None when they hold no LoRA factor."""
+    keys = list(keys)
+    for key in keys:
+        for marker, kind in _OTHER_KINDS:
+            if marker.search(key):
+                raise CkptconvError(
+                    f"{key!r}: a {kind} tensor; ckptconv converts LoRA and DoRA adapters only "
+                    "(merge or save the adapter with PEFT itself)"
+                )
+    found: dict[str, dict[str, dict[str, str]]] = {}  # name -> module -> role -> key
+    base: list[tuple[str, str]] = []
+    for key in keys:
+        match = _FACTOR.match(key)
+        if match is None:
+            base.append((key.replace(_BASE_LAYER, "."), key))
+            continue
+        ab, eab = match["ab"], match["eab"]
+        name = match["name"] or match["ename"] or match["mname"]
+        role = f"linear_{ab}" if ab else f"embedding_{eab}" if eab else "magnitude"
+        roles = found.setdefault(name, {}).setdefault(match["module"], {})
+        roles[role] = key
+    if not found:
+        return None
+    prefixed = all(k.startswith(PEFT_PREFIX) for k in keys)
+    adapters = {
+        name: {
+            _unwrapped(module, prefixed): _factors(module, roles, prefixed) for module, roles in mods.items()
+        }
+        for name, mods in found.items()
+    }
+    wrapped = {f.module for mods in adapters.values() for f in mods.values()}
+    renamed = [(_unwrapped(k, prefixed), key) for k, key in base]
+    for module in sorted(wrapped):
+        if module + ".weight" not in dict(renamed):
+            raise CkptconvError(
+                f"LoRA factors of {module!r} but no base weight for it ({module}.base_layer.weight); "
+                "the checkpoint does not hold the whole wrapped model"
+            )
+    return LoraKeys(tuple(renamed), adapters, prefixed)
+
+
+def _unwrapped(key: str, prefixed: bool) -> str:
+    return key.removeprefix(PEFT_PREFIX) if prefixed else key
+
+
+def _factors(module: str, roles: dict[str, str], prefixed: bool) -> Factors:
+    name = _unwrapped(module, prefixed)
+    if "linear_A" in roles or "linear_B" in roles:
+        kind, a, b = "linear", roles.get("linear_A"), roles.get("linear_B")
+    else:
+        kind, a, b = "embedding", roles.get("embedding_A"), roles.get("embedding_B")
+    if a is None or b is None:
+        present = next(iter(roles.values()))
+        raise CkptconvError(f"{present!r}: its LoRA {'B' if b is None else 'A'} factor is missing")
+    return Factors(name, kind, a, b, roles.get("magnitude"))  # type: ignore[arg-type]
+
+
+def peft_key(f: Factors, role: Literal["a", "b", "magnitude", "base"]) -> str:
+    """The key PEFT's `save_pretrained` gives a factor: the adapter's name left out, as
+    `get_peft_model_state_dict` writes it (`...q_proj.lora_A.weight`, `...embed_tokens.lora_embedding_A`,
+    `...q_proj.lora_magnitude_vector`); "base": a targeted embedding's base weight, which it saves too."""
+    module = PEFT_PREFIX + f.module
+    if role == "base":
+        return module + ".base_layer.weight"
+    if role == "magnitude":
+        return module + ".lora_magnitude_vector"
+    letter = role.upper()
+    if f.kind == "embedding":
+        return f"{module}.lora_embedding_{letter}"
+    return f"{module}.lora_{letter}.weight"

@@ -1,0 +1,82 @@
+"""Merge mode's arithmetic: rows of a targeted weight with its LoRA added, as PEFT's `merge_and_unload()`
+computes it, in fp32.
+
+    linear     W [out, in] + (B [out, r] @ A [r, in]) * scaling
+    embedding  W [vocab, dim] + (B [dim, r] @ A [r, vocab]).T * scaling
+    DoRA       V = W + delta;  (m [out] / ||V||_row).view(-1, 1) * V
+
+Each call makes rows [lo, hi) of the merged weight (a write's slab, or all of it). The product is computed
+in blocks of `BLOCK` rows at fixed offsets (a slab cut mid-block computes the whole block), so every rank
+runs the same float operations on the same operands whatever the slabs are: the bytes do not depend on the
+number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..errors import CkptconvError
+from ..specs import TensorSpec
+
+BLOCK = 1024  # rows of delta computed together
+
+# (stored tensor, rows [a, b) or None for all) -> those rows in fp32
+ReadFn = Callable[[TensorSpec, tuple[int, int] | None], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LoraParts:
+    """The stored tensors a merged weight reads besides its own, and PEFT's scaling for it."""
+
+    a: TensorSpec
+    b: TensorSpec
+    kind: Literal["linear", "embedding"]
+    scaling: float
+    magnitude: TensorSpec | None = None
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        return [self.a, self.b] + ([self.magnitude] if self.magnitude is not None else [])
+
+    def check(self, key: str, shape: tuple[int, ...]) -> None:
+        """The factors fit the weight `key` of `shape`: a CkptconvError naming them otherwise."""
+        a, b = self.a.shape, self.b.shape
+        if self.kind == "linear":
+            fits = len(shape) == 2 and a == (a[0], shape[1]) and b == (shape[0], a[0])
+        else:
+            fits = len(shape) == 2 and a == (a[0], shape[0]) and b == (shape[1], a[0])
+        if self.magnitude is not None and self.magnitude.shape != shape[:1]:
+            fits = False
+        if not fits:
+            raise CkptconvError(
+                f"{key!r} {list(shape)}: its LoRA factors {self.a.fqn!r} {list(a)} and {self.b.fqn!r} "
+                f"{list(b)} do not fit it; the checkpoint is not one PEFT model"
+            )
+
+
+def merge_rows(w: torch.Tensor, lo: int, lora: LoraParts, read: ReadFn) -> torch.Tensor:
+    """Rows [lo, lo + len(w)) of the merged weight, from those rows of W (`w`, fp32; overwritten)."""
+    hi = lo + w.shape[0]
+    a = read(lora.a, None)
+    b = read(lora.b, None) if lora.kind == "embedding" else None
+    total = lora.a.shape[1] if lora.kind == "embedding" else lora.b.shape[0]
+    start = lo - lo % BLOCK
+    for k0 in range(start, hi, BLOCK):
+        k1 = min(k0 + BLOCK, total)
+        if lora.kind == "linear":
+            delta = (read(lora.b, (k0, k1)) @ a) * lora.scaling
+        else:
+            assert b is not None
+            delta = (b @ a[:, k0:k1]).T * lora.scaling
+        r0, r1 = max(lo, k0), min(hi, k1)
+        rows = w[r0 - lo : r1 - lo]
+        rows += delta[r0 - k0 : r1 - k0]
+    if lora.magnitude is not None:
+        m = read(lora.magnitude, (lo, hi))
+        norm = torch.linalg.norm(w, dim=1)
+        w.mul_((m / norm).view(-1, 1))
+    return w

@@ -1,0 +1,159 @@
+"""What each `--lora` mode makes of a checkpoint's selected keys. Pure.
+
+    adapter   the factors, named as PEFT's `save_pretrained` names them, in `adapter_model.safetensors`,
+              with an `adapter_config.json` (`settings.adapter_config`)
+    merge     the base model's keys, each targeted weight carrying its `Merge` (W + scaling * B @ A)
+    drop      the base model's keys alone
+
+A checkpoint with LoRA factors and no mode is refused: the keys `base_layer` / `lora_*` load into no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import CkptconvError
+from .keys import EMBEDDING_NAMES, Factors, LoraKeys, find_lora, peft_key
+from .settings import CONFIG_FILE, LoraSettings, adapter_config, read_config, settings
+
+Mode = Literal["adapter", "merge", "drop"]
+MODES: tuple[Mode, ...] = ("adapter", "merge", "drop")
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class LoraRequest:
+    """`--lora MODE` and the flags that go with it."""
+
+    mode: Mode | None = None
+    name: str | None = None  # --lora-name: which adapter
+    alpha: float | None = None  # --lora-alpha
+    config: Path | None = None  # --lora-config: the trainer's adapter_config.json
+    rslora: bool = False  # --lora-rslora (without a config)
+    base_model: str | None = None  # --lora-base: base_model_name_or_path of the adapter's config
+
+    def check(self) -> None:
+        if self.mode is not None and self.mode not in MODES:
+            raise CkptconvError(f"--lora {self.mode!r} is not one of {', '.join(MODES)}")
+        given = [flag for flag, value in self._flags() if value]
+        if self.mode is None and given:
+            raise CkptconvError(f"{given[0]} applies with --lora {'|'.join(MODES)}")
+
+    def _flags(self) -> list[tuple[str, Any]]:
+        return [
+            ("--lora-name", self.name),
+            ("--lora-alpha", self.alpha is not None),
+            ("--lora-config", self.config),
+            ("--lora-rslora", self.rslora),
+            ("--lora-base", self.base_model),
+        ]
+
+
+@dataclass(frozen=True)
+class Merge:
+    """A targeted weight's LoRA in merge mode: the selected keys of its factors, and PEFT's scaling."""
+
+    a: str
+    b: str
+    kind: Literal["linear", "embedding"]
+    scaling: float
+    magnitude: str | None = None  # DoRA
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    mode: Mode
+    adapter: str
+    keys: tuple[tuple[str, str], ...]  # (output key, selected key)
+    merges: dict[str, Merge] = field(default_factory=dict)  # base weight key -> its merge
+    config: dict[str, Any] | None = None  # adapter mode: the adapter_config.json to write
+    note: str = ""
+    sources: tuple[tuple[str, str], ...] = ()  # merge: (selected key, checkpoint key) of each factor
+
+
+def lora_plan(
+    keys: list[str],
+    shapes: dict[str, tuple[int, ...]],
+    request: LoraRequest | None,
+    src: Path,
+    read_trainer_config: bool = True,
+) -> LoraPlan | None:
+    """The keys the mode makes of `keys` (selected keys, with their `shapes`); None when there is no LoRA.
+    `src`: the checkpoint directory, where an `adapter_config.json` is read when no `--lora-config` is given
+    (`read_trainer_config`; False for a checkpoint in object storage)."""
+    found = find_lora(keys)
+    mode = request.mode if request is not None else None
+    if found is None:
+        if mode is not None:
+            raise CkptconvError(f"--lora {mode}: {src} holds no LoRA factors (lora_A / lora_B keys)")
+        return None
+    if mode is None:
+        name = ", ".join(found.names)
+        raise CkptconvError(
+            f"{src}: holds LoRA adapter(s) ({name}): pick what to write with --lora adapter (the adapter "
+            "in PEFT's format), --lora merge (the model with the adapter merged in) or --lora drop (the "
+            "base model alone)"
+        )
+    assert request is not None
+    name, factors = found.adapter(request.name)
+    base = tuple(found.base)
+    others = [n for n in found.names if n != name]
+    note = f"LoRA adapter {name!r}: {len(factors)} modules" + (
+        f" (not converting adapter(s) {', '.join(others)})" if others else ""
+    )
+    if mode == "drop":
+        return LoraPlan(mode, name, base, note=note + "; dropped, writing the base model")
+    s = _settings(found, factors, shapes, request, src, read_trainer_config)
+    if mode == "merge":
+        if s.fan_in_fan_out:
+            raise CkptconvError(f"{s.source}: fan_in_fan_out (Conv1D weights) is not merged by ckptconv yet")
+        merges = {f.weight: _merge(f, s) for f in factors.values()}
+        return LoraPlan(mode, name, base, merges, note=note + f"; merged ({_describe(s)})")
+    modules = {k.removesuffix(".weight") for k, _ in base if k.endswith(".weight")}
+    config = adapter_config(s, factors, modules, request.base_model)
+    return LoraPlan(
+        mode, name, _adapter_keys(factors, dict(found.base)), {}, config, note + f" ({_describe(s)})"
+    )
+
+
+def _settings(
+    found: LoraKeys,
+    factors: dict[str, Factors],
+    shapes: dict[str, tuple[int, ...]],
+    request: LoraRequest,
+    src: Path,
+    read_trainer_config: bool,
+) -> LoraSettings:
+    path = request.config
+    if path is None and read_trainer_config and (src / CONFIG_FILE).is_file():
+        path = src / CONFIG_FILE
+    config = read_config(path) if path is not None else None
+    if config is not None and request.alpha is not None:
+        raise CkptconvError(f"--lora-alpha: the alpha comes from {path}; give one of the two")
+    source = f"--lora-config {path}" if request.config is not None else str(path)
+    return settings(factors, shapes, config, request.alpha, request.rslora, source)
+
+
+def _merge(f: Factors, s: LoraSettings) -> Merge:
+    if f.magnitude and f.kind == "embedding":
+        raise CkptconvError(f"{f.module!r}: DoRA on an embedding is not merged by ckptconv yet")
+    return Merge(f.a, f.b, f.kind, s.scaling(f.module), f.magnitude)
+
+
+def _adapter_keys(factors: dict[str, Factors], base: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The factors under PEFT's saved names; a targeted embedding's base weight too, as PEFT saves it."""
+    keys: list[tuple[str, str]] = []
+    for f in factors.values():
+        if f.module.rsplit(".", 1)[-1] in EMBEDDING_NAMES:
+            keys.append((peft_key(f, "base"), base[f.weight]))
+        keys += [(peft_key(f, "a"), f.a), (peft_key(f, "b"), f.b)]
+        if f.magnitude:
+            keys.append((peft_key(f, "magnitude"), f.magnitude))
+    return tuple(keys)
+
+
+def _describe(s: LoraSettings) -> str:
+    kind = "DoRA" if s.dora else "rsLoRA" if s.rslora else "LoRA"
+    return f"{kind} r={s.r}, alpha={s.alpha:g}, settings from {s.source}"

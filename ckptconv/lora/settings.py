@@ -1,0 +1,162 @@
+"""An adapter's settings: r, alpha, rsLoRA, DoRA, per-module patterns, and the `adapter_config.json` PEFT
+reads. Pure, apart from reading `--lora-config`.
+
+They come from the trainer's PEFT config (`--lora-config FILE`, or `adapter_config.json` in the checkpoint
+directory), else from the factors' shapes and the flags: r is A's rows (the most common one; the others go
+to `rank_pattern`), alpha is `--lora-alpha`, `target_modules` the targeted modules' last names (or, when
+that would also match an untargeted module, a regex of their full names). PEFT's scaling per module:
+
+    scaling = alpha / r            (alpha / sqrt(r) with use_rslora)
+
+with r and alpha taken from `rank_pattern` / `alpha_pattern` when a pattern matches the module's name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CkptconvError
+from .keys import Factors
+
+CONFIG_FILE = "adapter_config.json"
+MAX_CONFIG_BYTES = 10 * 2**20
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int
+    alpha: float
+    rslora: bool = False
+    dora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    fan_in_fan_out: bool = False
+    config: dict[str, Any] | None = None  # the trainer's adapter_config.json, as read
+    source: str = "flags"  # where they came from, for messages
+
+    def rank(self, module: str) -> int:
+        return int(_pattern(self.rank_pattern, module, self.r))
+
+    def scaling(self, module: str) -> float:
+        """PEFT's `scaling[adapter]` of `module` (a Python float, as PEFT multiplies by it)."""
+        r, alpha = self.rank(module), _pattern(self.alpha_pattern, module, self.alpha)
+        return alpha / math.sqrt(r) if self.rslora else alpha / r
+
+
+def _pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's pattern lookup: the first key that matches the end of the module's dotted name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A PEFT LoRA `adapter_config.json`; anything else is a CkptconvError naming the file."""
+    try:
+        raw = path.read_bytes()[: MAX_CONFIG_BYTES + 1]
+        config = json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+    except (OSError, ValueError) as e:
+        raise CkptconvError(f"--lora-config {path}: not readable as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CkptconvError(f"--lora-config {path}: not a PEFT adapter_config.json (a JSON object)")
+    kind = config.get("peft_type")
+    if kind != "LORA":
+        raise CkptconvError(
+            f"--lora-config {path}: peft_type is {kind!r}; ckptconv converts LoRA (and DoRA) adapters only"
+        )
+    return config
+
+
+def settings(
+    factors: dict[str, Factors],
+    shapes: dict[str, tuple[int, ...]],
+    config: dict[str, Any] | None,
+    alpha: float | None,
+    rslora: bool,
+    source: str,
+) -> LoraSettings:
+    """The settings of one adapter from its factors' shapes (`shapes`: selected key -> shape) and the
+    trainer's config, else the flags; alpha is required (it is in no tensor)."""
+    ranks = {m: shapes[f.a][0] for m, f in factors.items()}
+    dora = any(f.magnitude for f in factors.values())
+    if config is not None:
+        if not isinstance(config.get("r"), int) or not isinstance(config.get("lora_alpha"), int | float):
+            raise CkptconvError(f"{source}: needs integer 'r' and numeric 'lora_alpha'")
+        out = LoraSettings(
+            r=config["r"],
+            alpha=config["lora_alpha"],
+            rslora=bool(config.get("use_rslora")),
+            dora=bool(config.get("use_dora")),
+            rank_pattern=dict(config.get("rank_pattern") or {}),
+            alpha_pattern=dict(config.get("alpha_pattern") or {}),
+            fan_in_fan_out=bool(config.get("fan_in_fan_out")),
+            config=config,
+            source=source,
+        )
+        for module, r in ranks.items():
+            if out.rank(module) != r:
+                raise CkptconvError(
+                    f"{source}: says r={out.rank(module)} for {module!r}, whose factors have rank {r}; "
+                    "is it the config of this run?"
+                )
+        if out.dora != dora:
+            raise CkptconvError(
+                f"{source}: use_dora is {out.dora}, but the checkpoint {'holds' if dora else 'holds no'} "
+                "DoRA magnitude vectors; is it the config of this run?"
+            )
+        return out
+    if alpha is None:
+        raise CkptconvError(
+            "the LoRA alpha is in no tensor: give --lora-alpha N, or --lora-config FILE (the trainer's PEFT "
+            f"adapter_config.json; one named {CONFIG_FILE} in the checkpoint directory is read by itself)"
+        )
+    if alpha <= 0:
+        raise CkptconvError(f"--lora-alpha {alpha:g}: must be positive")
+    alpha = int(alpha) if float(alpha).is_integer() else alpha  # written as PEFT writes it (lora_alpha: 8)
+    r = Counter(ranks.values()).most_common(1)[0][0]
+    pattern = {module: rank for module, rank in ranks.items() if rank != r}
+    return LoraSettings(r, alpha, rslora, dora, pattern, source="--lora-alpha")
+
+
+def target_modules(factors: dict[str, Factors], modules: set[str]) -> list[str] | str:
+    """PEFT's `target_modules` for the targeted modules among all the model's `modules`: their last names,
+    when no untargeted module has one of them; else a regex of their full names (PEFT full-matches it)."""
+    targeted = set(factors)
+    leaves = {m.rsplit(".", 1)[-1] for m in targeted}
+    if all(m in targeted for m in modules if m.rsplit(".", 1)[-1] in leaves):
+        return sorted(leaves)
+    return "^(?:" + "|".join(re.escape(m) for m in sorted(targeted)) + ")$"
+
+
+def adapter_config(
+    s: LoraSettings, factors: dict[str, Factors], modules: set[str], base_model: str | None
+) -> dict[str, Any]:
+    """The adapter_config.json written with adapter mode: the trainer's own when it was given, else one
+    derived from the shapes and the flags, with PEFT's defaults for the rest."""
+    if s.config is not None:
+        return s.config
+    return {
+        "peft_type": "LORA",
+        "base_model_name_or_path": base_model,
+        "task_type": None,
+        "r": s.r,
+        "lora_alpha": s.alpha,
+        "target_modules": target_modules(factors, modules),
+        "rank_pattern": s.rank_pattern,
+        "alpha_pattern": {},
+        "use_rslora": s.rslora,
+        "use_dora": s.dora,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }

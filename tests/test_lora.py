@@ -1,0 +1,166 @@
+"""dcp-to-hf --lora (issue #21): PEFT LoRA / rsLoRA / DoRA models trained under FSDP2 on 2 ranks and saved
+whole with DCP (workers/peft_save.py), converted, and held to PEFT's own code: the adapter to
+`save_pretrained`'s file, the merge to `merge_and_unload()`, the adapter's logits after
+`PeftModel.from_pretrained`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import WORKERS, ckptconv, torchrun, tree_sha256
+from families import tiny
+from safetensors.torch import load_file
+from test_bad_input import assert_one_line, run
+
+pytestmark = pytest.mark.slow  # every test reads a checkpoint written under torchrun
+
+# name -> the LoraConfig the run trains with (`init_lora_weights: false`: B is not zero)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+    "rslora": {
+        "r": 4,
+        "lora_alpha": 6,
+        "use_rslora": True,
+        "rank_pattern": {"gate_proj": 8},
+        "target_modules": ["q_proj", "v_proj", "gate_proj", "embed_tokens"],
+    },
+    "dora": {"r": 4, "lora_alpha": 16, "use_dora": True, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny("llama", tmp_path_factory.mktemp("lora") / "base")
+
+
+@pytest.fixture(scope="module")
+def runs(base: Path) -> dict[str, Path]:
+    """Each config trained one step under FSDP2 on 2 ranks: RUN/dcp, and PEFT's RUN/adapter, RUN/merged,
+    RUN/logits.pt."""
+    out = {}
+    for name, config in CONFIGS.items():
+        run_dir = base.parent / name
+        config = {**config, "init_lora_weights": False}
+        torchrun(2, str(WORKERS / "peft_save.py"), str(base), str(run_dir), json.dumps(config))
+        out[name] = run_dir
+    return out
+
+
+def convert(run_dir: Path, out: Path, *flags: str, nproc: int = 0) -> None:
+    config = ("--lora-config", str(run_dir / "adapter" / "adapter_config.json"))
+    proc = ckptconv("dcp-to-hf", str(run_dir / "dcp"), str(out), *config, *flags, "-q", nproc=nproc)
+    assert proc.returncode == 0, proc.stderr
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for key in b:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_adapter_is_pefts_own_and_gives_the_trained_logits(
+    runs: dict[str, Path], base: Path, tmp_path: Path, name: str
+) -> None:
+    from peft import PeftModel
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    run_dir = runs[name]
+    convert(run_dir, tmp_path / "adapter", "--lora", "adapter")
+    ours = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert_same(ours, load_file(run_dir / "adapter" / "adapter_model.safetensors"))  # fp32, as trained
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "ckptconv_state.json",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # PEFT warns of missing or unexpected adapter keys
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    loaded = set_peft_model_state_dict(model, load_peft_weights(str(tmp_path / "adapter")))
+    assert not loaded.unexpected_keys
+    assert not [k for k in loaded.missing_keys if "lora_" in k]
+    with torch.no_grad():
+        logits = model(input_ids=torch.load(run_dir / "input_ids.pt")).logits
+    assert torch.equal(logits, torch.load(run_dir / "logits.pt"))
+
+
+def test_adapter_config_derived_from_the_shapes_loads_as_the_trainers(
+    runs: dict[str, Path], base: Path, tmp_path: Path
+) -> None:
+    """No --lora-config: r and rank_pattern from the shapes, alpha from --lora-alpha, rsLoRA from its flag;
+    PEFT reads it as the same LoRA (same scaling on every module)."""
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir = runs["rslora"]
+    cmd = ["dcp-to-hf", str(run_dir / "dcp"), str(tmp_path / "a"), "--lora", "adapter", "--lora-alpha", "6"]
+    proc = ckptconv(*cmd, "--lora-rslora", "--lora-base", "tiny/llama", "-q")
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 6 and config["use_rslora"] is True
+    assert config["base_model_name_or_path"] == "tiny/llama"
+    assert config["target_modules"] == ["embed_tokens", "gate_proj", "q_proj", "v_proj"]
+    assert {int(v) for v in config["rank_pattern"].values()} == {8}
+    LoraConfig.from_pretrained(str(tmp_path / "a"))  # PEFT accepts every field
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "a")
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run_dir / "adapter")
+    ours = {n: m.scaling for n, m in model.named_modules() if hasattr(m, "scaling")}
+    theirs = {n: m.scaling for n, m in trained.named_modules() if hasattr(m, "scaling")}
+    assert ours == theirs and ours
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_merge_is_merge_and_unload(runs: dict[str, Path], tmp_path: Path, name: str) -> None:
+    """fp32: the same float operations in the same order, so bit for bit; the default bf16 release is that
+    cast once (and --verify agrees)."""
+    run_dir = runs[name]
+    merged = load_file(run_dir / "merged" / "model.safetensors")
+    convert(run_dir, tmp_path / "fp32", "--lora", "merge", "--dtype", "fp32")
+    assert_same(load_file(tmp_path / "fp32" / "model.safetensors"), merged)
+    convert(run_dir, tmp_path / "bf16", "--lora", "merge", "--verify")
+    bf16 = {k: v.to(torch.bfloat16) for k, v in merged.items()}
+    assert_same(load_file(tmp_path / "bf16" / "model.safetensors"), bf16)
+
+
+def test_merge_bytes_do_not_depend_on_the_number_of_ranks(runs: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = runs["dora"]
+    flags = ("--lora", "merge", "--max-shard-size", "20KB")
+    convert(run_dir, tmp_path / "one", *flags)
+    convert(run_dir, tmp_path / "two", *flags, nproc=2)
+    assert len(list((tmp_path / "one").glob("*.safetensors"))) > 2  # slabs of one weight on both ranks
+    assert tree_sha256(tmp_path / "one") == tree_sha256(tmp_path / "two")
+
+
+def test_drop_writes_the_base_model(runs: dict[str, Path], base: Path, tmp_path: Path) -> None:
+    proc = ckptconv("dcp-to-hf", str(runs["lora"] / "dcp"), str(tmp_path / "base"), "--lora", "drop", "-q")
+    assert proc.returncode == 0, proc.stderr
+    original = {k: v.to(torch.bfloat16) for k, v in load_file(base / "model.safetensors").items()}
+    assert_same(load_file(tmp_path / "base" / "model.safetensors"), original)  # frozen: as it was
+
+
+def test_lora_errors_are_one_line(
+    runs: dict[str, Path], fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src, out = str(runs["lora"] / "dcp"), str(tmp_path / "out")
+    assert_one_line(*run(capsys, "dcp-to-hf", src, out), "--lora adapter", "--lora merge", "--lora drop")
+    assert_one_line(*run(capsys, "dcp-to-hf", src, out, "--lora", "merge"), "--lora-alpha", "--lora-config")
+    assert_one_line(*run(capsys, "dcp-to-hf", src, out, "--lora", "fuse"), "--lora 'fuse'")
+    assert_one_line(*run(capsys, "dcp-to-hf", src, out, "--lora-alpha", "8"), "--lora-alpha applies with")
+    bad_name = run(capsys, "dcp-to-hf", src, out, "--lora", "drop", "--lora-name", "other")
+    assert_one_line(*bad_name, "--lora-name 'other'", "default")
+    plain = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), out, "--lora", "adapter", "--lora-alpha", "8")
+    assert_one_line(*plain, "holds no LoRA factors")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({**CONFIGS["lora"], "r": 8, "peft_type": "LORA"}))
+    mismatch = run(capsys, "dcp-to-hf", src, out, "--lora", "merge", "--lora-config", str(wrong))
+    assert_one_line(*mismatch, "r=8")
+    gather = run(capsys, "dcp-to-hf", src, out, "--lora", "merge", "--lora-alpha", "8", "--read", "gather")
+    assert_one_line(*gather, "--read direct")
+    assert not Path(out).exists()

@@ -22,6 +22,7 @@ import torch
 from .dtype_names import short_name
 from .errors import CkptconvError
 from .layout import Box, intersect
+from .mapping.types import whole
 from .plan import HfSavePlan, OutTensor, SourcePart
 from .schedule import Holding, Job, Placement, Round, ShardStep, plan_job, shard_steps, slabs
 from .specs import ChunkSpec, TensorSpec
@@ -138,9 +139,9 @@ def live_jobs(
     jobs each of those tensors reads."""
     ranges: dict[str, list[tuple[int, int]]] = {}  # the dim-0 rows each part reads, per source tensor
     for w in plan.writes:
-        for sp in w.tensor.parts:
+        for sp, window in _reads(w.tensor, w.window):
             rows = ranges.setdefault(sp.spec.fqn, [])
-            box = needed_box(sp, w.window)
+            box = needed_box(sp, window)
             if sp.part.src_sizes and box is not None:
                 rows.append((box[0][0], box[0][0] + box[1][0]))
     specs: dict[str, TensorSpec] = {}
@@ -160,8 +161,8 @@ def live_jobs(
     needs = []
     for w in order:
         mine = []
-        for sp in w.tensor.parts:
-            for chunk in _touched(sp, w.window):
+        for sp, window in _reads(w.tensor, w.window):
+            for chunk in _touched(sp, window):
                 key = (sp.spec.fqn, chunk.offsets)
                 if key not in index:
                     index[key] = len(jobs)
@@ -177,7 +178,18 @@ def live_jobs(
 
 
 def _repoint(t: OutTensor, specs: Mapping[str, TensorSpec]) -> OutTensor:
-    return replace(t, parts=tuple(replace(sp, spec=specs[sp.spec.fqn]) for sp in t.parts))
+    lora = t.lora
+    if lora is not None:
+        magnitude = specs[lora.magnitude.fqn] if lora.magnitude is not None else None
+        lora = replace(lora, a=specs[lora.a.fqn], b=specs[lora.b.fqn], magnitude=magnitude)
+    return replace(t, parts=tuple(replace(sp, spec=specs[sp.spec.fqn]) for sp in t.parts), lora=lora)
+
+
+def _reads(t: OutTensor, window: tuple[int, int] | None) -> list[tuple[SourcePart, tuple[int, int] | None]]:
+    """The parts `t` (its rows `window`) reads, with the rows of `t` they serve; a LoRA merge's factors are
+    read whole (they are small)."""
+    factors = [SourcePart(s, whole(s.fqn, s.shape)) for s in t.lora.specs] if t.lora is not None else []
+    return [(sp, window) for sp in t.parts] + [(sp, None) for sp in factors]
 
 
 def _touched(sp: SourcePart, window: tuple[int, int] | None) -> list[ChunkSpec]:

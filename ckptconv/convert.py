@@ -6,7 +6,6 @@ Every function here is collective under torchrun: call it on every rank with the
 from __future__ import annotations
 
 import ctypes
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,10 +27,9 @@ from .formats.dcp_share import open_dcp_shared
 from .formats.files import exists, is_directory, read_regular
 from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
 from .formats.hf_sharded import HF_METADATA_DIR
-from .hf_write import ReadPath, follow_config, write_shards
+from .hf_write import ReadPath, follow_config, write_adapter_config, write_shards
 from .hub_push import PushRequest
 from .lora.select import LoraRequest
-from .lora.settings import CONFIG_FILE as LORA_CONFIG_FILE
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .quant.config import dequantized_config
@@ -254,9 +252,7 @@ def _finish(
             write_index(staging, plan.weight_map, plan.total_size)
     if plan.stashed:
         write_stash(staging, collect_stash(plan, ckpt, ui.warn))
-    if plan.lora is not None and plan.lora.config is not None:
-        with outdir.naming(staging / LORA_CONFIG_FILE):
-            (staging / LORA_CONFIG_FILE).write_text(json.dumps(plan.lora.config, indent=2) + "\n")
+    write_adapter_config(staging, plan)
     return copy_non_weights(copy_from, staging) if copy_from is not None else []
 
 

@@ -4,6 +4,7 @@ config.json made to follow what was written."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -18,6 +19,7 @@ from .formats.dcp_reader import DcpReader, RowPiece
 from .formats.files import read_regular
 from .formats.safetensors_io import Entry, SafetensorsWriter
 from .gather import gather_tensors
+from .lora.settings import CONFIG_FILE as LORA_CONFIG_FILE
 from .plan import HfSavePlan, OutTensor
 from .quant import fp8
 from .quant.policy import scale_key
@@ -120,3 +122,12 @@ def follow_config(path: Path, plan: HfSavePlan, target: torch.dtype | None) -> l
         with outdir.naming(path):
             path.write_bytes(raw)
     return edits
+
+
+def write_adapter_config(staging: Path, plan: HfSavePlan) -> None:
+    """Rank 0, `--lora adapter`: the adapter_config.json PEFT reads beside adapter_model.safetensors."""
+    if plan.lora is None or plan.lora.config is None:
+        return
+    path = staging / LORA_CONFIG_FILE
+    with outdir.naming(path):
+        path.write_text(json.dumps(plan.lora.config, indent=2) + "\n")

@@ -32,8 +32,9 @@ from .formats.dcp import DcpCheckpoint
 from .formats.files import refuse_url
 from .formats.hf import INDEX_FILE, SINGLE_FILE, open_hf, write_index
 from .formats.safetensors_io import RowReader
-from .hf_write import follow_config, write_files
+from .hf_write import follow_config, write_adapter_config, write_files
 from .layout import tiling_problem
+from .lora.select import LoraRequest
 from .mapping import CONFIG_FILE, load_mapping
 from .plan import mapped_tensors, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
 from .quant.policy import QuantPolicy
@@ -162,6 +163,10 @@ def save_hf(
     quantize_skip: Sequence[str] = (),
     write_granularity: str = "tensor",
     storage_options: Mapping[str, Any] | None = None,
+    lora: str | None = None,
+    lora_name: str | None = None,
+    lora_alpha: float | None = None,
+    lora_config: str | Path | None = None,
 ) -> SaveReport:
     """Collective (call on every rank): write `state_dict` as HF safetensors into the directory `path`.
 
@@ -170,7 +175,10 @@ def save_hf(
     the same weights and flags (`quantize="fp8"`: an FP8 release, as `--quantize fp8`; a config.json from
     `copy_from` follows what was written). Rank 0 publishes `path` atomically after every rank succeeded.
     `write_granularity`: "tensor" (every rank writes its share of every file) or "file" (one rank per file),
-    as dcp-to-hf's `--write-granularity`.
+    as dcp-to-hf's `--write-granularity`. A PEFT-wrapped model's state dict (LoRA factors) needs `lora`:
+    "adapter", "merge" or "drop", as dcp-to-hf's `--lora`, with `lora_name`, `lora_alpha` and `lora_config`
+    (the adapter_config.json PEFT's `save_pretrained` writes, or `peft_model.peft_config[name]` saved so)
+    as its `--lora-*` flags.
     `path` may be a URL (`s3://bucket/step-1000`): each file is streamed by one rank as a multipart upload and
     the index (or the single file) completes it last, as dcp-to-hf writes a URL OUT; `storage_options` go
     to the backend's file system.
@@ -199,6 +207,8 @@ def save_hf(
         policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
         if quantize_skip and not quantize:
             raise CkptconvError("save_hf: quantize_skip applies with quantize='fp8'")
+        request = LoraRequest(lora, lora_name, lora_alpha, _path(lora_config, "lora_config"))  # type: ignore[arg-type]
+        request.check()
         plan = plan_dcp_to_hf(
             _live_checkpoint(holding, paths),
             policy,
@@ -208,6 +218,7 @@ def save_hf(
             config=dict(config or {}),
             quantize=QuantPolicy(quantize, quantize_skip) if quantize else None,
             write_granularity=remote_out.granularity(out, _granularity(write_granularity), bool(quantize)),
+            lora=request,
         )
         inputs = [("copy_from", _path(copy_from))]
         target = outcheck.hf_target(world.is_main, out, overwrite, inputs, False, "overwrite=True")
@@ -225,6 +236,7 @@ def save_hf(
         if plan.sharded:
             with outdir.naming(staging / INDEX_FILE):
                 write_index(staging, plan.weight_map, plan.total_size)
+        write_adapter_config(staging, plan)
         if others:
             write_stash(staging, [_stashed(p, v) for p, v in others])
         if copy_from is not None and CONFIG_FILE in copy_non_weights(Path(copy_from), staging):
@@ -256,11 +268,12 @@ def _granularity(value: str) -> Granularity:
     return cast(Granularity, value)
 
 
-def _path(value: str | Path | None) -> Path | None:
-    """`copy_from` as a local path (a URL is refused by name: files are not copied from object storage)."""
+def _path(value: str | Path | None, name: str = "copy_from") -> Path | None:
+    """`copy_from` (or `name`) as a local path (a URL is refused by name: files are not read from object
+    storage)."""
     if value is None:
         return None
-    refuse_url(value, "copy_from")
+    refuse_url(value, name)
     return Path(value)
 
 

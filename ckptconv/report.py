@@ -115,12 +115,16 @@ def _hf_tensor(t: StoredTensor) -> dict[str, Any]:
 def _release(ckpt: DcpCheckpoint) -> dict[str, Any]:
     """What dcp-to-hf would take: the model's tensors (output key -> checkpoint key), what it would stash,
     and the notes saying what it leaves out."""
+    from .lora.describe import describe
     from .release import select_tensors
 
     selection = select_tensors(ckpt, None)
     stash = [i.fqn for i in selection.stash] + [s.fqn for s in selection.scalars]
     stash += [i.key for i in selection.common]
-    return {"model": dict(selection.keys), "stash": stash, "notes": list(selection.notes)}
+    shapes = {key: ckpt.tensors[fqn].shape for key, fqn in selection.keys}
+    local = None if is_url(ckpt.path) else ckpt.path
+    lora = describe(list(shapes), shapes, local)
+    return {"model": dict(selection.keys), "stash": stash, "notes": list(selection.notes), "lora": lora}
 
 
 def _columns(rows: list[list[str]], indent: str = "") -> list[str]:
@@ -189,6 +193,10 @@ def render_inspect(info: dict[str, Any], console: Console) -> None:
         )
         for note in release["notes"]:
             console.print(f"  {note}", markup=False)
+        for adapter in release.get("lora", ()):
+            from .lora.describe import line as lora_line
+
+            console.print(lora_line(adapter), markup=False)
 
 
 def _dtype_cell(t: dict[str, Any]) -> str:

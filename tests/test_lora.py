@@ -164,3 +164,49 @@ def test_lora_errors_are_one_line(
     gather = run(capsys, "dcp-to-hf", src, out, "--lora", "merge", "--lora-alpha", "8", "--read", "gather")
     assert_one_line(*gather, "--read direct")
     assert not Path(out).exists()
+
+
+def test_inspect_reports_the_adapters(runs: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    proc = ckptconv("inspect", str(runs["rslora"] / "dcp"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    (adapter,) = json.loads(proc.stdout)["release"]["lora"]
+    assert adapter == {
+        "name": "default",
+        "modules": 7,  # q, v, gate in 2 layers, and embed_tokens
+        "targets": ["embed_tokens", "gate_proj", "q_proj", "v_proj"],
+        "ranks": {"4": 5, "8": 2},
+        "dora": False,
+        "alpha": None,  # in no tensor, and no adapter_config.json beside the checkpoint
+        "rslora": None,
+    }
+    src = shutil.copytree(runs["dora"] / "dcp", tmp_path / "dcp")
+    shutil.copy(runs["dora"] / "adapter" / "adapter_config.json", src)
+    proc = ckptconv("inspect", str(src))
+    assert proc.returncode == 0, proc.stderr
+    assert "DoRA adapter 'default': 6 modules (down_proj, q_proj, v_proj), r=4, alpha 16" in proc.stdout
+    proc = ckptconv("inspect", str(runs["lora"].parent / "base"), "--json")  # no LoRA: no entry
+    assert proc.returncode == 0 and "lora" not in json.loads(proc.stdout)
+    plain = ckptconv("dcp-to-hf", str(src), str(tmp_path / "merged"), "--lora", "merge", "-q")
+    assert plain.returncode == 0, plain.stderr  # the adapter_config.json beside it gives alpha
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_save_hf_from_the_live_sharded_model_writes_what_dcp_to_hf_writes(
+    runs: dict[str, Path], tmp_path: Path, name: str
+) -> None:
+    """`ckptconv.save_hf(state_dict, lora=MODE)` on 2 ranks (workers/peft_save.py), against PEFT's own."""
+    run_dir = runs[name]
+    adapter = run_dir / "save_hf_adapter"
+    assert_same(
+        load_file(adapter / "adapter_model.safetensors"),
+        load_file(run_dir / "adapter" / "adapter_model.safetensors"),
+    )
+    assert json.loads((adapter / "adapter_config.json").read_text()) == json.loads(
+        (run_dir / "adapter" / "adapter_config.json").read_text()
+    )
+    merged = load_file(run_dir / "merged" / "model.safetensors")
+    assert_same(load_file(run_dir / "save_hf_merge" / "model.safetensors"), merged)
+    dropped = load_file(run_dir / "save_hf_drop" / "model.safetensors")
+    assert sorted(dropped) == sorted(merged) and not any("lora" in k for k in dropped)

@@ -10,6 +10,8 @@ BASE_DIR: a tiny transformers model (tests/families.py). Every rank builds the s
   OUT_DIR/adapter   `save_pretrained`: adapter_model.safetensors + adapter_config.json
   OUT_DIR/merged    `merge_and_unload()` then `save_pretrained` (fp32)
   OUT_DIR/logits.pt the trained PEFT model's logits on OUT_DIR's fixed input ids (input_ids.pt)
+Last, every rank calls `ckptconv.save_hf` on the live sharded model with lora="adapter", "merge" (fp32) and
+"drop": OUT_DIR/save_hf_MODE.
 """
 
 import copy
@@ -56,6 +58,14 @@ def main() -> None:
         with torch.no_grad():
             torch.save(reference(input_ids=ids).logits, out / "logits.pt")
         reference.merge_and_unload().save_pretrained(out / "merged")
+    dist.barrier()
+    import ckptconv  # the library path: the live sharded PEFT model, each mode
+
+    state = get_model_state_dict(model)
+    config = out / "adapter" / "adapter_config.json"
+    for mode in ("adapter", "merge", "drop"):
+        dtype = "fp32" if mode == "merge" else "keep"
+        ckptconv.save_hf(state, out / f"save_hf_{mode}", lora=mode, lora_config=config, dtype=dtype, fp32=())
     finish()
 
 

@@ -6,8 +6,12 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     """`ckptconv.save_hf`, `ckptconv.load_hf`, `ckptconv.LoadSpec`: imported on first use (torch is slow to
     import, and `ckptconv --help` should not pay for it)."""
-    if name in ("save_hf", "load_hf", "load_specs", "LoadSpec", "LoadReport", "SaveReport"):
+    if name in ("save_hf", "load_specs", "LoadSpec", "SaveReport"):
         from . import live
 
         return getattr(live, name)
+    if name in ("load_hf", "LoadReport"):
+        from . import live_load
+
+        return getattr(live_load, name)
     raise AttributeError(f"module 'ckptconv' has no attribute {name!r}")

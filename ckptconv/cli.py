@@ -203,6 +203,8 @@ def hf_to_dcp_cmd(
     verify: VerifyOpt = False,
     storage_options: StorageOptionsOpt = None,
     coalesce_gap: CoalesceGapOpt = "1MB",
+    lora_adapter: opt.LoraAdapterOpt = None,
+    lora_name: opt.LoraWrapNameOpt = "default",
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
@@ -233,6 +235,8 @@ def hf_to_dcp_cmd(
             config=config,
             allow_unmapped=allow_unmapped,
             verify=verify,
+            lora_adapter=lora_adapter,
+            lora_name=lora_name,
         )
         show_hf_to_dcp(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 

@@ -290,3 +290,18 @@ def lora_request(
     request = LoraRequest(mode, name, alpha, config, rslora, base)  # type: ignore[arg-type]
     request.check()
     return request
+
+
+LoraAdapterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lora-adapter",
+        help="A PEFT adapter (directory or hub repo id) to add: the DCP then holds the PEFT-wrapped model's "
+        "keys (base_layer, lora_A.NAME, ...), to resume LoRA training from it.",
+        show_default=False,
+    ),
+]
+LoraWrapNameOpt = Annotated[
+    str,
+    typer.Option("--lora-name", help="The adapter's name in the PEFT-wrapped keys (with --lora-adapter)."),
+]

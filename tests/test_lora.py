@@ -210,3 +210,84 @@ def test_save_hf_from_the_live_sharded_model_writes_what_dcp_to_hf_writes(
     assert_same(load_file(run_dir / "save_hf_merge" / "model.safetensors"), merged)
     dropped = load_file(run_dir / "save_hf_drop" / "model.safetensors")
     assert sorted(dropped) == sorted(merged) and not any("lora" in k for k in dropped)
+
+
+@pytest.mark.parametrize("name", ["rslora", "dora"])
+def test_adapter_to_dcp_resumes_in_a_wrapped_fsdp2_model_and_comes_back_byte_identical(
+    runs: dict[str, Path], base: Path, tmp_path: Path, name: str
+) -> None:
+    """hf-to-dcp BASE OUT --lora-adapter: `dcp.load` fills a PEFT-wrapped FSDP2 model on 2 ranks with what
+    `PeftModel.from_pretrained` loads (every key, bit for bit; the trained logits), and dcp-to-hf --lora
+    adapter of that DCP gives back PEFT's adapter_model.safetensors byte for byte."""
+    adapter = runs[name] / "adapter"
+    proc = ckptconv(
+        "hf-to-dcp",
+        str(base),
+        str(tmp_path / "dcp"),
+        "--lora-adapter",
+        str(adapter),
+        "--prefix",
+        "model",
+        "-q",
+    )
+    assert proc.returncode == 0, proc.stderr
+    args = [str(base), str(adapter), str(tmp_path / "dcp")]
+    args += [str(runs[name] / "input_ids.pt"), str(runs[name] / "logits.pt")]
+    loaded = torchrun(2, str(WORKERS / "peft_load.py"), *args)
+    assert "peft_load: identical" in loaded.stdout
+    config = str(adapter / "adapter_config.json")
+    again = ckptconv(
+        "dcp-to-hf",
+        str(tmp_path / "dcp"),
+        str(tmp_path / "back"),
+        "--lora",
+        "adapter",
+        "--lora-config",
+        config,
+    )
+    assert again.returncode == 0, again.stderr
+    back = (tmp_path / "back" / "adapter_model.safetensors").read_bytes()
+    assert back == (adapter / "adapter_model.safetensors").read_bytes()
+
+
+def test_load_hf_loads_base_and_adapter_into_a_wrapped_model(runs: dict[str, Path], base: Path) -> None:
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import ckptconv
+
+    adapter = runs["rslora"] / "adapter"
+    torch.manual_seed(7)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig.from_pretrained(adapter))
+    state = model.state_dict()
+    report = ckptconv.load_hf(state, base, lora_adapter=adapter)
+    assert not report.missing and not report.unexpected
+    want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).state_dict()
+    assert_same(state, want)
+
+
+def test_lora_adapter_errors_are_one_line(
+    runs: dict[str, Path], base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import save_file
+
+    out = str(tmp_path / "out")
+    adapter = str(runs["lora"] / "adapter")
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    save_file(
+        {"base_model.model.model.vision.proj.lora_A.weight": torch.zeros(4, 8)}, wrong / "a.safetensors"
+    )
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"base_model.model.x.hada_w1_a": torch.zeros(4, 8)}, other / "adapter_model.safetensors")
+    cases = [
+        (["--lora-adapter", str(wrong)], "'model.vision.proj'", "is it an adapter of this model?"),
+        (["--lora-adapter", str(other)], "hada_w1_a", "only LoRA and DoRA"),
+        (["--lora-adapter", adapter, "--lora-name", "a.b"], "--lora-name 'a.b'"),
+        (["--lora-adapter", adapter, "--verify"], "--lora-adapter with --verify"),
+        (["--lora-adapter", str(tmp_path / "none")], "none"),
+    ]
+    for flags, *needles in cases:
+        assert_one_line(*run(capsys, "hf-to-dcp", str(base), out, *flags), *needles)
+    assert not Path(out).exists()

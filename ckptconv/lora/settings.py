@@ -61,9 +61,12 @@ def read_config(path: Path) -> dict[str, Any]:
     """A PEFT LoRA `adapter_config.json`; anything else is a CkptconvError naming the file."""
     try:
         raw = path.read_bytes()[: MAX_CONFIG_BYTES + 1]
+    except OSError as e:
+        raise CkptconvError(f"--lora-config {path}: cannot read it ({e.strerror or e})") from None
+    try:
         config = json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
-    except (OSError, ValueError) as e:
-        raise CkptconvError(f"--lora-config {path}: not readable as JSON ({e})") from None
+    except ValueError as e:
+        raise CkptconvError(f"--lora-config {path}: not JSON ({e})") from None
     if not isinstance(config, dict):
         raise CkptconvError(f"--lora-config {path}: not a PEFT adapter_config.json (a JSON object)")
     kind = config.get("peft_type")

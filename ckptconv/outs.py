@@ -171,7 +171,8 @@ def _with_merges(
         m = merges[src]
         spec = ckpt.tensors.__getitem__
         magnitude = spec(fqn_of[m.magnitude]) if m.magnitude else None
-        lora = LoraParts(spec(fqn_of[m.a]), spec(fqn_of[m.b]), m.kind, m.scaling, magnitude)
+        experts = t.shape[0] if m.kind.startswith("experts") and t.shape else 1
+        lora = LoraParts(spec(fqn_of[m.a]), spec(fqn_of[m.b]), m.kind, m.scaling, magnitude, experts)
         lora.check(src, t.shape)
         result.append(dataclasses.replace(t, lora=lora, op=f"{t.op}+lora_merge"))
     return result

@@ -30,6 +30,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "target_modules": ["q_proj", "v_proj", "gate_proj", "embed_tokens"],
     },
     "dora": {"r": 4, "lora_alpha": 16, "use_dora": True, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+    # transformers 5's fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) through PEFT's
+    # target_parameters: two nested ParamWrappers per experts module
+    "moe": {
+        "r": 2,
+        "lora_alpha": 4,
+        "target_modules": ["q_proj"],
+        "target_parameters": ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"],  # not the nesting order
+    },
 }
 
 
@@ -41,12 +49,15 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def runs(base: Path) -> dict[str, Path]:
     """Each config trained one step under FSDP2 on 2 ranks: RUN/dcp, and PEFT's RUN/adapter, RUN/merged,
-    RUN/logits.pt."""
+    RUN/logits.pt; RUN/base is the model it adapts (a tiny Llama; Qwen3-MoE for "moe")."""
+    moe = tiny("qwen3", base.parent / "moe-base", moe=True)
     out = {}
     for name, config in CONFIGS.items():
         run_dir = base.parent / name
         config = {**config, "init_lora_weights": False}
-        torchrun(2, str(WORKERS / "peft_save.py"), str(base), str(run_dir), json.dumps(config))
+        model = moe if name == "moe" else base
+        torchrun(2, str(WORKERS / "peft_save.py"), str(model), str(run_dir), json.dumps(config))
+        (run_dir / "base").symlink_to(model)
         out[name] = run_dir
     return out
 
@@ -82,7 +93,8 @@ def test_adapter_is_pefts_own_and_gives_the_trained_logits(
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # PEFT warns of missing or unexpected adapter keys
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+        plain = AutoModelForCausalLM.from_pretrained(run_dir / "base")
+        model = PeftModel.from_pretrained(plain, tmp_path / "adapter")
     loaded = set_peft_model_state_dict(model, load_peft_weights(str(tmp_path / "adapter")))
     assert not loaded.unexpected_keys
     assert not [k for k in loaded.missing_keys if "lora_" in k]
@@ -119,10 +131,20 @@ def test_adapter_config_derived_from_the_shapes_loads_as_the_trainers(
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_merge_is_merge_and_unload(runs: dict[str, Path], tmp_path: Path, name: str) -> None:
     """fp32: the same float operations in the same order, so bit for bit; the default bf16 release is that
-    cast once (and --verify agrees)."""
+    cast once (and --verify agrees). MoE: the experts stay fused as the DCP holds them, and transformers
+    loads them as the per-expert tensors its merged model saved."""
+    from transformers import AutoModelForCausalLM
+
     run_dir = runs[name]
     merged = load_file(run_dir / "merged" / "model.safetensors")
-    convert(run_dir, tmp_path / "fp32", "--lora", "merge", "--dtype", "fp32")
+    convert(
+        run_dir, tmp_path / "fp32", "--lora", "merge", "--dtype", "fp32", "--copy-from", str(run_dir / "base")
+    )
+    if name == "moe":
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").state_dict()
+        assert_same(ours, AutoModelForCausalLM.from_pretrained(run_dir / "merged").state_dict())
+        assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(tmp_path / "fp32" / "model.safetensors")
+        return
     assert_same(load_file(tmp_path / "fp32" / "model.safetensors"), merged)
     convert(run_dir, tmp_path / "bf16", "--lora", "merge", "--verify")
     bf16 = {k: v.to(torch.bfloat16) for k, v in merged.items()}
@@ -130,12 +152,12 @@ def test_merge_is_merge_and_unload(runs: dict[str, Path], tmp_path: Path, name: 
 
 
 def test_merge_bytes_do_not_depend_on_the_number_of_ranks(runs: dict[str, Path], tmp_path: Path) -> None:
-    run_dir = runs["dora"]
-    flags = ("--lora", "merge", "--max-shard-size", "20KB")
-    convert(run_dir, tmp_path / "one", *flags)
-    convert(run_dir, tmp_path / "two", *flags, nproc=2)
-    assert len(list((tmp_path / "one").glob("*.safetensors"))) > 2  # slabs of one weight on both ranks
-    assert tree_sha256(tmp_path / "one") == tree_sha256(tmp_path / "two")
+    for name in ("dora", "moe"):
+        flags = ("--lora", "merge", "--max-shard-size", "20KB")
+        convert(runs[name], tmp_path / name / "one", *flags)
+        convert(runs[name], tmp_path / name / "two", *flags, nproc=2)
+        assert len(list((tmp_path / name / "one").glob("*.safetensors"))) >= 2  # both ranks write
+        assert tree_sha256(tmp_path / name / "one") == tree_sha256(tmp_path / name / "two")
 
 
 def test_drop_writes_the_base_model(runs: dict[str, Path], base: Path, tmp_path: Path) -> None:
@@ -206,10 +228,11 @@ def test_save_hf_from_the_live_sharded_model_writes_what_dcp_to_hf_writes(
     assert json.loads((adapter / "adapter_config.json").read_text()) == json.loads(
         (run_dir / "adapter" / "adapter_config.json").read_text()
     )
-    merged = load_file(run_dir / "merged" / "model.safetensors")
-    assert_same(load_file(run_dir / "save_hf_merge" / "model.safetensors"), merged)
+    ours = load_file(run_dir / "save_hf_merge" / "model.safetensors")
+    convert(run_dir, tmp_path / "merged", "--lora", "merge", "--dtype", "fp32")
+    assert_same(ours, load_file(tmp_path / "merged" / "model.safetensors"))  # what dcp-to-hf writes
     dropped = load_file(run_dir / "save_hf_drop" / "model.safetensors")
-    assert sorted(dropped) == sorted(merged) and not any("lora" in k for k in dropped)
+    assert sorted(dropped) == sorted(ours) and not any("lora" in k for k in dropped)
 
 
 @pytest.mark.parametrize("name", ["rslora", "dora"])
@@ -290,4 +313,16 @@ def test_lora_adapter_errors_are_one_line(
     ]
     for flags, *needles in cases:
         assert_one_line(*run(capsys, "hf-to-dcp", str(base), out, *flags), *needles)
+    moe = runs["moe"]
+    experts = run(capsys, "hf-to-dcp", str(moe / "base"), out, "--lora-adapter", str(moe / "adapter"))
+    assert_one_line(*experts, "target_parameters", "does not read those yet")
     assert not Path(out).exists()
+
+
+def test_inspect_counts_the_rank_of_stacked_experts(runs: dict[str, Path]) -> None:
+    proc = ckptconv("inspect", str(runs["moe"] / "dcp"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    (adapter,) = json.loads(proc.stdout)["release"]["lora"]
+    assert adapter["targets"] == ["experts", "q_proj"] and adapter["ranks"] == {
+        "2": 6
+    }  # 2 layers x 3 wrappers

@@ -27,13 +27,15 @@ def describe(keys: list[str], shapes: dict[str, tuple[int, ...]], src: Path | No
         except CkptconvError:
             config = None
     out = []
+    selected = dict(found.base)
+    experts = {m: shapes[selected[f"{m}.{params[0]}"]][0] for m, params in found.wrapped.items() if params}
     for name, factors in found.adapters.items():
-        ranks = Counter(shapes[f.a][0] for f in factors.values())
+        ranks = Counter(shapes[f.a][0] // max(1, experts.get(f.module, 1)) for f in factors.values())
         out.append(
             {
                 "name": name,
                 "modules": len(factors),
-                "targets": sorted({m.rsplit(".", 1)[-1] for m in factors}),
+                "targets": sorted({f.module.rsplit(".", 1)[-1] for f in factors.values()}),
                 "ranks": {str(r): n for r, n in sorted(ranks.items())},
                 "dora": any(f.magnitude for f in factors.values()),
                 "alpha": config.get("lora_alpha") if config else None,

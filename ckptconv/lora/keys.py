@@ -32,7 +32,8 @@ _FACTOR = re.compile(
     r"|lora_embedding_(?P<eab>[AB])\.(?P<ename>[^.]+)"
     r"|lora_magnitude_vector\.(?P<mname>[^.]+)(?:\.weight)?)$"
 )
-_BASE_LAYER = ".base_layer."
+_BASE_LAYERS = re.compile(r"(?:\.base_layer)+\.")  # nested: one wrapper per targeted parameter
+_TRAILING = re.compile(r"(?:\.base_layer)+$")
 # markers of PEFT methods other than LoRA / DoRA, and of what ckptconv does not convert yet
 _OTHER_KINDS = (
     (re.compile(r"\.hada_(w|t)\d"), "LoHa"),
@@ -55,15 +56,23 @@ class Factors:
     """One targeted module of one adapter: the keys of its A and B (and DoRA's magnitude), as selected."""
 
     module: str  # the module's name in the unwrapped model: "model.layers.0.self_attn.q_proj"
-    kind: Literal["linear", "embedding"]
+    kind: Literal["linear", "embedding", "param"]  # "param": PEFT's target_parameters (ParamWrapper)
     a: str
     b: str
     magnitude: str | None = None
+    param: str | None = "weight"  # the parameter it adapts (a ParamWrapper's: found by `select`)
+    depth: int = 0  # how many `base_layer`s down its wrapper is (target_parameters nest one per parameter)
+    experts: int = 1  # a ParamWrapper of stacked experts [E, ., .]: A is [E * r, in], B [out, r * E]
 
     @property
     def weight(self) -> str:
         """The key of the weight it adapts, in the unwrapped model."""
-        return self.module + ".weight"
+        return f"{self.module}.{self.param}"
+
+    @property
+    def wrapper(self) -> str:
+        """The wrapper's name: the module, then one `.base_layer` per level down."""
+        return self.module + ".base_layer" * self.depth
 
 
 @dataclass(frozen=True)
@@ -71,8 +80,9 @@ class LoraKeys:
     """What `find_lora` found: the base model's keys and every adapter's factors."""
 
     base: tuple[tuple[str, str], ...]  # (key in the unwrapped model, key as selected)
-    adapters: dict[str, dict[str, Factors]] = field(default_factory=dict)  # name -> module -> factors
+    adapters: dict[str, dict[str, Factors]] = field(default_factory=dict)  # name -> wrapper -> factors
     prefixed: bool = True  # the keys carry PEFT's `base_model.model.` prefix
+    wrapped: dict[str, tuple[str, ...]] = field(default_factory=dict)  # ParamWrapper module -> its params
 
     @property
     def names(self) -> list[str]:
@@ -104,12 +114,12 @@ def find_lora(keys: Iterable[str]) -> LoraKeys | None:
                     f"{key!r}: a {kind} tensor; ckptconv converts LoRA and DoRA adapters only "
                     "(merge or save the adapter with PEFT itself)"
                 )
-    found: dict[str, dict[str, dict[str, str]]] = {}  # name -> module -> role -> key
+    found: dict[str, dict[str, dict[str, str]]] = {}  # name -> wrapper -> role -> key
     base: list[tuple[str, str]] = []
     for key in keys:
         match = _FACTOR.match(key)
         if match is None:
-            base.append((key.replace(_BASE_LAYER, "."), key))
+            base.append((_BASE_LAYERS.sub(".", key), key))
             continue
         ab, eab = match["ab"], match["eab"]
         name = match["name"] or match["ename"] or match["mname"]
@@ -119,29 +129,54 @@ def find_lora(keys: Iterable[str]) -> LoraKeys | None:
     if not found:
         return None
     prefixed = all(k.startswith(PEFT_PREFIX) for k in keys)
+    renamed = [(_unwrapped(k, prefixed), key) for k, key in base]
+    plain = {k for k, key in renamed}
+    depths: dict[str, set[int]] = {}  # module -> the depths of its wrappers (any adapter)
+    for mods in found.values():
+        for wrapper in mods:
+            module, depth = _module_depth(_unwrapped(wrapper, prefixed))
+            depths.setdefault(module, set()).add(depth)
+    # a module wrapped once, with a weight of its own, is a LoRA layer; any other is a ParamWrapper
+    params = {
+        m: _wrapped_params(m, renamed) for m, d in depths.items() if d != {0} or m + ".weight" not in plain
+    }
     adapters = {
-        name: {
-            _unwrapped(module, prefixed): _factors(module, roles, prefixed) for module, roles in mods.items()
-        }
+        name: {_unwrapped(w, prefixed): _factors(w, roles, prefixed, params) for w, roles in mods.items()}
         for name, mods in found.items()
     }
-    wrapped = {f.module for mods in adapters.values() for f in mods.values()}
-    renamed = [(_unwrapped(k, prefixed), key) for k, key in base]
-    for module in sorted(wrapped):
-        if module + ".weight" not in dict(renamed):
+    for module in sorted(depths):
+        if not (params.get(module) or module + ".weight" in plain):
             raise CkptconvError(
                 f"LoRA factors of {module!r} but no base weight for it ({module}.base_layer.weight); "
                 "the checkpoint does not hold the whole wrapped model"
             )
-    return LoraKeys(tuple(renamed), adapters, prefixed)
+    return LoraKeys(tuple(renamed), adapters, prefixed, params)
+
+
+def _module_depth(wrapper: str) -> tuple[str, int]:
+    """`model.layers.0.mlp.experts.base_layer` -> (`model.layers.0.mlp.experts`, 1)."""
+    module = _TRAILING.sub("", wrapper)
+    return module, wrapper[len(module) :].count(".base_layer")
+
+
+def _wrapped_params(module: str, renamed: list[tuple[str, str]]) -> tuple[str, ...]:
+    """The parameters of a ParamWrapper's module: its own, stored under its `base_layer`s."""
+    lead = module + "."
+    return tuple(
+        k[len(lead) :]
+        for k, key in renamed
+        if k.startswith(lead) and "." not in k[len(lead) :] and ".base_layer." in key
+    )
 
 
 def _unwrapped(key: str, prefixed: bool) -> str:
     return key.removeprefix(PEFT_PREFIX) if prefixed else key
 
 
-def _factors(module: str, roles: dict[str, str], prefixed: bool) -> Factors:
-    name = _unwrapped(module, prefixed)
+def _factors(
+    wrapper: str, roles: dict[str, str], prefixed: bool, params: dict[str, tuple[str, ...]]
+) -> Factors:
+    module, depth = _module_depth(_unwrapped(wrapper, prefixed))
     if "linear_A" in roles or "linear_B" in roles:
         kind, a, b = "linear", roles.get("linear_A"), roles.get("linear_B")
     else:
@@ -149,14 +184,16 @@ def _factors(module: str, roles: dict[str, str], prefixed: bool) -> Factors:
     if a is None or b is None:
         present = next(iter(roles.values()))
         raise CkptconvError(f"{present!r}: its LoRA {'B' if b is None else 'A'} factor is missing")
-    return Factors(name, kind, a, b, roles.get("magnitude"))  # type: ignore[arg-type]
+    if module in params:  # which parameter it adapts is found from the config and the shapes (`select`)
+        return Factors(module, "param", a, b, roles.get("magnitude"), None, depth)
+    return Factors(module, kind, a, b, roles.get("magnitude"))  # type: ignore[arg-type]
 
 
 def peft_key(f: Factors, role: Literal["a", "b", "magnitude", "base"]) -> str:
     """The key PEFT's `save_pretrained` gives a factor: the adapter's name left out, as
     `get_peft_model_state_dict` writes it (`...q_proj.lora_A.weight`, `...embed_tokens.lora_embedding_A`,
     `...q_proj.lora_magnitude_vector`); "base": a targeted embedding's base weight, which it saves too."""
-    module = PEFT_PREFIX + f.module
+    module = PEFT_PREFIX + f.wrapper
     if role == "base":
         return module + ".base_layer.weight"
     if role == "magnitude":

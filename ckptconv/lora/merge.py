@@ -4,6 +4,9 @@ computes it, in fp32.
     linear     W [out, in] + (B [out, r] @ A [r, in]) * scaling
     embedding  W [vocab, dim] + (B [dim, r] @ A [r, vocab]).T * scaling
     DoRA       V = W + delta;  (m [out] / ||V||_row).view(-1, 1) * V
+    experts    W [E, out, in] + einsum("o r e, e r i -> e o i", B [out, r * E] as [out, r, E],
+                                       A [E * r, in] as [E, r, in]) * scaling        (PEFT's ParamWrapper;
+               [E, in, out] with "-> e i o"), one expert at a time
 
 Each call makes rows [lo, hi) of the merged weight (a write's slab, or all of it). The product is computed
 in blocks of `BLOCK` rows at fixed offsets (a slab cut mid-block computes the whole block), so every rank
@@ -15,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from ..errors import CkptconvError
 from ..specs import TensorSpec
+from .select import MergeKind
 
 BLOCK = 1024  # rows of delta computed together
 
@@ -34,9 +37,10 @@ class LoraParts:
 
     a: TensorSpec
     b: TensorSpec
-    kind: Literal["linear", "embedding"]
+    kind: MergeKind
     scaling: float
     magnitude: TensorSpec | None = None
+    experts: int = 1  # experts_*: E, the stacked dim of the weight
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -45,7 +49,10 @@ class LoraParts:
     def check(self, key: str, shape: tuple[int, ...]) -> None:
         """The factors fit the weight `key` of `shape`: a CkptconvError naming them otherwise."""
         a, b = self.a.shape, self.b.shape
-        if self.kind == "linear":
+        if self.kind.startswith("experts"):
+            out_in = (b[0], a[1]) if self.kind == "experts_out_in" else (a[1], b[0])
+            fits = len(shape) == 3 and shape[1:] == out_in and bool(shape[0]) and a[0] % shape[0] == 0
+        elif self.kind == "linear":
             fits = len(shape) == 2 and a == (a[0], shape[1]) and b == (shape[0], a[0])
         else:
             fits = len(shape) == 2 and a == (a[0], shape[0]) and b == (shape[1], a[0])
@@ -61,6 +68,8 @@ class LoraParts:
 def merge_rows(w: torch.Tensor, lo: int, lora: LoraParts, read: ReadFn) -> torch.Tensor:
     """Rows [lo, lo + len(w)) of the merged weight, from those rows of W (`w`, fp32; overwritten)."""
     hi = lo + w.shape[0]
+    if lora.kind.startswith("experts"):
+        return _merge_experts(w, lo, lora, read)
     a = read(lora.a, None)
     b = read(lora.b, None) if lora.kind == "embedding" else None
     total = lora.a.shape[1] if lora.kind == "embedding" else lora.b.shape[0]
@@ -79,4 +88,17 @@ def merge_rows(w: torch.Tensor, lo: int, lora: LoraParts, read: ReadFn) -> torch
         m = read(lora.magnitude, (lo, hi))
         norm = torch.linalg.norm(w, dim=1)
         w.mul_((m / norm).view(-1, 1))
+    return w
+
+
+def _merge_experts(w: torch.Tensor, lo: int, lora: LoraParts, read: ReadFn) -> torch.Tensor:
+    """Experts [lo, lo + len(w)) of a stacked weight with its ParamWrapper's LoRA added, each expert by the
+    einsum PEFT's `get_delta_weight` runs, on that expert's slice of the factors."""
+    a, b = read(lora.a, None), read(lora.b, None)
+    a3 = a.reshape(lora.experts, -1, a.shape[-1])  # [E, r, in]
+    b3 = b.reshape(b.shape[0], -1, lora.experts)  # [out, r, E]
+    spec = "o r e, e r i -> e o i" if lora.kind == "experts_out_in" else "o r e, e r i -> e i o"
+    for e in range(lo, lo + w.shape[0]):
+        delta = torch.einsum(spec, b3[:, :, e : e + 1], a3[e : e + 1]) * lora.scaling
+        w[e - lo] += delta[0]
     return w

@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptconvError
-from .keys import EMBEDDING_NAMES, Factors, LoraKeys, find_lora, peft_key
+from .keys import EMBEDDING_NAMES, Factors, find_lora, peft_key
+from .params import resolve, swapped
 from .settings import CONFIG_FILE, LoraSettings, adapter_config, read_config, settings
 
 Mode = Literal["adapter", "merge", "drop"]
+# experts_*: a ParamWrapper's stacked experts, [E, out, in] or [E, in, out] (`params`)
+MergeKind = Literal["linear", "embedding", "experts_out_in", "experts_in_out"]
 MODES: tuple[Mode, ...] = ("adapter", "merge", "drop")
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -57,7 +60,7 @@ class Merge:
 
     a: str
     b: str
-    kind: Literal["linear", "embedding"]
+    kind: MergeKind
     scaling: float
     magnitude: str | None = None  # DoRA
 
@@ -105,11 +108,13 @@ def lora_plan(
     )
     if mode == "drop":
         return LoraPlan(mode, name, base, note=note + "; dropped, writing the base model")
-    s = _settings(found, factors, shapes, request, src, read_trainer_config)
+    config, source = _trainer_config(request, src, read_trainer_config)
+    factors = resolve(found, factors, shapes, config)
+    s = settings(factors, shapes, config, request.alpha, request.rslora, source)
     if mode == "merge":
         if s.fan_in_fan_out:
             raise CkptconvError(f"{s.source}: fan_in_fan_out (Conv1D weights) is not merged by ckptconv yet")
-        merges = {f.weight: _merge(f, s) for f in factors.values()}
+        merges = {f.weight: _merge(f, s, shapes, dict(found.base)) for f in factors.values()}
         return LoraPlan(mode, name, base, merges, note=note + f"; merged ({_describe(s)})")
     modules = {k.removesuffix(".weight") for k, _ in base if k.endswith(".weight")}
     config = adapter_config(s, factors, modules, request.base_model)
@@ -118,27 +123,27 @@ def lora_plan(
     )
 
 
-def _settings(
-    found: LoraKeys,
-    factors: dict[str, Factors],
-    shapes: dict[str, tuple[int, ...]],
-    request: LoraRequest,
-    src: Path,
-    read_trainer_config: bool,
-) -> LoraSettings:
+def _trainer_config(
+    request: LoraRequest, src: Path, read_trainer_config: bool
+) -> tuple[dict[str, Any] | None, str]:
+    """The trainer's adapter_config.json (`--lora-config`, else one beside the checkpoint), and where from."""
     path = request.config
     if path is None and read_trainer_config and (src / CONFIG_FILE).is_file():
         path = src / CONFIG_FILE
     config = read_config(path) if path is not None else None
     if config is not None and request.alpha is not None:
         raise CkptconvError(f"--lora-alpha: the alpha comes from {path}; give one of the two")
-    source = f"--lora-config {path}" if request.config is not None else str(path)
-    return settings(factors, shapes, config, request.alpha, request.rslora, source)
+    return config, f"--lora-config {path}" if request.config is not None else str(path)
 
 
-def _merge(f: Factors, s: LoraSettings) -> Merge:
+def _merge(
+    f: Factors, s: LoraSettings, shapes: dict[str, tuple[int, ...]], selected: dict[str, str]
+) -> Merge:
     if f.magnitude and f.kind == "embedding":
         raise CkptconvError(f"{f.module!r}: DoRA on an embedding is not merged by ckptconv yet")
+    if f.kind == "param":
+        swap = swapped(shapes[selected[f.weight]], shapes[f.a], shapes[f.b])
+        return Merge(f.a, f.b, "experts_out_in" if swap else "experts_in_out", s.scaling(f.module))
     return Merge(f.a, f.b, f.kind, s.scaling(f.module), f.magnitude)
 
 

@@ -87,7 +87,7 @@ def settings(
 ) -> LoraSettings:
     """The settings of one adapter from its factors' shapes (`shapes`: selected key -> shape) and the
     trainer's config, else the flags; alpha is required (it is in no tensor)."""
-    ranks = {m: shapes[f.a][0] for m, f in factors.items()}
+    ranks = {f.module: shapes[f.a][0] // f.experts for f in factors.values()}
     dora = any(f.magnitude for f in factors.values())
     if config is not None:
         if not isinstance(config.get("r"), int) or not isinstance(config.get("lora_alpha"), int | float):
@@ -131,11 +131,22 @@ def settings(
 def target_modules(factors: dict[str, Factors], modules: set[str]) -> list[str] | str:
     """PEFT's `target_modules` for the targeted modules among all the model's `modules`: their last names,
     when no untargeted module has one of them; else a regex of their full names (PEFT full-matches it)."""
-    targeted = set(factors)
+    targeted = {f.module for f in factors.values() if f.kind != "param"}
+    if not targeted:
+        return []
     leaves = {m.rsplit(".", 1)[-1] for m in targeted}
     if all(m in targeted for m in modules if m.rsplit(".", 1)[-1] in leaves):
         return sorted(leaves)
     return "^(?:" + "|".join(re.escape(m) for m in sorted(targeted)) + ")$"
+
+
+def target_parameters(factors: dict[str, Factors]) -> list[str] | None:
+    """PEFT's `target_parameters`: each ParamWrapper's parameter as `parent.module.param` (PEFT matches a
+    suffix of the parameter's full name), in a stable order; None without any."""
+    names = {
+        ".".join([*f.module.split(".")[-2:], str(f.param)]) for f in factors.values() if f.kind == "param"
+    }
+    return sorted(names) or None
 
 
 def adapter_config(
@@ -152,6 +163,7 @@ def adapter_config(
         "r": s.r,
         "lora_alpha": s.alpha,
         "target_modules": target_modules(factors, modules),
+        "target_parameters": target_parameters(factors),
         "rank_pattern": s.rank_pattern,
         "alpha_pattern": {},
         "use_rslora": s.rslora,

@@ -55,11 +55,14 @@ def wrap(base: dict[str, T], adapter: dict[str, T], name: str, where: str) -> di
             mine[f"{PEFT_PREFIX}{module}.lora_magnitude_vector.{name}.weight"] = value
     targeted = {m for m, f in factors.items() if f}
     for module in sorted(targeted):
-        if f"{module}.weight" not in base:
-            raise CkptconvError(
-                f"{where}: adapts {module!r}, which the base model does not have ({module}.weight); "
-                "is it an adapter of this model?"
+        if module.endswith(".base_layer") or f"{module}.weight" not in base:
+            nested = module.endswith(".base_layer") or any(k.startswith(module + ".") for k in base)
+            why = (
+                "an adapter of target_parameters (stacked experts): --lora-adapter does not read those yet"
+                if nested
+                else "is it an adapter of this model?"
             )
+            raise CkptconvError(f"{where}: adapts {module!r}, which has no weight in the base model; {why}")
     for key in replaced:
         if key not in base:
             raise CkptconvError(f"{where}: holds {key!r}, which the base model does not have")

@@ -123,14 +123,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=ROOT / "bench-out")
     parser.add_argument("--baseline", nargs=2, type=Path, help=argparse.SUPPRESS)  # CKPT OUT: run it here
+    parser.add_argument("--make", type=Path, help=argparse.SUPPRESS)  # PATH: make the checkpoint here
     args = parser.parse_args()
     if args.baseline:
         peft_merge(*args.baseline)
         return
+    if args.make:
+        make(args.make, args.gb)
+        return
     ckpt = args.workdir / f"lora-{args.gb:g}GB"
-    if not ckpt.exists():
+    if not ckpt.exists():  # in a child: this process stays small, and a fork of it measures only its command
         print(f"making {ckpt} ...", file=sys.stderr)
-        make(ckpt, args.gb)
+        subprocess.run([sys.executable, __file__, "--gb", str(args.gb), "--make", str(ckpt)], check=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     flags = ["--lora", "merge", "--lora-config", str(ckpt / "adapter_config.json"), "--quiet", "--overwrite"]
     convert = ["-m", "ckptconv", "dcp-to-hf", str(ckpt / "dcp")]

@@ -22,6 +22,7 @@ import torch
 from .dtype_names import short_name
 from .errors import CkptconvError
 from .layout import Box, intersect
+from .lora.merge import LoraParts
 from .mapping.types import whole
 from .plan import HfSavePlan, OutTensor, SourcePart
 from .schedule import Holding, Job, Placement, Round, ShardStep, plan_job, shard_steps, slabs
@@ -178,17 +179,22 @@ def live_jobs(
 
 
 def _repoint(t: OutTensor, specs: Mapping[str, TensorSpec]) -> OutTensor:
-    lora = t.lora
-    if lora is not None:
-        magnitude = specs[lora.magnitude.fqn] if lora.magnitude is not None else None
-        lora = replace(lora, a=specs[lora.a.fqn], b=specs[lora.b.fqn], magnitude=magnitude)
-    return replace(t, parts=tuple(replace(sp, spec=specs[sp.spec.fqn]) for sp in t.parts), lora=lora)
+    parts = tuple(replace(sp, spec=specs[sp.spec.fqn], lora=_lora(sp.lora, specs)) for sp in t.parts)
+    return replace(t, parts=parts, lora=_lora(t.lora, specs))
+
+
+def _lora(lora: LoraParts | None, specs: Mapping[str, TensorSpec]) -> LoraParts | None:
+    if lora is None:
+        return None
+    magnitude = specs[lora.magnitude.fqn] if lora.magnitude is not None else None
+    return replace(lora, a=specs[lora.a.fqn], b=specs[lora.b.fqn], magnitude=magnitude)
 
 
 def _reads(t: OutTensor, window: tuple[int, int] | None) -> list[tuple[SourcePart, tuple[int, int] | None]]:
     """The parts `t` (its rows `window`) reads, with the rows of `t` they serve; a LoRA merge's factors are
     read whole (they are small)."""
-    factors = [SourcePart(s, whole(s.fqn, s.shape)) for s in t.lora.specs] if t.lora is not None else []
+    specs = [*(t.lora.specs if t.lora else ()), *(s for sp in t.parts if sp.lora for s in sp.lora.specs)]
+    factors = [SourcePart(s, whole(s.fqn, s.shape)) for s in dict.fromkeys(specs)]
     return [(sp, window) for sp in t.parts] + [(sp, None) for sp in factors]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +15,11 @@ import torch
 from .dtypes import DtypePolicy
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
+from .lora.keys import PEFT_PREFIX
+from .lora.mapped import factor_targets
 from .lora.merge import LoraParts
 from .lora.select import LoraRequest, Merge, lora_plan
+from .lora.settings import mapped_config
 from .mapping.rules import KeyMapping, Part, Target, map_keys
 from .release import Selection, select_tensors
 from .remote.urls import UrlPath
@@ -28,6 +32,7 @@ class SourcePart:
 
     spec: TensorSpec
     part: Part
+    lora: LoraParts | None = None  # --lora merge through a mapping: the source block gets its LoRA update
 
     @property
     def whole(self) -> bool:
@@ -82,9 +87,12 @@ def _out_tensors(
     mapping: KeyMapping | None,
     config: dict[str, Any],
     allow_unmapped: bool,
+    derive: Callable[[list[Target]], list[Target]] | None = None,
+    sources: dict[str, str] | None = None,
 ) -> tuple[list[OutTensor], list[str]]:
-    """Output tensors (HF keys, parts) for the selected checkpoint tensors, mapped when a mapping is given."""
-    fqn_of = dict(selection.keys)
+    """Output tensors (HF keys, parts) for the selected checkpoint tensors, mapped when a mapping is given;
+    `derive` makes other targets of the mapped ones (an adapter's factors), whose parts read `sources`."""
+    fqn_of = dict(selection.keys) | (sources or {})
     shapes = {key: ckpt.tensors[fqn].shape for key, fqn in selection.keys}
     if mapping is None:
         targets = [
@@ -94,6 +102,8 @@ def _out_tensors(
     else:
         mapped = map_keys(mapping, "to_hf", shapes, config, allow_unmapped=allow_unmapped)
         targets, unmapped = mapped.targets, mapped.unmapped
+    if derive is not None:
+        targets = derive(targets)
     outs = []
     for target in targets:
         parts = tuple(SourcePart(ckpt.tensors[fqn_of[p.src]], p) for p in target.parts)
@@ -123,11 +133,29 @@ def mapped_tensors(
     if not selection.keys:
         raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
     selection = _with_lora(ckpt, selection, lora)
-    if selection.lora is not None and selection.lora.mode == "adapter" and mapping is not None:
-        raise CkptconvError(
-            "--lora adapter with --mapping: renaming LoRA factors through a mapping is not supported yet; "
-            "convert the adapter without --mapping"
+    plan = selection.lora
+    if plan is not None and plan.mode == "adapter" and mapping is not None:  # the factors follow the weights
+        fqn_of = dict(plan.sources)
+        base = dataclasses.replace(selection, keys=tuple((k, fqn_of[key]) for k, key in plan.base))
+        shapes = {key: ckpt.tensors[fqn].shape for key, fqn in plan.sources}
+        names: list[str] = []  # every mapped key, to say target_modules in the mapped model's names
+        factors = plan.factors
+
+        def derive(targets: list[Target]) -> list[Target]:
+            names.extend(t.key for t in targets)
+            return factor_targets(targets, factors, shapes)
+
+        mapped, unmapped = _out_tensors(
+            ckpt, base, policy, mapping, config or {}, allow_unmapped, derive, fqn_of
         )
+        suffix = ".lora_A.weight"
+        ranks = {
+            o.hf_key[len(PEFT_PREFIX) : -len(suffix)]: o.shape[0] for o in mapped if o.hf_key.endswith(suffix)
+        }
+        modules = {k.removesuffix(".weight") for k in names if k.endswith(".weight")}
+        assert plan.config is not None
+        plan = dataclasses.replace(plan, config=mapped_config(plan.config, ranks, modules))
+        return dataclasses.replace(selection, lora=plan), mapped, unmapped
     mapped, unmapped = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
     if selection.lora is not None and selection.lora.merges:
         mapped = _with_merges(mapped, selection.lora.merges, ckpt, dict(selection.lora.sources))
@@ -143,9 +171,10 @@ def _with_lora(ckpt: DcpCheckpoint, selection: Selection, request: LoraRequest |
     if found is None:
         return selection
     keys = tuple((out, fqn_of[key]) for out, key in found.keys)
-    sources = tuple(
-        (key, fqn_of[key]) for m in found.merges.values() for key in (m.a, m.b, m.magnitude) if key
-    )
+    factors = [key for m in found.merges.values() for key in (m.a, m.b, m.magnitude) if key]
+    factors += [key for f in found.factors.values() for key in (f.a, f.b, f.magnitude) if key]
+    factors += [key for _, key in found.base]
+    sources = tuple((key, fqn_of[key]) for key in dict.fromkeys(factors))
     found = dataclasses.replace(found, sources=sources)
     return dataclasses.replace(selection, keys=keys, notes=(*selection.notes, found.note), lora=found)
 
@@ -153,26 +182,35 @@ def _with_lora(ckpt: DcpCheckpoint, selection: Selection, request: LoraRequest |
 def _with_merges(
     outs: list[OutTensor], merges: dict[str, Merge], ckpt: DcpCheckpoint, fqn_of: dict[str, str]
 ) -> list[OutTensor]:
-    """Each output tensor made whole from a targeted weight, with its LoRA to merge (`LoraParts`)."""
-    done: set[str] = set()
+    """Each output tensor made from a targeted weight, with its LoRA to merge (`LoraParts`): on the tensor
+    when it is the weight as it is (then DoRA too), else on each part reading the weight, whatever the
+    mapping does with its blocks (split, permute, unstack, copy): the update is added to the block read."""
+    weights = {sp.part.src: sp.spec for t in outs for sp in t.parts if sp.part.src in merges}
+    parts: dict[str, LoraParts] = {}
+    for src, m in merges.items():
+        if src not in weights:
+            continue  # a weight the mapping leaves out (--allow-unmapped drops nothing; a rule may)
+        spec = weights[src]
+        magnitude = ckpt.tensors[fqn_of[m.magnitude]] if m.magnitude else None
+        experts = spec.shape[0] if m.kind.startswith("experts") and spec.shape else 1
+        a, b = ckpt.tensors[fqn_of[m.a]], ckpt.tensors[fqn_of[m.b]]
+        parts[src] = LoraParts(a, b, m.kind, m.scaling, magnitude, experts)
+        parts[src].check(src, spec.shape)
     result = []
     for t in outs:
-        hit = [sp for sp in t.parts if sp.part.src in merges]
+        hit = [sp for sp in t.parts if sp.part.src in parts]
         if not hit:
             result.append(t)
-            continue
-        src = hit[0].part.src
-        if len(t.parts) > 1 or not hit[0].whole or t.layout is not None or src in done:
-            raise CkptconvError(
-                f"--lora merge: {src!r} becomes {t.hf_key!r} by {t.op}; merging LoRA into a tensor that the "
-                "mapping splits, fuses, permutes or copies is not supported yet"
-            )
-        done.add(src)
-        m = merges[src]
-        spec = ckpt.tensors.__getitem__
-        magnitude = spec(fqn_of[m.magnitude]) if m.magnitude else None
-        experts = t.shape[0] if m.kind.startswith("experts") and t.shape else 1
-        lora = LoraParts(spec(fqn_of[m.a]), spec(fqn_of[m.b]), m.kind, m.scaling, magnitude, experts)
-        lora.check(src, t.shape)
-        result.append(dataclasses.replace(t, lora=lora, op=f"{t.op}+lora_merge"))
+        elif len(t.parts) == 1 and hit[0].whole and t.layout is None:
+            lora = parts[hit[0].part.src]
+            result.append(dataclasses.replace(t, lora=lora, op=f"{t.op}+lora_merge"))
+        else:
+            for sp in hit:
+                if parts[sp.part.src].magnitude is not None:
+                    raise CkptconvError(
+                        f"--lora merge: {sp.part.src!r} becomes {t.hf_key!r} by {t.op}; DoRA is merged only "
+                        "into a weight the mapping renames (its norm needs whole rows)"
+                    )
+            with_lora = tuple(dataclasses.replace(sp, lora=parts.get(sp.part.src)) for sp in t.parts)
+            result.append(dataclasses.replace(t, parts=with_lora, op=f"{t.op}+lora_merge"))
     return result

@@ -26,7 +26,7 @@ from .crc32 import crc32
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
 from .layout import Box, intersect
-from .lora.merge import merge_rows
+from .lora.merge import ReadFn, delta_box, merge_rows
 from .mapping.parts import src_rows
 from .mapping.types import whole as _whole
 from .plan import HfSavePlan, OutTensor, SourcePart
@@ -81,12 +81,17 @@ def assemble(
     out = new_out(t, window, pool)
     view = laid_out(out, t, window)
     for sp in t.parts:
-        if window is None and sp.whole and sp.spec.shape == t.shape and reader is not None:
+        if window is None and sp.whole and sp.spec.shape == t.shape and reader is not None and not sp.lora:
             _fill_whole(reader, sp.spec, out)
             continue
+        read = _factors(rows) if sp.lora is not None else None
         for chunk, r0, r1 in _part_rows(sp, window):
             for lo, hi in row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
-                place(view, sp, rows_box(chunk, lo, hi), rows(sp.spec, chunk, lo, hi), window)
+                box = rows_box(chunk, lo, hi)
+                data = rows(sp.spec, chunk, lo, hi)
+                if sp.lora is not None and read is not None:  # W's block in fp32 with its update, cast once
+                    data = data.to(torch.float32) + delta_box(sp.lora, *box, read)
+                place(view, sp, box, data, window)
     return out
 
 
@@ -96,16 +101,19 @@ def _merged(
     """`t` (its rows `window`) with its LoRA merged in: W's rows in fp32 plus the factors' product."""
     assert t.lora is not None
     plain = dataclasses.replace(t, lora=None, dtype=torch.float32)
+    w = assemble(plain, rows, reader, window)
+    merged = merge_rows(w, window[0] if window else 0, t.lora, _factors(rows))
+    return merged.to(t.dtype)
+
+
+def _factors(rows: RowsFn) -> ReadFn:
+    """Rows of a LoRA factor (all of it with None) in fp32, read through `rows` like any stored tensor."""
 
     def read(spec: TensorSpec, span: tuple[int, int] | None) -> torch.Tensor:
-        whole = _whole(spec.fqn, spec.shape)
-        return assemble(
-            OutTensor(spec.fqn, spec.shape, torch.float32, (SourcePart(spec, whole),)), rows, None, span
-        )
+        part = SourcePart(spec, _whole(spec.fqn, spec.shape))
+        return assemble(OutTensor(spec.fqn, spec.shape, torch.float32, (part,)), rows, None, span)
 
-    w = assemble(plain, rows, reader, window)
-    merged = merge_rows(w, window[0] if window else 0, t.lora, read)
-    return merged.to(t.dtype)
+    return read
 
 
 def new_out(
@@ -272,7 +280,8 @@ def needed_chunks(
                 _, _, a, b = out[key]
                 r0, r1 = min(a, r0), max(b, r1)
             out[key] = (sp.spec, chunk, r0, r1)
-    for spec in t.lora.specs if t.lora is not None else ():  # LoRA factors: small, read whole
+    factors = [*(t.lora.specs if t.lora else ()), *(s for sp in t.parts if sp.lora for s in sp.lora.specs)]
+    for spec in factors:  # LoRA factors: small, read whole
         for chunk in _unique_chunks(spec):
             out.setdefault((spec.fqn, chunk.offsets), (spec, chunk, 0, chunk.sizes[0] if chunk.sizes else 1))
     return list(out.values())

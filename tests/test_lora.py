@@ -326,3 +326,73 @@ def test_inspect_counts_the_rank_of_stacked_experts(runs: dict[str, Path]) -> No
     assert adapter["targets"] == ["experts", "q_proj"] and adapter["ranks"] == {
         "2": 6
     }  # 2 layers x 3 wrappers
+
+
+TITAN_MOE = {
+    "r": 2,
+    "lora_alpha": 4,
+    "target_modules": ["wo"],
+    "target_parameters": ["inner_experts.w1_EFD", "inner_experts.w2_EDF", "inner_experts.w3_EFD"],
+}
+TITAN_DENSE = {"r": 4, "lora_alpha": 8, "target_modules": ["wo", "w1", "w2", "w3"]}
+
+
+@pytest.fixture(scope="module")
+def titan_runs(base: Path) -> dict[str, Path]:
+    """PEFT on torchtitan 0.3.0's own Qwen3-MoE (LoRA on wo and, through target_parameters, on the stacked
+    experts w1_EFD / w2_EDF / w3_EFD: three nested wrappers) and Llama 3 (wo, w1, w2, w3), loaded with
+    torchtitan's from_hf and saved with DCP; PEFT's merge, by torchtitan's to_hf (workers/titan_peft.py)."""
+    from titan import run_script
+
+    moe = tiny("qwen3", base.parent / "titan-moe-base", moe=True)
+    out = {}
+    for name, (family, model, config) in {
+        "moe": ("qwen3", moe, TITAN_MOE),
+        "dense": ("llama3", base, TITAN_DENSE),
+    }.items():
+        out[name] = base.parent / f"titan-{name}"
+        run_script(WORKERS / "titan_peft.py", family, str(model), json.dumps(config), str(out[name]))
+        (out[name] / "base").symlink_to(model)
+    return out
+
+
+def test_merge_through_a_torchtitan_mapping_is_pefts_merge(
+    titan_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """--mapping torchtitan-qwen3 --lora merge: the stacked experts' update added to each expert's block
+    as the mapping unstacks it, wo's as it is renamed; equal, bit for bit, to PEFT's merge_and_unload() of
+    the torchtitan model through torchtitan's own to_hf."""
+    run_dir = titan_runs["moe"]
+    args = ["dcp-to-hf", str(run_dir / "dcp"), str(tmp_path / "out"), "--mapping", "torchtitan-qwen3"]
+    args += ["--config", str(run_dir / "base" / "config.json"), "--lora", "merge", "--lora-alpha", "4"]
+    proc = ckptconv(*args, "--dtype", "fp32", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert_same(load_file(tmp_path / "out" / "model.safetensors"), load_file(run_dir / "merged.safetensors"))
+    two = ckptconv(*args[:2], str(tmp_path / "two"), *args[3:], "--dtype", "fp32", "-q", nproc=2)
+    assert two.returncode == 0, two.stderr
+    assert tree_sha256(tmp_path / "out") == tree_sha256(tmp_path / "two")
+    adapter = ckptconv(*args[:2], str(tmp_path / "a"), *args[3:-4], "--lora", "adapter", "--lora-alpha", "4")
+    assert adapter.returncode == 2 and "stacked experts adapted by target_parameters" in adapter.stderr
+
+
+def test_adapter_through_a_torchtitan_mapping_merges_as_the_trainers(
+    titan_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """--mapping torchtitan-llama3 --lora adapter: factors under HF's names, which PEFT merges into the HF
+    base model into exactly what PEFT's merge of the torchtitan model gives through torchtitan's to_hf."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir = titan_runs["dense"]
+    args = ["dcp-to-hf", str(run_dir / "dcp"), str(tmp_path / "a"), "--mapping", "torchtitan-llama3"]
+    args += ["--config", str(run_dir / "base" / "config.json"), "--lora", "adapter", "--lora-alpha", "8"]
+    proc = ckptconv(*args, "-q")
+    assert proc.returncode == 0, proc.stderr
+    keys = sorted(load_file(tmp_path / "a" / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight" in keys and len(keys) == 2 * 4 * 2
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run_dir / "base"), tmp_path / "a")
+    merged = model.merge_and_unload().state_dict()
+    assert_same(
+        {k: merged[k] for k in load_file(run_dir / "merged.safetensors")},
+        load_file(run_dir / "merged.safetensors"),
+    )

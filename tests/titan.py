@@ -69,6 +69,12 @@ def run_titan_job(nproc: int, worker: Path, *args: str, timeout: int = 300) -> N
     _run(cmd, timeout, " ".join(cmd))
 
 
+def run_script(worker: Path, *args: str, timeout: int = 300) -> None:
+    """`python WORKER ARGS...` in one process with torchtitan 0.3.0's install on PYTHONPATH (as
+    `run_adapter`), such as tests/workers/titan_peft.py. Raises RuntimeError with its output on failure."""
+    _run([sys.executable, str(worker), *args], timeout, f"{worker.name} {' '.join(args)}")
+
+
 def _run(cmd: list[str], timeout: int, what: str) -> None:
     """`cmd` with torchtitan 0.3.0's install on PYTHONPATH; RuntimeError with its output when it fails."""
     env = _env(str(titan_dir()))

@@ -102,3 +102,33 @@ def _merge_experts(w: torch.Tensor, lo: int, lora: LoraParts, read: ReadFn) -> t
         delta = torch.einsum(spec, b3[:, :, e : e + 1], a3[e : e + 1]) * lora.scaling
         w[e - lo] += delta[0]
     return w
+
+
+def delta_box(
+    lora: LoraParts, offsets: tuple[int, ...], sizes: tuple[int, ...], read: ReadFn
+) -> torch.Tensor:
+    """scaling * (B @ A), the LoRA update, on the block of W at `offsets` of `sizes` (a chunk's rows, which a
+    mapping then splits, permutes or unstacks), in fp32: the same rows of the same fixed blocks as
+    `merge_rows` computes, cut to the block's other dims."""
+    out = torch.empty(sizes, dtype=torch.float32)
+    g0, g1 = offsets[0], offsets[0] + sizes[0]
+    rest = tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True))
+    a = read(lora.a, None)
+    if lora.kind.startswith("experts"):
+        b = read(lora.b, None)
+        a3, b3 = a.reshape(lora.experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, lora.experts)
+        spec = "o r e, e r i -> e o i" if lora.kind == "experts_out_in" else "o r e, e r i -> e i o"
+        for e in range(g0, g1):
+            out[e - g0] = (torch.einsum(spec, b3[:, :, e : e + 1], a3[e : e + 1]) * lora.scaling)[0][rest]
+        return out
+    b_all = read(lora.b, None) if lora.kind == "embedding" else None
+    total = lora.a.shape[1] if lora.kind == "embedding" else lora.b.shape[0]
+    for k0 in range(g0 - g0 % BLOCK, g1, BLOCK):
+        k1 = min(k0 + BLOCK, total)
+        if b_all is None:
+            delta = (read(lora.b, (k0, k1)) @ a) * lora.scaling
+        else:
+            delta = (b_all @ a[:, k0:k1]).T * lora.scaling
+        r0, r1 = max(g0, k0), min(g1, k1)
+        out[r0 - g0 : r1 - g0] = delta[r0 - k0 : r1 - k0][(slice(None), *rest)]
+    return out

@@ -73,7 +73,9 @@ class LoraPlan:
     merges: dict[str, Merge] = field(default_factory=dict)  # base weight key -> its merge
     config: dict[str, Any] | None = None  # adapter mode: the adapter_config.json to write
     note: str = ""
-    sources: tuple[tuple[str, str], ...] = ()  # merge: (selected key, checkpoint key) of each factor
+    sources: tuple[tuple[str, str], ...] = ()  # (selected key, checkpoint key) of each factor
+    factors: dict[str, Factors] = field(default_factory=dict)  # adapter: weight key -> its factors
+    base: tuple[tuple[str, str], ...] = ()  # adapter: (key in the unwrapped model, key as selected)
 
 
 def lora_plan(
@@ -118,9 +120,9 @@ def lora_plan(
         return LoraPlan(mode, name, base, merges, note=note + f"; merged ({_describe(s)})")
     modules = {k.removesuffix(".weight") for k, _ in base if k.endswith(".weight")}
     config = adapter_config(s, factors, modules, request.base_model)
-    return LoraPlan(
-        mode, name, _adapter_keys(factors, dict(found.base)), {}, config, note + f" ({_describe(s)})"
-    )
+    written = _adapter_keys(factors, dict(found.base))
+    by_weight = {f.weight: f for f in factors.values()}
+    return LoraPlan(mode, name, written, {}, config, note + f" ({_describe(s)})", (), by_weight, base)
 
 
 def _trainer_config(

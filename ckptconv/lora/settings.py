@@ -131,7 +131,10 @@ def settings(
 def target_modules(factors: dict[str, Factors], modules: set[str]) -> list[str] | str:
     """PEFT's `target_modules` for the targeted modules among all the model's `modules`: their last names,
     when no untargeted module has one of them; else a regex of their full names (PEFT full-matches it)."""
-    targeted = {f.module for f in factors.values() if f.kind != "param"}
+    return _modules({f.module for f in factors.values() if f.kind != "param"}, modules)
+
+
+def _modules(targeted: set[str], modules: set[str]) -> list[str] | str:
     if not targeted:
         return []
     leaves = {m.rsplit(".", 1)[-1] for m in targeted}
@@ -174,4 +177,21 @@ def adapter_config(
         "modules_to_save": None,
         "init_lora_weights": True,
         "inference_mode": True,
+    }
+
+
+def mapped_config(config: dict[str, Any], ranks: dict[str, int], modules: set[str]) -> dict[str, Any]:
+    """`config` for an adapter whose factors a mapping renamed: `target_modules` and `rank_pattern` said
+    again with the mapped modules' names (`ranks`: each adapted module's r; `modules`: all of the mapped
+    model's). An `alpha_pattern`, keyed by the trainer's names, has no such translation: refused."""
+    if config.get("alpha_pattern"):
+        raise CkptconvError(
+            "--lora adapter with --mapping: the config's alpha_pattern names the trainer's modules and is "
+            "not translated yet; convert without --mapping, or merge"
+        )
+    r = config["r"]
+    return {
+        **config,
+        "target_modules": _modules(set(ranks), modules),
+        "rank_pattern": {m: n for m, n in sorted(ranks.items()) if n != r},
     }

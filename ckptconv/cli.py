@@ -267,12 +267,18 @@ def verify_cmd(
     trust_pickle: TrustOpt = False,
     storage_options: StorageOptionsOpt = None,
     coalesce_gap: CoalesceGapOpt = "1MB",
+    lora: opt.LoraOpt = None,
+    lora_name: opt.LoraNameOpt = None,
+    lora_alpha: opt.LoraAlphaOpt = None,
+    lora_config: opt.LoraConfigOpt = None,
+    lora_rslora: opt.LoraRsloraOpt = False,
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Compare two checkpoints tensor by tensor: exit 0 when they match, 1 on any mismatch, 2 on bad input."""
-    from .errors import CkptconvError, VerifyMismatch
+    from .cli_output import show_verify
+    from .errors import CkptconvError
     from .ui import Ui
     from .verify import Tolerance, verify
     from .world import world_from_env
@@ -281,6 +287,7 @@ def verify_cmd(
         if value is not None and not value >= 0:
             raise CkptconvError(f"{flag} {value}: must be a number >= 0")
     tolerance = Tolerance(atol or 0.0, rtol or 0.0) if atol is not None or rtol is not None else None
+    lora_req = opt.lora_request(lora, lora_name, lora_alpha, lora_config, lora_rslora, None)
     use_storage(storage_options, coalesce_gap)
     with _trust(trust_pickle), world_from_env() as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
@@ -295,21 +302,9 @@ def verify_cmd(
             config=config,
             allow_unmapped=allow_unmapped,
             tolerance=tolerance,
+            lora=lora_req,
         )
-        if json_out:
-            _print_json(report.to_json())
-        elif world.is_main:
-            for finding in report.findings:
-                sys.stdout.write(finding.line() + "\n")
-            how = (
-                "bit for bit" if tolerance is None else f"within atol {tolerance.atol}, rtol {tolerance.rtol}"
-            )
-            if report.match:
-                sys.stdout.write(f"match: {report.compared} tensors equal {how} ({report.seconds:.1f}s)\n")
-        if not report.match:
-            raise VerifyMismatch(
-                f"{len(report.findings)} mismatch(es) between {a} and {b}", agreed=world.distributed
-            )
+        show_verify(report, a, b, world, tolerance, json_out)
 
 
 @app.command("inspect")

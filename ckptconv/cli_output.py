@@ -153,3 +153,22 @@ def _written_files(out: Any) -> list[str]:
 
         return sorted(listing(out))
     return sorted(p.name for p in out.iterdir())
+
+
+def show_verify(report: Any, a: str, b: str, world: Any, tolerance: Any, json_out: bool) -> None:
+    """`verify`'s report (the JSON document, or one line per finding and a verdict) on rank 0; a mismatch is
+    VerifyMismatch (exit 1) on every rank."""
+    from .errors import VerifyMismatch
+
+    if json_out:
+        print_json(report.to_json())
+    elif world.is_main:
+        for finding in report.findings:
+            sys.stdout.write(finding.line() + "\n")
+        how = "bit for bit" if tolerance is None else f"within atol {tolerance.atol}, rtol {tolerance.rtol}"
+        if report.match:
+            sys.stdout.write(f"match: {report.compared} tensors equal {how} ({report.seconds:.1f}s)\n")
+    if not report.match:
+        raise VerifyMismatch(
+            f"{len(report.findings)} mismatch(es) between {a} and {b}", agreed=world.distributed
+        )

@@ -187,6 +187,7 @@ def open_sides(
     mapping: str | None = None,
     config: dict[str, Any] | None = None,
     allow_unmapped: bool = False,
+    lora: LoraRequest | None = None,
 ) -> tuple[Side, Side]:
     """Both sides; with a mapping, every DCP side is viewed under HF names, in the expert form (per expert or
     fused) of the other side when that is HF."""
@@ -199,7 +200,9 @@ def open_sides(
     for i, (label, path) in enumerate((("A", a), ("B", b))):
         if is_dcp_dir(path):
             other = sides[1 - i]
-            sides[i] = dcp_side(label, path, prefix, mapping, config or {}, allow_unmapped, like=other)
+            sides[i] = dcp_side(
+                label, path, prefix, mapping, config or {}, allow_unmapped, like=other, lora=lora
+            )
     assert sides[0] is not None and sides[1] is not None
     follow(sides[0], sides[1])
     follow(sides[1], sides[0])
@@ -274,6 +277,7 @@ def verify(
     config: Path | None = None,
     allow_unmapped: bool = False,
     tolerance: Tolerance | None = None,
+    lora: LoraRequest | None = None,
 ) -> Report:
     """Collective: compare checkpoint `a` with `b` (paths or hub repo ids). Rank 0 downloads repo ids."""
 
@@ -293,6 +297,7 @@ def verify(
             mapping=mapping,
             config=load_config(found),
             allow_unmapped=allow_unmapped,
+            lora=lora,
         )
 
     side_a, side_b = everyone(world, prepare)

@@ -396,3 +396,18 @@ def test_adapter_through_a_torchtitan_mapping_merges_as_the_trainers(
         {k: merged[k] for k in load_file(run_dir / "merged.safetensors")},
         load_file(run_dir / "merged.safetensors"),
     )
+
+
+def test_verify_compares_a_lora_checkpoint_with_its_adapter_and_its_merge(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = runs["dora"]
+    config = ["--lora-config", str(run_dir / "adapter" / "adapter_config.json")]
+    dcp_dir = str(run_dir / "dcp")
+    merged = ckptconv("verify", dcp_dir, str(run_dir / "merged"), "--lora", "merge", *config)
+    assert merged.returncode == 0 and "match:" in merged.stdout, merged.stderr
+    adapter = ckptconv("verify", dcp_dir, str(run_dir / "adapter"), "--lora", "adapter", *config, "--json")
+    assert adapter.returncode == 0 and json.loads(adapter.stdout)["match"] is True, adapter.stderr
+    wrong = ckptconv("verify", dcp_dir, str(run_dir / "merged"), "--lora", "merge", "--lora-alpha", "15")
+    assert wrong.returncode == 1, wrong.stderr  # another alpha: another merge
+    assert_one_line(*run(capsys, "verify", dcp_dir, str(run_dir / "merged")), "--lora merge")

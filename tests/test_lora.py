@@ -411,3 +411,31 @@ def test_verify_compares_a_lora_checkpoint_with_its_adapter_and_its_merge(
     wrong = ckptconv("verify", dcp_dir, str(run_dir / "merged"), "--lora", "merge", "--lora-alpha", "15")
     assert wrong.returncode == 1, wrong.stderr  # another alpha: another merge
     assert_one_line(*run(capsys, "verify", dcp_dir, str(run_dir / "merged")), "--lora merge")
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_torchtunes_lora_names_through_its_mapping_are_torchtunes_own_conversions(
+    tmp_path: Path, kind: str
+) -> None:
+    """A torchtune 0.6.1 LoRA / DoRA Llama 3 (`lora_a`, `lora_b`, `magnitude` beside the weight) saved with
+    DCP: `--mapping torchtune-llama3 --lora adapter` equals torchtune's `tune_to_peft_adapter_weights` (q/k
+    B rows permuted as the weights are), `--lora merge` its `get_merged_lora_ckpt` then `tune_to_hf`, bit
+    for bit (alpha / r = 2: scaling B before or after the product rounds alike)."""
+    from tune import run_script
+
+    run_script(WORKERS / "tune_lora.py", str(tmp_path / "run"), *(["dora"] if kind == "dora" else []))
+    run_dir = tmp_path / "run"
+    args = ["--mapping", "torchtune-llama3", "--config", str(run_dir / "config.json")]
+    args += ["--lora-config", str(run_dir / "adapter" / "adapter_config.json"), "-q"]
+    src = str(run_dir / "dcp")
+    adapter = ckptconv("dcp-to-hf", src, str(tmp_path / "adapter"), *args, "--lora", "adapter")
+    assert adapter.returncode == 0, adapter.stderr
+    assert_same(
+        load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+        load_file(run_dir / "adapter" / "adapter_model.safetensors"),
+    )
+    merged = ckptconv("dcp-to-hf", src, str(tmp_path / "merged"), *args, "--lora", "merge", "--dtype", "fp32")
+    assert merged.returncode == 0, merged.stderr
+    assert_same(
+        load_file(tmp_path / "merged" / "model.safetensors"), load_file(run_dir / "merged.safetensors")
+    )

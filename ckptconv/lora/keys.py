@@ -1,4 +1,4 @@
-"""PEFT's names for a LoRA-wrapped model's tensors, read from a checkpoint's keys. Pure.
+"""LoRA factors' names (PEFT's and torchtune's), read from a checkpoint's keys. Pure.
 
 A model wrapped by PEFT (`get_peft_model`) and saved whole (FSDP2 + DCP, `get_model_state_dict`) names its
 tensors, for an adapter called `default`:
@@ -14,6 +14,9 @@ tensors, for an adapter called `default`:
 `find_lora` splits such keys into the base model's keys (`base_model.model.` and `.base_layer` dropped: the
 names the unwrapped model has) and each adapter's factors per targeted module. Other PEFT methods (LoHa,
 LoKr, IA3, ...) and `modules_to_save` copies are refused by name.
+
+torchtune's LoRA modules (`LoRALinear`, `DoRALinear`) keep the base weight where it was and name the
+factors `M.lora_a.weight`, `M.lora_b.weight` (and `M.magnitude`): read as one adapter called `default`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ _FACTOR = re.compile(
     r"|lora_embedding_(?P<eab>[AB])\.(?P<ename>[^.]+)"
     r"|lora_magnitude_vector\.(?P<mname>[^.]+)(?:\.weight)?)$"
 )
+# torchtune's LoRALinear / DoRALinear: `M.weight` beside `M.lora_a.weight`, `M.lora_b.weight`, `M.magnitude`
+_TUNE = re.compile(r"^(?P<module>.+)\.(?:lora_(?P<ab>[ab])\.weight|(?P<mag>magnitude))$")
+TUNE_ADAPTER = "default"  # torchtune holds one adapter, unnamed
 _BASE_LAYERS = re.compile(r"(?:\.base_layer)+\.")  # nested: one wrapper per targeted parameter
 _TRAILING = re.compile(r"(?:\.base_layer)+$")
 # markers of PEFT methods other than LoRA / DoRA, and of what ckptconv does not convert yet
@@ -116,8 +122,13 @@ def find_lora(keys: Iterable[str]) -> LoraKeys | None:
                 )
     found: dict[str, dict[str, dict[str, str]]] = {}  # name -> wrapper -> role -> key
     base: list[tuple[str, str]] = []
+    tune: dict[str, dict[str, str]] = {}  # torchtune's names: module -> role -> key
     for key in keys:
         match = _FACTOR.match(key)
+        if match is None and (other := _TUNE.match(key)) is not None:
+            role = f"linear_{other['ab'].upper()}" if other["ab"] else "magnitude"
+            tune.setdefault(other["module"], {})[role] = key
+            continue
         if match is None:
             base.append((_BASE_LAYERS.sub(".", key), key))
             continue
@@ -126,6 +137,11 @@ def find_lora(keys: Iterable[str]) -> LoraKeys | None:
         role = f"linear_{ab}" if ab else f"embedding_{eab}" if eab else "magnitude"
         roles = found.setdefault(name, {}).setdefault(match["module"], {})
         roles[role] = key
+    for module, roles in tune.items():  # a lone `magnitude` is some module's own parameter, not DoRA's
+        if set(roles) == {"magnitude"}:
+            base.append((roles["magnitude"], roles["magnitude"]))
+        else:
+            found.setdefault(TUNE_ADAPTER, {})[module] = roles
     if not found:
         return None
     prefixed = all(k.startswith(PEFT_PREFIX) for k in keys)

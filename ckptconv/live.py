@@ -148,7 +148,7 @@ def save_hf(
     path: str | Path,
     *,
     mapping: str | None = None,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     fp32: Sequence[str] = ("A_log$",),
     max_shard_size: str | int = "5GB",
     bucket_size: str | int = "128MB",
@@ -180,6 +180,7 @@ def save_hf(
     the index (or the single file) completes it last, as dcp-to-hf writes a URL OUT; `storage_options` go
     to the backend's file system.
     """
+    release_dtype = dtype or ("keep" if lora == "adapter" else "bf16")  # an adapter keeps its dtype
     if storage_options is not None:
         urls.use_options(storage_options)
     world, url = _world(), urls.url_path(path)
@@ -201,7 +202,7 @@ def save_hf(
 
     def prepare() -> Any:
         holding = holdings(everyone_described)
-        policy = DtypePolicy(parse_dtype_flag(dtype), fp32)
+        policy = DtypePolicy(parse_dtype_flag(release_dtype), fp32)
         if quantize_skip and not quantize:
             raise CkptconvError("save_hf: quantize_skip applies with quantize='fp8'")
         request = LoraRequest(lora, lora_name, lora_alpha, _path(lora_config, "lora_config"))  # type: ignore[arg-type]
@@ -237,7 +238,7 @@ def save_hf(
         if others:
             write_stash(staging, [_stashed(p, v) for p, v in others])
         if copy_from is not None and CONFIG_FILE in copy_non_weights(Path(copy_from), staging):
-            follow_config(staging / CONFIG_FILE, plan, parse_dtype_flag(dtype))
+            follow_config(staging / CONFIG_FILE, plan, parse_dtype_flag(release_dtype))
 
     results = run_rounds(jobs, rounds, world.rank, local, TorchCollective(handles))
     items = emit(order, needs, world.rank, results, jobs)

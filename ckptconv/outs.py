@@ -18,7 +18,7 @@ from .formats.dcp import DcpCheckpoint
 from .lora.keys import PEFT_PREFIX
 from .lora.mapped import factor_targets
 from .lora.merge import LoraParts
-from .lora.select import LoraRequest, Merge, lora_plan
+from .lora.select import LoraPlan, LoraRequest, Merge, lora_plan
 from .lora.settings import mapped_config
 from .mapping.rules import KeyMapping, Part, Target, map_keys
 from .release import Selection, select_tensors
@@ -134,32 +134,41 @@ def mapped_tensors(
         raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
     selection = _with_lora(ckpt, selection, lora)
     plan = selection.lora
-    if plan is not None and plan.mode == "adapter" and mapping is not None:  # the factors follow the weights
-        fqn_of = dict(plan.sources)
-        base = dataclasses.replace(selection, keys=tuple((k, fqn_of[key]) for k, key in plan.base))
-        shapes = {key: ckpt.tensors[fqn].shape for key, fqn in plan.sources}
-        names: list[str] = []  # every mapped key, to say target_modules in the mapped model's names
-        factors = plan.factors
-
-        def derive(targets: list[Target]) -> list[Target]:
-            names.extend(t.key for t in targets)
-            return factor_targets(targets, factors, shapes)
-
-        mapped, unmapped = _out_tensors(
-            ckpt, base, policy, mapping, config or {}, allow_unmapped, derive, fqn_of
-        )
-        suffix = ".lora_A.weight"
-        ranks = {
-            o.hf_key[len(PEFT_PREFIX) : -len(suffix)]: o.shape[0] for o in mapped if o.hf_key.endswith(suffix)
-        }
-        modules = {k.removesuffix(".weight") for k in names if k.endswith(".weight")}
-        assert plan.config is not None
-        plan = dataclasses.replace(plan, config=mapped_config(plan.config, ranks, modules))
-        return dataclasses.replace(selection, lora=plan), mapped, unmapped
+    if plan is not None and plan.mode == "adapter" and mapping is not None:
+        return _adapter_mapped(ckpt, selection, plan, policy, mapping, config or {}, allow_unmapped)
     mapped, unmapped = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
     if selection.lora is not None and selection.lora.merges:
         mapped = _with_merges(mapped, selection.lora.merges, ckpt, dict(selection.lora.sources))
     return selection, mapped, unmapped
+
+
+def _adapter_mapped(
+    ckpt: DcpCheckpoint,
+    selection: Selection,
+    plan: LoraPlan,
+    policy: DtypePolicy,
+    mapping: KeyMapping,
+    config: dict[str, Any],
+    allow_unmapped: bool,
+) -> tuple[Selection, list[OutTensor], list[str]]:
+    """`--lora adapter --mapping M`: the base weights mapped, each adapted one's factors following it
+    (`lora.mapped`), and the adapter's config saying target_modules / rank_pattern in the mapped names."""
+    fqn_of = dict(plan.sources)
+    base = dataclasses.replace(selection, keys=tuple((k, fqn_of[key]) for k, key in plan.base))
+    shapes = {key: ckpt.tensors[fqn].shape for key, fqn in plan.sources}
+    names: list[str] = []  # every mapped key: the mapped model's modules
+
+    def derive(targets: list[Target]) -> list[Target]:
+        names.extend(t.key for t in targets)
+        return factor_targets(targets, plan.factors, shapes)
+
+    mapped, unmapped = _out_tensors(ckpt, base, policy, mapping, config, allow_unmapped, derive, fqn_of)
+    a = ".lora_A.weight"
+    ranks = {o.hf_key[len(PEFT_PREFIX) : -len(a)]: o.shape[0] for o in mapped if o.hf_key.endswith(a)}
+    modules = {k.removesuffix(".weight") for k in names if k.endswith(".weight")}
+    assert plan.config is not None
+    plan = dataclasses.replace(plan, config=mapped_config(plan.config, ranks, modules))
+    return dataclasses.replace(selection, lora=plan), mapped, unmapped
 
 
 def _with_lora(ckpt: DcpCheckpoint, selection: Selection, request: LoraRequest | None) -> Selection:

@@ -64,7 +64,7 @@ def main() -> None:
     state = get_model_state_dict(model)
     config = out / "adapter" / "adapter_config.json"
     for mode in ("adapter", "merge", "drop"):
-        dtype = "fp32" if mode == "merge" else "keep"
+        dtype = "fp32" if mode == "merge" else None  # adapter: its own dtype by default
         ckptconv.save_hf(state, out / f"save_hf_{mode}", lora=mode, lora_config=config, dtype=dtype, fp32=())
     finish()
 

@@ -34,8 +34,11 @@ def trust(enabled: bool) -> Iterator[None]:
 
 
 def print_json(doc: dict[str, Any]) -> None:
+    """Rank 0: `doc` as the one JSON document on stdout, with its `schema_version` (ckptconv.schema)."""
+    from .schema import versioned
+
     if rank() == 0:
-        sys.stdout.write(dumps(doc) + "\n")
+        sys.stdout.write(dumps(versioned(doc)) + "\n")
 
 
 _LONG = 64  # a list of more records than this is written a record per line

@@ -60,26 +60,43 @@ def call(app: typer.Typer, argv: list[str] | None = None) -> None:
             _exit_interrupted()
         sys.exit(e.exit_code)
     except usage_error as e:
-        sys.stderr.write(_usage_line(app, e, args) + "\n")
-        sys.exit(2)
+        _fail(_usage_line(app, e, args), app, args)
     except (KeyboardInterrupt, typer.Abort):
         _exit_interrupted()
     except CkptconvError as e:
         if os.environ.get("CKPTCONV_DEBUG"):
             raise
-        if not (e.agreed and rank() != 0):
-            sys.stderr.write(f"ckptconv: error: {' '.join(str(e).split())}\n")
-        sys.exit(e.exit_code)
+        line = f"ckptconv: error: {' '.join(str(e).split())}"
+        if e.exit_code != 2:  # a verify mismatch (exit 1): its --json report is out already
+            if not (e.agreed and rank() != 0):
+                sys.stderr.write(line + "\n")
+            sys.exit(e.exit_code)
+        _fail(line, app, args, quiet=e.agreed and rank() != 0)
     except OSError as e:  # an environment problem no check named more precisely (EACCES on a parent, ...)
         if os.environ.get("CKPTCONV_DEBUG"):
             raise
         where = f"{os.fsdecode(e.filename)}: " if e.filename is not None else ""
         cause = e.strerror or type(e).__name__
-        sys.stderr.write(f"ckptconv: error: {where}{cause}; check the path, its permissions and storage\n")
-        sys.exit(2)
+        _fail(f"ckptconv: error: {where}{cause}; check the path, its permissions and storage", app, args)
     except shown_error as e:  # any other error typer shows to users (a file it cannot open, ...)
-        sys.stderr.write(_usage_line(app, e, args) + "\n")
-        sys.exit(2)
+        _fail(_usage_line(app, e, args), app, args)
+
+
+def _fail(line: str, app: typer.Typer, args: list[str], quiet: bool = False) -> NoReturn:
+    """Exit 2 with `line` on stderr (unless `quiet`: another rank says it) and, with `--json`, on rank 0 the
+    report of an error on stdout: {"schema_version", "command", "error": {"message", "exit_code"}}."""
+    if not quiet:
+        sys.stderr.write(line + "\n")
+    if "--json" in args and rank() == 0 and not quiet:
+        import json
+
+        from .schema import versioned
+
+        commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+        command = next((a for a in args if a in commands), None)
+        error = {"command": command, "error": {"message": line, "exit_code": 2}}
+        sys.stdout.write(json.dumps(versioned(error), indent=2) + "\n")
+    sys.exit(2)
 
 
 def _exit_interrupted() -> NoReturn:

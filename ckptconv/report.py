@@ -68,6 +68,7 @@ def _inspect(path: Path) -> dict[str, Any]:
         )
     histogram = Counter(t["dtype"] for t in tensors)
     return {
+        "command": "inspect",
         "path": str(path),
         "format": kind,
         "num_tensors": len(tensors),
@@ -274,6 +275,9 @@ def plan_summary(plan: HfSavePlan) -> dict[str, Any]:
         "planned_bytes_written": bytes_per_rank(plan.writes, plan.world_size),
         "notes": list(plan.notes),
         "warnings": list(plan.warnings),
+        "lora": None
+        if plan.lora is None
+        else {"mode": plan.lora.mode, "adapter": plan.lora.adapter, "adapter_config": plan.lora.config},
     }
 
 

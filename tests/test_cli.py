@@ -6,6 +6,7 @@ installed; SIGTERM and SIGHUP unwind like Ctrl-C, on one process and under torch
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -42,7 +43,10 @@ def test_usage_errors_are_one_line_exit_2_with_a_hint(args: tuple[str, ...], nee
         assert proc.returncode == 0 and proc.stdout == ckptconv("--help").stdout and proc.stderr == ""
         return
     assert_one_line(proc.returncode, proc.stderr, *needles)
-    assert proc.stdout == ""
+    if "--json" in args:  # the error as a report on stdout (tests/test_json_schema.py)
+        assert json.loads(proc.stdout)["error"]["message"] == proc.stderr.strip()
+    else:
+        assert proc.stdout == ""
 
 
 def test_version() -> None:

@@ -59,10 +59,12 @@ class OutTensor:
 
     @property
     def work_dtype(self) -> torch.dtype:
-        """The dtype the tensor is assembled in: its own, for a quantized one its source's, fp32 to merge."""
-        if self.lora is not None:
-            return torch.float32
-        return self.src.dtype if self.quant else self.dtype
+        """The dtype the tensor is assembled in: its own; for a quantized one its source's (fp32 when LoRA is
+        merged into it, which is then quantized from the merged values); fp32 to merge LoRA into it whole."""
+        merged = self.lora is not None or any(sp.lora is not None for sp in self.parts)
+        if self.quant:
+            return torch.float32 if merged else self.src.dtype
+        return torch.float32 if self.lora is not None else self.dtype
 
     @property
     def src(self) -> TensorSpec:

@@ -103,7 +103,7 @@ def _merged(
     plain = dataclasses.replace(t, lora=None, dtype=torch.float32)
     w = assemble(plain, rows, reader, window)
     merged = merge_rows(w, window[0] if window else 0, t.lora, _factors(rows))
-    return merged.to(t.dtype)
+    return merged if t.quant else merged.to(t.dtype)  # a weight to quantize is quantized from fp32
 
 
 def _factors(rows: RowsFn) -> ReadFn:

@@ -439,3 +439,22 @@ def test_torchtunes_lora_names_through_its_mapping_are_torchtunes_own_conversion
     assert_same(
         load_file(tmp_path / "merged" / "model.safetensors"), load_file(run_dir / "merged.safetensors")
     )
+
+
+def test_an_fp8_release_of_a_merge_quantizes_the_merged_weights(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """--lora merge --quantize fp8: each weight quantized (DeepSeek's block FP8, test_quantize.ref_quantize)
+    from PEFT's fp32 merge, not from a cast of it."""
+    from test_quantize import ref_quantize
+
+    run_dir = runs["dora"]
+    convert(run_dir, tmp_path / "fp8", "--lora", "merge", "--quantize", "fp8")
+    ours = load_file(tmp_path / "fp8" / "model.safetensors")
+    merged = load_file(run_dir / "merged" / "model.safetensors")
+    quantized = [k for k in merged if k + "_scale_inv" in ours]
+    assert len(quantized) == 14  # q, k, v, o, gate, up, down in 2 layers
+    for key in quantized:
+        values, scale = ref_quantize(merged[key])
+        assert torch.equal(ours[key].view(torch.uint8), values.view(torch.uint8)), key
+        assert torch.equal(ours[key + "_scale_inv"], scale), key

@@ -218,7 +218,7 @@ def dcp_to_hf(
 
     with gcpause.paused():  # the plan's records are not walked again and again while the bytes move
         if isinstance(target, RemoteTarget):
-            last = INDEX_FILE if plan.sharded else remote_out.SINGLE_FILE
+            last = INDEX_FILE if plan.sharded else plan.files[0].name  # model.safetensors, or an adapter's
             layout = (plan.files, plan.writes)
             result.copied = remote_out.publish(world, target, last, write, finish, check, layout) or []
         else:

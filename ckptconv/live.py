@@ -28,7 +28,7 @@ from .dtypes import DtypePolicy, parse_dtype_flag
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
 from .formats.files import refuse_url
-from .formats.hf import INDEX_FILE, SINGLE_FILE, write_index
+from .formats.hf import INDEX_FILE, write_index
 from .hf_write import follow_config, write_adapter_config, write_files
 from .layout import tiling_problem
 from .lora.select import LoraRequest
@@ -247,7 +247,7 @@ def save_hf(
         write_files(plan, items, staging, world, ui)
 
     if isinstance(target, RemoteTarget):
-        last = INDEX_FILE if plan.sharded else SINGLE_FILE
+        last = INDEX_FILE if plan.sharded else plan.files[0].name
         remote_out.publish(world, target, last, write, finish, layout=(plan.files, plan.writes))
     else:
         outdir.atomically(world, target, write, finish)

@@ -458,3 +458,54 @@ def test_an_fp8_release_of_a_merge_quantizes_the_merged_weights(
         values, scale = ref_quantize(merged[key])
         assert torch.equal(ours[key].view(torch.uint8), values.view(torch.uint8)), key
         assert torch.equal(ours[key + "_scale_inv"], scale), key
+
+
+def test_lora_from_and_into_s3(
+    runs: dict[str, Path],
+    tmp_path: Path,
+    s3_endpoint: str,
+    s3: Any,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A LoRA run's DCP in S3 (moto's server) merges to the local bytes; an adapter written into S3 holds
+    the local bytes, adapter_model.safetensors completed last (what makes it look complete)."""
+    import s3fs
+    from test_object_storage_out import _in_process, _objects
+
+    run_dir = runs["dora"]
+    config = ("--lora-config", str(run_dir / "adapter" / "adapter_config.json"))
+    s3.put(str(run_dir / "dcp"), "ckpts/lora-run", recursive=True)
+    convert(run_dir, tmp_path / "merged", "--lora", "merge")
+    code, err = _in_process(
+        capsys,
+        s3_endpoint,
+        "dcp-to-hf",
+        "s3://ckpts/lora-run",
+        str(tmp_path / "m3"),
+        "--lora",
+        "merge",
+        *config,
+        "-q",
+    )
+    assert code == 0, err
+    assert tree_sha256(tmp_path / "m3") == tree_sha256(tmp_path / "merged")
+    done: list[str] = []
+    call = s3fs.S3FileSystem.call_s3
+
+    def record(self: Any, method: str, *args: Any, **kw: Any) -> Any:
+        if method in ("complete_multipart_upload", "put_object"):
+            done.append(kw["Key"].rsplit("/", 1)[-1])
+        return call(self, method, *args, **kw)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", record)
+    s3fs.S3FileSystem.clear_instance_cache()
+    out = "s3://ckpts/lora-adapter"
+    code, err = _in_process(
+        capsys, s3_endpoint, "dcp-to-hf", str(run_dir / "dcp"), out, "--lora", "adapter", *config, "-q"
+    )
+    assert code == 0, err
+    convert(run_dir, tmp_path / "adapter", "--lora", "adapter")
+    assert _objects(s3, "lora-adapter") == tree_sha256(tmp_path / "adapter")
+    data = [n for n in done if not n.endswith(".ckptconv-lock")]
+    assert data[-1] == "adapter_model.safetensors", done

@@ -51,7 +51,9 @@ T = TypeVar("T")
 PART_BYTES = 16 << 20  # multipart part size: 10,000 parts (S3's limit) hold 160 GiB, far above a shard
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-COMPLETING = (INDEX_FILE, ".metadata", SINGLE_FILE)  # what makes an OUT look complete, in that order
+ADAPTER_FILE = "adapter_model.safetensors"  # --lora adapter's one file
+# what makes an OUT look complete, in that order
+COMPLETING = (INDEX_FILE, ".metadata", SINGLE_FILE, ADAPTER_FILE)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
 from .formats.hf_sharded import HF_METADATA_DIR
 from .hf_write import ReadPath, follow_config, write_adapter_config, write_shards
 from .hub_push import PushRequest
-from .lora.select import LoraRequest
+from .lora.select import AS_STORED, LoraRequest
 from .lora.source import with_adapter
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
@@ -292,9 +292,8 @@ def hf_to_dcp(
     config_file = config or (_first_file(path) if is_directory(path) else None)
 
     def check_inputs() -> tuple[DtypePolicy, outcheck.Target | None]:
-        if lora_adapter is not None and (mapping or verify):
-            flag = "--mapping" if mapping else "--verify"
-            raise CkptconvError(f"--lora-adapter with {flag} is not supported yet; leave {flag} out")
+        if lora_adapter is not None and mapping:
+            raise CkptconvError("--lora-adapter with --mapping is not supported yet; leave --mapping out")
         inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
         target = None if dry_run else outcheck.hf_target(world.is_main, out, overwrite, inputs, False)
         return DtypePolicy(parse_dtype_flag(dtype), fp32), target
@@ -336,11 +335,15 @@ def hf_to_dcp(
         ui.info(target.note)
 
     def source() -> verify_mod.Side:  # the HF tensors the plan reads (keys a mapping drops are not output)
-        read = {stored.key for t in plan.tensors for stored, _ in t.parts}
-        return verify_mod.hf_side("source", path, keys=read | {copy for copy, _ in plan.same})
+        used = {id(stored) for t in plan.tensors for stored, _ in t.parts}
+        read = {key for key, stored in hf.tensors.items() if id(stored) in used}  # as the plan names them
+        return verify_mod.hf_side("source", path, keys=read | {copy for copy, _ in plan.same}, hf=hf)
 
     def output(staging: Path, hf: verify_mod.Side) -> verify_mod.Side:  # in the HF side's expert form
-        return verify_mod.dcp_side("output", staging, prefix, mapping, model_config, allow_unmapped, like=hf)
+        lora = AS_STORED if lora_adapter is not None else None  # the wrapped names, as written
+        return verify_mod.dcp_side(
+            "output", staging, prefix, mapping, model_config, allow_unmapped, like=hf, lora=lora
+        )
 
     mine = [RankBytes(world.rank, 0, 0)]
 

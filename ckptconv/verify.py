@@ -28,7 +28,7 @@ from .errors import CkptconvError, VerifyMismatch
 from .formats.dcp import is_dcp_dir, open_dcp
 from .formats.dcp_reader import DcpReader
 from .formats.files import exists, is_regular
-from .formats.hf import open_hf
+from .formats.hf import HfCheckpoint, open_hf
 from .formats.safetensors_io import RowReader
 from .lora.select import LoraRequest
 from .mapping import VARIANTS, load_config, load_mapping
@@ -85,10 +85,17 @@ class Side:
     expect: Callable[[str], None] = lambda key: None  # this key will be read soon (object storage: coalesce)
 
 
-def hf_side(label: str, path: Path, keys: set[str] | None = None, like: Side | None = None) -> Side:
-    """An HF directory or file; only `keys` of it if given. A quantized weight (`formats.hf_quant`) is read
-    dequantized, in the dtype `shapes` gives it (config.json's, or the other side's after `follow`)."""
-    hf = open_hf(path)
+def hf_side(
+    label: str,
+    path: Path,
+    keys: set[str] | None = None,
+    like: Side | None = None,
+    hf: HfCheckpoint | None = None,
+) -> Side:
+    """An HF directory or file (or the checkpoint `hf` read from it already: hf-to-dcp's, with an adapter's
+    tensors); only `keys` of it if given. A quantized weight (`formats.hf_quant`) is read dequantized, in
+    the dtype `shapes` gives it (config.json's, or the other side's after `follow`)."""
+    hf = hf or open_hf(path)
     reader = RowReader()
     shapes = {k: (t.shape, t.dtype) for k, t in hf.tensors.items() if keys is None or k in keys}
 

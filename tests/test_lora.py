@@ -241,7 +241,7 @@ def test_adapter_to_dcp_resumes_in_a_wrapped_fsdp2_model_and_comes_back_byte_ide
 ) -> None:
     """hf-to-dcp BASE OUT --lora-adapter: `dcp.load` fills a PEFT-wrapped FSDP2 model on 2 ranks with what
     `PeftModel.from_pretrained` loads (every key, bit for bit; the trained logits), and dcp-to-hf --lora
-    adapter of that DCP gives back PEFT's adapter_model.safetensors byte for byte."""
+    adapter of that DCP gives back PEFT's adapter_model.safetensors byte for byte. `--verify` passes."""
     adapter = runs[name] / "adapter"
     proc = ckptconv(
         "hf-to-dcp",
@@ -251,9 +251,9 @@ def test_adapter_to_dcp_resumes_in_a_wrapped_fsdp2_model_and_comes_back_byte_ide
         str(adapter),
         "--prefix",
         "model",
-        "-q",
+        "--verify",  # the DCP read back against the base and the adapter
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0 and "match the source bit for bit" in proc.stderr, proc.stderr
     args = [str(base), str(adapter), str(tmp_path / "dcp")]
     args += [str(runs[name] / "input_ids.pt"), str(runs[name] / "logits.pt")]
     loaded = torchrun(2, str(WORKERS / "peft_load.py"), *args)
@@ -308,7 +308,7 @@ def test_lora_adapter_errors_are_one_line(
         (["--lora-adapter", str(wrong)], "'model.vision.proj'", "is it an adapter of this model?"),
         (["--lora-adapter", str(other)], "hada_w1_a", "only LoRA and DoRA"),
         (["--lora-adapter", adapter, "--lora-name", "a.b"], "--lora-name 'a.b'"),
-        (["--lora-adapter", adapter, "--verify"], "--lora-adapter with --verify"),
+        (["--lora-adapter", adapter, "--mapping", "torchtitan-llama3"], "--lora-adapter with --mapping"),
         (["--lora-adapter", str(tmp_path / "none")], "none"),
     ]
     for flags, *needles in cases:

@@ -54,6 +54,9 @@ class LoraRequest:
         ]
 
 
+AS_STORED = LoraRequest()  # internal: LoRA keys read as they are (hf-to-dcp --lora-adapter's own output)
+
+
 @dataclass(frozen=True)
 class Merge:
     """A targeted weight's LoRA in merge mode: the selected keys of its factors, and PEFT's scaling."""
@@ -88,6 +91,8 @@ def lora_plan(
     """The keys the mode makes of `keys` (selected keys, with their `shapes`); None when there is no LoRA.
     `src`: the checkpoint directory, where an `adapter_config.json` is read when no `--lora-config` is given
     (`read_trainer_config`; False for a checkpoint in object storage)."""
+    if request is AS_STORED:
+        return None
     found = find_lora(keys)
     mode = request.mode if request is not None else None
     if found is None:

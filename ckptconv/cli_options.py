@@ -126,7 +126,9 @@ RevisionOpt = Annotated[
 ]
 MappingOpt = Annotated[
     str | None,
-    typer.Option("--mapping", help="Key mapping: a preset name (see README) or a TOML file of rules."),
+    typer.Option(
+        "--mapping", help="Key mapping: a preset name (docs/mapping.md lists them) or a TOML file of rules."
+    ),
 ]
 ConfigOpt = Annotated[
     Path | None,

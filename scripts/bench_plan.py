@@ -17,8 +17,8 @@ Then it times, each in a fresh process (wall seconds and the kernel's peak RSS, 
   ckptconv inspect   `python -m ckptconv inspect SRC --json`
 
 and, in one more process, the plan at RANKS ranks under each `--write-granularity`: how many ranks write,
-and the least and most bytes a rank writes (the README's table). Last, `hf-to-dcp --dry-run` of a synthetic
-HF model of HF_FILES safetensors files (real headers, sparse data; see `make_hf`).
+and the least and most bytes a rank writes (the table in docs/benchmarks.md). Last, `hf-to-dcp --dry-run`
+of a synthetic HF model of HF_FILES safetensors files (real headers, sparse data; see `make_hf`).
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ trap 'rm -rf "$tmp"' EXIT
 "${PYTHON:-python3}" -m venv "$tmp/venv"
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's own status still fails the script
 quiet "$tmp/venv/bin/python" -m pip install -q --upgrade pip
-quiet "$tmp/venv/bin/python" -m pip install -q "torch==2.13.0" -e ".[test]"
+quiet "$tmp/venv/bin/python" -m pip install -q "torch==2.13.0" -e ".[test,docs]"
 {
   echo "# The lock: every package scripts/setup.sh installs, at the versions tested. Made by scripts/lock.sh."
   "$tmp/venv/bin/python" -m pip freeze --all --exclude-editable | sed 's/^torch==\(.*\)+cpu$/torch==\1/'
 } > constraints.txt
-quiet "$tmp/venv/bin/python" -m pip lock -q -c constraints.txt "torch==2.13.0" ".[test]" -o pylock.toml
+quiet "$tmp/venv/bin/python" -m pip lock -q -c constraints.txt "torch==2.13.0" ".[test,docs]" -o pylock.toml
 echo "wrote constraints.txt ($(grep -vc '^#' constraints.txt) packages) and pylock.toml"

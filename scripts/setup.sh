@@ -17,6 +17,6 @@ fi
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's own status still fails the script
 # pip and the build backend first, from the same pins: the editable install is built with them
 quiet "$venv/bin/python" -m pip install -q "${pins[@]}" pip setuptools
-PYTHONWARNINGS=ignore quiet "$venv/bin/python" -m pip install -q "${pins[@]}" --no-build-isolation "torch==2.13.0" -e ".[test]"
+PYTHONWARNINGS=ignore quiet "$venv/bin/python" -m pip install -q "${pins[@]}" --no-build-isolation "torch==2.13.0" -e ".[test,docs]"
 "$venv/bin/python" -m pip check >/dev/null || { "$venv/bin/python" -m pip check >&2; exit 1; }
 "$venv/bin/python" -c "import torch, typer, ckptconv; print('ckptconv', ckptconv.__version__, 'torch', torch.__version__, 'typer', typer.__version__)"

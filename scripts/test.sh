@@ -8,6 +8,8 @@ venv=.venv
 [ "${CKPTCONV_DEPS:-locked}" = latest ] && venv=.venv-latest
 "$venv/bin/ruff" check ckptconv tests scripts
 "$venv/bin/mypy"
+# the documentation site: a broken link or reference fails (--strict); the CLI reference is generated from the app
+NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
 # two workers (CKPTCONV_TEST_WORKERS): each test module runs whole on one of them (`--dist loadfile`), so its
 # module- and session-scoped checkpoints are built once. Not `--dist loadgroup`: with pytest 9 xdist's groups
 # are silently ignored (it renames `item._nodeid`, which pytest 9 no longer reads), and every test was its own

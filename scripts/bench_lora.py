@@ -15,7 +15,9 @@ peak RSS of the largest process (a rank) shown (sampled every 20 ms over the pro
 
 The outputs are checked equal tensor by tensor (both merge in fp32 and cast once to bf16).
 
-usage: .venv/bin/python scripts/bench_lora.py [--gb 4] [--runs 3] [--workdir bench-out]
+usage: .venv/bin/python scripts/bench_lora.py [--gb 4] [--runs 3] [--workdir bench-out] [--out FILE]
+`--out FILE` also writes the rows as JSON with the machine, versions and date (scripts/_bench_results.py), as
+docs/benchmarks/lora.json holds them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _bench_results import write as write_results
 from _bench_run import Sample, run_measured
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +127,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=ROOT / "bench-out")
     parser.add_argument("--baseline", nargs=2, type=Path, help=argparse.SUPPRESS)  # CKPT OUT: run it here
     parser.add_argument("--make", type=Path, help=argparse.SUPPRESS)  # PATH: make the checkpoint here
+    parser.add_argument("--out", type=Path, help="also write the results as JSON (machine, versions, date)")
     args = parser.parse_args()
     if args.baseline:
         peft_merge(*args.baseline)
@@ -179,6 +183,20 @@ def main() -> None:
         rss = max(s.rss_rank for s in got) / GIB
         print(f"| {method} | {seconds:.2f} | {seconds / base:.2f}x | {rss:.2f} GiB |")
     print(f"outputs equal tensor for tensor: {equal}")
+    if args.out:
+        rows = [
+            {
+                "size_gb": round(size / 1e9, 2),
+                "method": method,
+                "seconds": statistics.median(s.seconds for s in got),
+                "rss_rank_gib": round(max(s.rss_rank for s in got) / GIB, 3),
+                "runs": len(got),
+            }
+            for method, got in samples.items()
+        ]
+        _previous = json.loads(args.out.read_text())["results"] if args.out.exists() else []
+        rows = [r for r in _previous if r["size_gb"] != round(size / 1e9, 2)] + rows  # one file, all sizes
+        write_results(args.out, "lora-merge", rows, " ".join(["scripts/bench_lora.py", *sys.argv[1:]]))
     if not equal:
         sys.exit(1)
 

@@ -1,6 +1,7 @@
 """Planning at scale, measured without the data: a synthetic DCP checkpoint with a real torch `.metadata`.
 
 usage: python scripts/bench_plan.py [--scales 0.1,0.3,1] [--workdir DIR] [--ranks 512] [--hf-files 2000]
+                                   [--out FILE: the results as JSON, as docs/benchmarks/plan.json holds them]
 
 For each scale it writes WORKDIR/plan-SCALE: the `.metadata` torch's own `FileSystemWriter` would write for
 `{"model": ..., "optimizer": ...}` of a Llama-70B-shaped model (hidden 8192, FFN 28672, 64 heads / 8 KV
@@ -293,6 +294,7 @@ def main() -> None:
     parser.add_argument(
         "--hf-files", type=int, default=2000, help="files of the synthetic HF model (0: none)"
     )
+    parser.add_argument("--out", type=Path, help="also write the results as JSON (machine, versions, date)")
     args = parser.parse_args()
     py = sys.executable
     results = []
@@ -357,6 +359,10 @@ def main() -> None:
             {**info, "rows": {"ckptconv hf-to-dcp dry-run": {k: row[k] for k in ("seconds", "peak_gib")}}}
         )
     (args.workdir / "bench_plan.json").write_text(json.dumps(results, indent=1))
+    if args.out:
+        from _bench_results import write
+
+        write(args.out, "planning", results, " ".join(["scripts/bench_plan.py", *sys.argv[1:]]))
     print(f"results: {args.workdir / 'bench_plan.json'}")
 
 

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"${PYTHON:-python3}" -m venv "$tmp/venv"
+"${PYTHON:-$(command -v /usr/bin/python3 || command -v python3)}" -m venv "$tmp/venv"  # CI's Python (Debian 3.11.2): a pin must install there
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's own status still fails the script
 quiet "$tmp/venv/bin/python" -m pip install -q --upgrade pip
 quiet "$tmp/venv/bin/python" -m pip install -q "torch==2.13.0" -e ".[test,docs]"

@@ -88,24 +88,21 @@ def peek(out: UrlPath) -> None:
         raise _held(out, url, info)
 
 
+# fsspec file systems whose mode "xb" is a create-only write on the store itself (s3fs: If-None-Match)
+CREATE_ONLY = frozenset({"s3", "s3a"})
+
+
 def _put_new(fs: Any, url: UrlPath, data: bytes) -> None:
     """Put `data` at `url` unless an object is there (FileExistsError): with the store's create-only
-    write, or where it has none, after looking."""
-    if _put_create_only(fs, url, data):
+    write where it has one (`CREATE_ONLY`), else after looking."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+    if CREATE_ONLY.intersection(protocols):
+        with fs.open(url.key, "xb") as f:
+            f.write(data)
         return
     if fs.exists(url.key):
         raise FileExistsError(url.key)
     fs.pipe_file(url.key, data)
-
-
-def _put_create_only(fs: Any, url: UrlPath, data: bytes) -> bool:
-    """Put `data` with fsspec's mode "xb" (S3: If-None-Match); False where the store does not take it."""
-    try:
-        with fs.open(url.key, "xb") as f:
-            f.write(data)
-    except (NotImplementedError, ValueError, TypeError):
-        return False
-    return True
 
 
 def _read(fs: Any, url: UrlPath) -> dict[str, Any]:

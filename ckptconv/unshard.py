@@ -84,12 +84,12 @@ def assemble(
         if window is None and sp.whole and sp.spec.shape == t.shape and reader is not None and not sp.lora:
             _fill_whole(reader, sp.spec, out)
             continue
-        read = _factors(rows) if sp.lora is not None else None
+        read = _factors(rows)
         for chunk, r0, r1 in _part_rows(sp, window):
             for lo, hi in row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
                 box = rows_box(chunk, lo, hi)
                 data = rows(sp.spec, chunk, lo, hi)
-                if sp.lora is not None and read is not None:  # W's block in fp32 with its update, cast once
+                if sp.lora is not None:  # W's block in fp32 with its update, cast once
                     data = data.to(torch.float32) + delta_box(sp.lora, *box, read)
                 place(view, sp, box, data, window)
     return out
@@ -107,11 +107,18 @@ def _merged(
 
 
 def _factors(rows: RowsFn) -> ReadFn:
-    """Rows of a LoRA factor (all of it with None) in fp32, read through `rows` like any stored tensor."""
+    """Rows of a LoRA factor (all of it with None) in fp32, read through `rows` like any stored tensor; a
+    factor read whole is read once for the tensor being made (every slab of W asks for all of A)."""
+    whole: dict[str, torch.Tensor] = {}
 
     def read(spec: TensorSpec, span: tuple[int, int] | None) -> torch.Tensor:
+        if span is None and spec.fqn in whole:
+            return whole[spec.fqn]
         part = SourcePart(spec, _whole(spec.fqn, spec.shape))
-        return assemble(OutTensor(spec.fqn, spec.shape, torch.float32, (part,)), rows, None, span)
+        value = assemble(OutTensor(spec.fqn, spec.shape, torch.float32, (part,)), rows, None, span)
+        if span is None:
+            whole[spec.fqn] = value
+        return value
 
     return read
 

@@ -34,6 +34,7 @@ LONGEST_FIRST = (
     "test_megatron_harness.py",  # 153 s
     "test_hostile_inputs.py",  # 151 s
     "test_live.py",  # 123 s
+    "test_docs_examples.py",  # 134 s
     "test_verify.py",  # 112 s
     "test_megatron_gpt.py",  # 111 s
     "test_object_storage.py",  # 110 s

@@ -1,9 +1,8 @@
-"""Every `ckptconv` command shown in the README and the docs pages parses with the CLI as it is (issue #22
-point 5, as far as it goes here): each line of a ```bash block that runs ckptconv (directly, under torchrun
-or as `python -m ckptconv`) is split as a shell would and parsed by the command's own click parser, so a
-renamed or removed option, a bad value or a wrong number of arguments in an example fails this test. The
-examples name checkpoints that are not here (a user's `ckpt/step-1000`, a hub repo), so they are parsed,
-not run; `scripts/demo.sh` runs the commands of the fresh-machine story end to end."""
+"""Every `ckptconv` command shown in the README and the docs pages parses with the CLI as it is: each line of
+a ```bash block that runs ckptconv (directly, under torchrun or as `python -m ckptconv`) is split as a shell
+would and parsed by the command's own click parser, so a renamed or removed option, a bad value or a wrong
+number of arguments in an example fails here in a second, without the checkpoints. tests/test_docs_examples.py
+then runs every one of them (slow-marked: CI runs it)."""
 
 from __future__ import annotations
 

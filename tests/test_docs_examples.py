@@ -1,0 +1,224 @@
+"""Every ckptconv command shown in the README and the docs runs (issue #22 point 5), so the examples cannot
+go stale: each ```bash block that runs ckptconv is run, line by line as a shell runs it (or whole, as a
+script, where the page says so), in a sandbox made of the parts its `<!-- example: ... -->` line names
+(tests/docs_examples.py). Every command must exit 0 without a traceback, and a `--json` report must follow
+the published schema.
+
+What a sandbox changes in a line, and why (nothing else is touched):
+- `/models/...` and `/shared/...` are the sandbox's `models/` and `shared/` (no test writes to `/`);
+- `--nproc-per-node 8` (or 4) runs 2 ranks (this machine has 2 cores; the output is the same at any world
+  size, which other tests check byte for byte); the two-node line runs as two torchrun "nodes" of 1 rank
+  meeting on 127.0.0.1, the first hosting the rendezvous (`host0` is not a host here);
+- `http://minio:9000` is the test's own S3 server (moto's), which also serves `s3://bucket/...` through the
+  environment (AWS_ENDPOINT_URL), and hub repo ids come from the offline hub cache the parts fill;
+- `--push-to-hub` runs in this process with huggingface_hub's HfApi replaced by tests/test_hub_push.py's
+  recorder (there is no Hub here), which checks what would be uploaded.
+A converting command's OUT left by an earlier line of the same block is removed first, as a user running the
+examples one after another would (all but the lines that pass `--overwrite`, which overwrite it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub
+import jsonschema
+import pytest
+from conftest import s3_options
+from docs_examples import PARTS, ROOT, Block, blocks, part
+from test_docs_commands import argv as ckptconv_argv
+
+from ckptconv.schema import load
+
+BLOCKS = blocks()
+VALIDATOR = jsonschema.Draft202012Validator(load())
+
+
+def test_every_block_is_announced() -> None:
+    """A new example must say which sandbox it runs in (or it would not run)."""
+    bare = [b.id for b in BLOCKS if not b.parts]
+    assert not bare, (
+        f"bash blocks running ckptconv with no `<!-- example: PARTS -->` line before them: {bare}"
+    )
+    unknown = {p for b in BLOCKS for p in b.parts} - set(PARTS)
+    assert not unknown, f"unknown parts {unknown}; known: {sorted(PARTS)}"
+    assert len(BLOCKS) >= 20 and sum(len(b.commands) for b in BLOCKS) > 60
+
+
+def _sandbox(block: Block, tmp_path: Path, endpoint: str | None) -> tuple[Path, dict[str, str]]:
+    box = tmp_path / "sandbox"
+    box.mkdir()
+    for name in block.parts:
+        if name == "s3":
+            continue  # in the bucket, not the sandbox
+        source = part(name)
+        clash = [p for p in source.rglob("*") if p.is_file() and (box / p.relative_to(source)).exists()]
+        assert not clash, f"{block.id}: part {name!r} clashes with another part at {clash[:3]}"
+        shutil.copytree(source, box, dirs_exist_ok=True, copy_function=os.link)
+    env = dict(os.environ)
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=str(ROOT),
+        HF_HOME=str(box / ".hf"),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    env.pop("CKPTCONV_DEBUG", None)
+    if endpoint:
+        options = s3_options(endpoint)
+        env.update(
+            AWS_ENDPOINT_URL=endpoint,
+            AWS_ACCESS_KEY_ID=options["key"],
+            AWS_SECRET_ACCESS_KEY=options["secret"],
+        )
+    return box, env
+
+
+def _fill_bucket(endpoint: str) -> object:
+    import s3fs
+
+    client = s3fs.S3FileSystem(**s3_options(endpoint), use_listings_cache=False)
+    if client.exists("bucket"):
+        client.rm("bucket", recursive=True)
+    client.mkdir("bucket")
+    source = part("s3") / "bucket"
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        client.put_file(str(path), f"bucket/{path.relative_to(source)}")
+    return client
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _localize(line: str, box: Path, endpoint: str | None) -> str:
+    line = re.sub(r"(?<=[\s'\"])/(models|shared)/", lambda m: f"{box}/{m.group(1)}/", line)
+    line = re.sub(r"--nproc-per-node [48]\b", "--nproc-per-node 2", line)
+    if endpoint:
+        line = line.replace("http://minio:9000", endpoint)
+    return line
+
+
+def _clear_out(args: list[str], box: Path, client: object) -> None:
+    """Remove a converting command's OUT that an earlier line made (not with --overwrite)."""
+    if args[0] not in ("dcp-to-hf", "hf-to-dcp") or "--overwrite" in args:
+        return
+    out = args[2]
+    if out.startswith("s3://"):
+        if client.exists(out[5:]):  # type: ignore[attr-defined]
+            client.rm(out[5:], recursive=True)  # type: ignore[attr-defined]
+    elif (box / out).exists():
+        shutil.rmtree(box / out)
+
+
+def _check(line: str, args: list[str], code: int, out: str, err: str) -> None:
+    assert code == 0, f"`{line}` exited {code}:\n{out}\n{err}"
+    assert "Traceback" not in err, f"`{line}`:\n{err}"
+    if "--json" in args and ">" not in line:
+        VALIDATOR.validate(json.loads(out))
+
+
+def _two_nodes(line: str, box: Path, env: dict[str, str]) -> None:
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        one = line.replace("--nproc-per-node 2", "--nproc-per-node 1")
+        one = re.sub(
+            r"--rdzv-endpoint \S+", f"--rdzv-endpoint 127.0.0.1:{port} --rdzv-conf is_host={node}", one
+        )
+        procs.append(
+            subprocess.Popen(
+                ["bash", "-c", one],
+                cwd=box,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        _check(line, ckptconv_argv(line), proc.returncode, out, err)
+
+
+def _push(line: str, box: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from test_hub_push import FakeApi
+
+    from ckptconv.cli import main
+
+    FakeApi.calls, FakeApi.fail, FakeApi.uploaded = [], {}, {}
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.chdir(box)
+    args = ckptconv_argv(line)
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    _check(line, args, code, captured.out, captured.err)
+    repo = args[args.index("--push-to-hub") + 1]
+    uploads = [kw for name, kw in FakeApi.calls if name in ("upload_folder", "upload_large_folder")]
+    assert uploads and uploads[0]["repo_id"] == repo, FakeApi.calls
+    assert "model.safetensors" in FakeApi.uploaded or "model.safetensors.index.json" in FakeApi.uploaded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_the_example_runs(
+    block: Block,
+    tmp_path: Path,
+    s3_endpoint: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    uses_s3 = "s3" in block.parts
+    endpoint = s3_endpoint if uses_s3 else None
+    box, env = _sandbox(block, tmp_path, endpoint)
+    client = _fill_bucket(s3_endpoint) if uses_s3 else None
+    if block.script_args is not None:
+        script = tmp_path / "example.sh"
+        script.write_text(_localize(block.text, box, endpoint))
+        proc = subprocess.run(
+            ["bash", str(script), *block.script_args],
+            cwd=box,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, (
+            f"{block.id} as a script exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
+        assert "Traceback" not in proc.stderr
+        reports = [*box.glob("*.convert.json"), *box.glob("*.report.json")]
+        assert reports, f"{block.id}: the script wrote no report"
+        for report in reports:
+            VALIDATOR.validate(json.loads(report.read_text()))
+        return
+    for original in block.commands:
+        line = _localize(original, box, endpoint)
+        args = ckptconv_argv(line)
+        if args in (["--version"], ["--help"]):
+            proc = subprocess.run(["bash", "-c", line], cwd=box, env=env, capture_output=True, text=True)
+            _check(line, args, proc.returncode, proc.stdout, proc.stderr)
+            continue
+        _clear_out(args, box, client)
+        if "--push-to-hub" in args:
+            _push(line, box, monkeypatch, capsys)
+        elif "--nnodes 2" in line:
+            _two_nodes(line, box, env)
+        else:
+            proc = subprocess.run(
+                ["bash", "-c", line], cwd=box, env=env, capture_output=True, text=True, timeout=600
+            )
+            _check(line, args, proc.returncode, proc.stdout, proc.stderr)

@@ -1,5 +1,5 @@
-"""The memory section of scripts/bench.py (`--direction memory`): peak RSS per rank of `verify`, `--verify`
-and `dcp-to-hf --read gather`, against what they should hold.
+"""Benchmark the memory of `verify`, `--verify` and `dcp-to-hf --read gather`: peak RSS per rank against what
+they should hold, on the conversion benchmark's checkpoints (same sizes, shapes, work directory and runner).
 
   verify 1 rank            `ckptconv verify DCP RELEASE` (fp32 DCP vs its bf16 release: A cast to B's dtype)
   verify 1r --atol         the same with `--atol 1e-2` (fp32 arithmetic)
@@ -11,22 +11,80 @@ and `dcp-to-hf --read gather`, against what they should hold.
 The release (`RELEASE`, bf16 safetensors) is made once from the DCP checkpoint by ckptconv and reused.
 Columns: "beyond start-up" = RSS/rank minus the RSS/rank of the start-up row of the same rank count;
 "largest" = the largest stored tensor (fp32 bytes); "bound" = what the command should hold beyond start-up:
-the largest pair (fp32 + bf16: 1.5x largest) for verify, the bucket + the largest tensor for gather.
+the largest pair (fp32 + bf16: 1.5x largest) for verify, the bucket + the largest tensor for gather. The
+start-up rows (`import torch`, `torchrun import torch`) and `ckptconv 1 rank` (dcp-to-hf) run beside them.
+
+usage: .venv/bin/python scripts/bench.py memory --shapes dense --sizes 1,4 --runs 1
+Writes WORKDIR/bench-memory.md and bench-memory.json (as convert's bench.md and bench.json); `--out FILE`
+the results file (one row per shape, size and method, with the largest tensor and the bound).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import argparse
+import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-GIB = 1024**3
-MB = 10**6
+from . import suite
+from .checkpoints import ensure_release, largest_tensor_bytes, release_of
+from .methods import METHODS, NPROC, PY, SHAPES, STARTUP, Method, ckptconv_args, torchrun
+from .runner import GIB, command_line, log, options, write_results
+from .tables import SizeReport, failed_row, result_rows
 
-# key -> (what it holds: "pair" or bucket bytes); the commands are built in bench.py
+MB = 10**6
+OPTIONS = options(None, default="3, or 1 with --quick")
+TITLE = "memory: verify, --verify and --read gather against the largest tensor and the bucket"
+
+MEMORY_METHODS: tuple[Method, ...] = (
+    *STARTUP,
+    next(m for m in METHODS if m.key == "ckptconv_1"),
+    Method(
+        "m_verify_1",
+        "verify 1 rank",
+        1,
+        "convert",
+        lambda c, o, f: [PY, "-m", "ckptconv", "verify", str(c), str(release_of(c)), *f],
+    ),
+    Method(
+        "m_verify_atol",
+        "verify 1r --atol",
+        1,
+        "convert",
+        lambda c, o, f: [PY, "-m", "ckptconv", "verify", str(c), str(release_of(c)), "--atol", "1e-2", *f],
+    ),
+    Method(
+        "m_verify_2",
+        f"verify {NPROC}r",
+        NPROC,
+        "convert",
+        lambda c, o, f: torchrun("-m", "ckptconv", "verify", str(c), str(release_of(c)), *f),
+    ),
+    Method(
+        "m_convert_verify",
+        "dcp-to-hf --verify 1r",
+        1,
+        "convert",
+        lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f), "--verify"],
+    ),
+    Method(
+        "m_gather_128",
+        f"gather {NPROC}r 128MB",
+        NPROC,
+        "convert",
+        lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather"),
+    ),
+    Method(
+        "m_gather_32",
+        f"gather {NPROC}r 32MB",
+        NPROC,
+        "convert",
+        lambda c, o, f: torchrun(
+            "-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather", "--bucket-size", "32MB"
+        ),
+    ),
+)
+# key -> what it holds: "pair" or bucket bytes
 BOUNDS: dict[str, str | int] = {
     "m_verify_1": "pair",
     "m_verify_atol": "pair",
@@ -48,39 +106,10 @@ COLUMNS = (
 )
 
 
-def release_of(ckpt: Path) -> Path:
-    """Where the bf16 release of DCP checkpoint `ckpt` (named dcp-STEM) is kept."""
-    return ckpt.with_name("release-" + ckpt.name.removeprefix("dcp-"))
-
-
-def ensure_release(ckpt: Path, flags: Sequence[str], env: dict[str, str]) -> Path:
-    """The bf16 HF release of `ckpt`, made once by `ckptconv dcp-to-hf` (with the shape's mapping flags)."""
-    release = release_of(ckpt)
-    if (release / "model.safetensors.index.json").is_file() or (release / "model.safetensors").is_file():
-        return release
-    tmp = release.with_name(release.name + ".partial")
-    argv = [sys.executable, "-m", "ckptconv", "dcp-to-hf", str(ckpt), str(tmp), "--quiet", "--overwrite"]
-    subprocess.run([*argv, *flags], check=True, env=env, stdin=subprocess.DEVNULL)
-    tmp.rename(release)
-    return release
-
-
-def largest_tensor_bytes(ckpt: Path, env: dict[str, str]) -> int:
-    """The largest stored tensor of a DCP checkpoint, in bytes (from `ckptconv inspect --json`)."""
-    argv = [sys.executable, "-m", "ckptconv", "inspect", str(ckpt), "--json"]
-    doc: dict[str, Any] = json.loads(subprocess.run(argv, check=True, env=env, capture_output=True).stdout)
-    return max(t["nbytes"] for t in doc["tensors"])
-
-
 def bound_bytes(key: str, largest: int) -> int:
     """What the command `key` should hold beyond start-up: the largest fp32/bf16 pair, or bucket + largest."""
     what = BOUNDS[key]
     return largest + largest // 2 if what == "pair" else int(what) + largest
-
-
-def failed_row(head: list[str], columns: Sequence[str]) -> list[str]:
-    """A method's row when its run failed: FAILED, then a dash in each remaining column."""
-    return [*head, "FAILED", *["-"] * (len(columns) - len(head) - 1)]
 
 
 def table_rows(reports: Sequence[Any]) -> list[list[str]]:
@@ -133,3 +162,30 @@ def _per_report(reports: Sequence[Any]) -> list[list[tuple[str, str]]]:
                 row.append((m.key, f"{(r.rss_rank - base.rss_rank) / bound_bytes(m.key, rep.largest):.2f}"))
         out.append(row)
     return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    suite.add_arguments(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    suite.resolve(args)
+    env = suite.environment()
+
+    def prepare(rep: SizeReport) -> None:
+        log(f"memory {rep.label}: the bf16 release {ensure_release(rep.ckpt, SHAPES[rep.kind], env)}")
+        rep.largest = largest_tensor_bytes(rep.ckpt, env)
+
+    load_start = os.getloadavg()[0]
+    reports = suite.measure(args, {"memory": MEMORY_METHODS}, env, prepare)
+    load = (load_start, os.getloadavg()[0])
+    labels = {m.key: m.label for m in MEMORY_METHODS}
+    section = suite.Section("memory", TITLE, table_rows(reports), headlines(reports, labels), COLUMNS)
+    code = suite.report(args, "bench-memory", [section], reports, MEMORY_METHODS, load)
+    if args.out:
+        rows = result_rows(reports)
+        for row, rep in zip(rows, [r for r in reports for _ in r.methods], strict=True):
+            row["largest_tensor_bytes"] = rep.largest
+            row["bound_bytes"] = bound_bytes(row["method"], rep.largest) if row["method"] in BOUNDS else None
+        write_results(args.out, "memory", rows, command_line())
+    return code

@@ -1,5 +1,6 @@
-"""The commands scripts/bench.py times: each method (ckptconv, the plain PyTorch baselines, cp -r, start-up
-floors) as a command line per (input, output dir, ckptconv flags), grouped by direction."""
+"""The commands the conversion benchmarks time: each method (ckptconv, the plain PyTorch baselines, cp -r,
+start-up floors) as a command line per (input, output dir, ckptconv flags), grouped by direction. The
+memory benchmark's own methods are in memory.py."""
 
 from __future__ import annotations
 
@@ -10,12 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from _bench_memory import release_of
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
+WORKERS = Path(__file__).resolve().parent / "workers"  # scripts run by path: the generator and the baselines
+BASELINE = str(WORKERS / "baseline.py")
 PY = sys.executable
-GIB = 1024**3
 NPROC = 2
 
 Kind = Literal["io", "startup", "convert"]
@@ -117,21 +115,21 @@ METHODS: tuple[Method, ...] = (
         "format_utils+save_file",
         1,
         "convert",
-        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "format_utils", str(c), str(o)],
+        lambda c, o, f: [PY, BASELINE, "format_utils", str(c), str(o)],
     ),
     Method(
         "hf_writer",
         f"torch HF writer {NPROC}r",
         NPROC,
         "convert",
-        lambda c, o, f: torchrun(str(SCRIPTS / "_bench_baseline.py"), "hf_storage_writer", str(c), str(o)),
+        lambda c, o, f: torchrun(BASELINE, "hf_storage_writer", str(c), str(o)),
     ),
     Method(
         "dcp_load",
         "dcp.load+save_torch_sd",
         1,
         "convert",
-        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load", str(c), str(o)],
+        lambda c, o, f: [PY, BASELINE, "dcp_load", str(c), str(o)],
     ),
     Method(
         "ckptconv_fp8",
@@ -145,58 +143,10 @@ METHODS: tuple[Method, ...] = (
         "dcp.load+quantize+save",
         1,
         "convert",
-        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "dcp_load_fp8", str(c), str(o)],
+        lambda c, o, f: [PY, BASELINE, "dcp_load_fp8", str(c), str(o)],
     ),
 )
 STARTUP = tuple(m for m in METHODS if m.kind == "startup")
-MEMORY_METHODS: tuple[Method, ...] = (  # see scripts/_bench_memory.py
-    *STARTUP,
-    next(m for m in METHODS if m.key == "ckptconv_1"),
-    Method(
-        "m_verify_1",
-        "verify 1 rank",
-        1,
-        "convert",
-        lambda c, o, f: [PY, "-m", "ckptconv", "verify", str(c), str(release_of(c)), *f],
-    ),
-    Method(
-        "m_verify_atol",
-        "verify 1r --atol",
-        1,
-        "convert",
-        lambda c, o, f: [PY, "-m", "ckptconv", "verify", str(c), str(release_of(c)), "--atol", "1e-2", *f],
-    ),
-    Method(
-        "m_verify_2",
-        f"verify {NPROC}r",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun("-m", "ckptconv", "verify", str(c), str(release_of(c)), *f),
-    ),
-    Method(
-        "m_convert_verify",
-        "dcp-to-hf --verify 1r",
-        1,
-        "convert",
-        lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f), "--verify"],
-    ),
-    Method(
-        "m_gather_128",
-        f"gather {NPROC}r 128MB",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather"),
-    ),
-    Method(
-        "m_gather_32",
-        f"gather {NPROC}r 32MB",
-        NPROC,
-        "convert",
-        lambda c, o, f: torchrun(
-            "-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather", "--bucket-size", "32MB"
-        ),
-    ),
-)
 HF_TO_DCP_METHODS: tuple[Method, ...] = (
     Method("h_cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
     *STARTUP,
@@ -219,13 +169,12 @@ HF_TO_DCP_METHODS: tuple[Method, ...] = (
         "load_file+dcp.save",
         1,
         "convert",
-        lambda c, o, f: [PY, str(SCRIPTS / "_bench_baseline.py"), "load_file_dcp_save", str(c), str(o)],
+        lambda c, o, f: [PY, BASELINE, "load_file_dcp_save", str(c), str(o)],
     ),
 )
 DIRECTIONS: dict[str, tuple[Method, ...]] = {
     "dcp-to-hf": METHODS,
     "hf-to-dcp": HF_TO_DCP_METHODS,
-    "memory": MEMORY_METHODS,
 }
 REFERENCE = {
     "dcp-to-hf": ("ckptconv_1", "cp"),

@@ -1,6 +1,6 @@
 """Planning at scale, measured without the data: a synthetic DCP checkpoint with a real torch `.metadata`.
 
-usage: python scripts/bench_plan.py [--scales 0.1,0.3,1] [--workdir DIR] [--ranks 512] [--hf-files 2000]
+usage: python scripts/bench.py plan [--scales 0.1,0.3,1] [--workdir DIR] [--ranks 512] [--hf-files 2000]
                                    [--out FILE: the results as JSON, as docs/benchmarks/plan.json holds them]
 
 For each scale it writes WORKDIR/plan-SCALE: the `.metadata` torch's own `FileSystemWriter` would write for
@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .runner import command_line, options, write_results
 
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 8192, 28672, 64, 8, 128256
 HEAD_DIM = HIDDEN // HEADS
@@ -283,19 +285,20 @@ def _shared(root: Path, nproc: int) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--scales", default="0.1,0.3,1")
+OPTIONS = options(with_runs=False)  # each method is measured once per scale
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scales", default="0.1,0.3,1", help="comma-separated fractions of the 80 layers")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckptconv-bench-plan"))
     parser.add_argument("--ranks", type=int, default=FSDP * TP)
     parser.add_argument("--skip-torch", action="store_true", help="leave out torch's own unpickling")
     parser.add_argument(
         "--hf-files", type=int, default=2000, help="files of the synthetic HF model (0: none)"
     )
-    parser.add_argument("--out", type=Path, help="also write the results as JSON (machine, versions, date)")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     py = sys.executable
     results = []
     for scale in [float(s) for s in args.scales.split(",")]:
@@ -360,11 +363,6 @@ def main() -> None:
         )
     (args.workdir / "bench_plan.json").write_text(json.dumps(results, indent=1))
     if args.out:
-        from _bench_results import write
-
-        write(args.out, "planning", results, " ".join(["scripts/bench_plan.py", *sys.argv[1:]]))
+        write_results(args.out, "planning", results, command_line())
     print(f"results: {args.workdir / 'bench_plan.json'}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

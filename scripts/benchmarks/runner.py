@@ -1,19 +1,57 @@
-"""Running one benchmark command under a memory monitor: wall time, peak RSS of the largest process of its
-tree (a rank, not the launcher above it) and of the whole tree, sampled every POLL_SECONDS."""
+"""The shared runner of the benchmarks.
+
+- `run_measured`: one command as a fresh subprocess under a memory monitor: wall time, peak RSS of the
+  largest process of its tree (a rank, not the launcher above it) and of the whole tree, sampled every
+  POLL_SECONDS (`Sample`; `CommandFailed` when it exits non-zero).
+- `run_interleaved`: several methods' commands, each `runs` times, interleaved run by run (`Result`: the
+  samples, the median time, the peak RSS over the runs).
+- `log` (progress to stderr), `remove`, `dir_bytes`.
+- `options`: the argparse parent every benchmark shares (`--runs`, `--out FILE`), and `write_results`: the
+  results file `--out` writes: the benchmark's rows with the machine, the versions and the date, as JSON.
+  docs/benchmarks/*.json hold the published ones; the docs site plots them (scripts/mkdocs_hooks.py).
+"""
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import os
+import platform
+import shutil
+import statistics
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 POLL_SECONDS = 0.02
+GIB = 1024**3
+ROOT = Path(__file__).resolve().parent.parent.parent
+VERSIONS = ("ckptconv", "torch", "safetensors", "transformers", "peft")
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[bench {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 class TreeMonitor(threading.Thread):
@@ -97,3 +135,145 @@ def run_measured(argv: Sequence[str], logfile: Path, env: dict[str, str]) -> Sam
     if monitor.max_procs <= 1:  # one process (or too short to sample): the kernel's high-water mark is exact
         return Sample(seconds, max(monitor.peak_leaf, kernel), max(monitor.peak_sum, kernel), kernel, 1)
     return Sample(seconds, monitor.peak_leaf, monitor.peak_sum, kernel, monitor.max_procs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Several methods, interleaved run by run
+
+
+@dataclass
+class Result:
+    """One method's runs: the samples, or the error of the run that failed (later runs are skipped)."""
+
+    method: str
+    samples: list[Sample] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.samples)
+
+    @property
+    def seconds(self) -> float:
+        """The median wall time of the runs."""
+        return statistics.median(s.seconds for s in self.samples)
+
+    @property
+    def rss_rank(self) -> int:
+        """The peak over the runs of the largest worker process's RSS."""
+        return max(s.rss_rank for s in self.samples)
+
+    @property
+    def rss_sum(self) -> int:
+        return max(s.rss_sum for s in self.samples)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A method's command line. `out` (its output) is removed before each run, and after it unless `keep`."""
+
+    key: str
+    label: str
+    argv: list[str]
+    log: Path  # the last run's output
+    out: Path | None = None
+    keep: bool = False
+
+
+def run_interleaved(
+    commands: Sequence[Command], runs: int, env: dict[str, str], tag: str
+) -> dict[str, Result]:
+    """Each command `runs` times, the methods interleaved run by run, every run a fresh process; outputs are
+    removed and `sync` called between runs, outside the timed region, so no run pays for an earlier run's
+    write-back. A method whose run fails keeps its error and is not run again."""
+    results = {c.key: Result(c.key) for c in commands}
+    for run in range(1, runs + 1):
+        for c in commands:
+            r = results[c.key]
+            if r.error is not None:
+                continue
+            if c.out is not None:
+                remove(c.out)
+                c.out.parent.mkdir(parents=True, exist_ok=True)
+            os.sync()
+            try:
+                s = run_measured(c.argv, c.log, env)
+            except CommandFailed as e:
+                r.error = str(e)
+                log(f"{tag} run {run}/{runs} {c.label}: FAILED {e}")
+                continue
+            finally:
+                if c.out is not None and not c.keep:
+                    remove(c.out)
+            r.samples.append(s)
+            log(
+                f"{tag} run {run}/{runs} {c.label:<24} {s.seconds:7.2f} s  "
+                f"RSS/rank {s.rss_rank / GIB:5.2f} GiB  sum {s.rss_sum / GIB:5.2f} GiB"
+            )
+    return results
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Options and the results file
+
+
+def positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {n}")
+    return n
+
+
+def options(runs: int | None = 3, *, with_runs: bool = True, default: str = "") -> argparse.ArgumentParser:
+    """The options every benchmark takes: `--out FILE`, and `--runs N` where it repeats its methods (default
+    `runs`; None: the benchmark picks it, as `default` says)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    if with_runs:
+        default = f" (default {default or runs})" if default or runs is not None else ""
+        parent.add_argument(
+            "--runs",
+            type=positive_int,
+            default=runs,
+            help=f"runs per method; the median is reported{default}",
+        )
+    parent.add_argument(
+        "--out", type=Path, metavar="FILE", help="also write the results as JSON (machine, versions, date)"
+    )
+    return parent
+
+
+def command_line() -> str:
+    """How this run was started, for the results file: `scripts/bench.py NAME OPTIONS`."""
+    return " ".join(["scripts/bench.py", *sys.argv[1:]])
+
+
+def write_results(
+    path: Path, benchmark: str, results: Any, command: str, merge: Callable[[Any], Any] | None = None
+) -> None:
+    """`results` (the benchmark's own rows) in the envelope the plots read. With `merge` (a row -> its key),
+    the rows of an existing file whose key no new row has are kept: one file for several invocations."""
+    if merge is not None and path.exists():
+        new = {merge(r) for r in results}
+        results = [r for r in json.loads(path.read_text())["results"] if merge(r) not in new] + list(results)
+    versions: dict[str, str | None] = {}
+    for name in VERSIONS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    doc = {
+        "benchmark": benchmark,
+        "command": command,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "versions": versions,
+        "results": results,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    log(f"wrote {path}")

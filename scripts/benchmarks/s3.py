@@ -1,7 +1,7 @@
 """Benchmark dcp-to-hf from and to object storage against the three-pass way, on a local S3 server.
 
 A local S3 server (moto's standalone server, in its own process) holds the benchmark's DCP checkpoint
-(made by scripts/bench.py's generator, FSDP2 on 2 ranks, cached in WORKDIR). Measured, each as a fresh
+(made by the convert benchmark's generator, FSDP2 on 2 ranks, cached in WORKDIR). Measured, each as a fresh
 process with its wall time and peak RSS:
 
   direct            `ckptconv dcp-to-hf s3://bench/ckpt s3://bench/direct`: ranged reads in, multipart out
@@ -12,9 +12,10 @@ process with its wall time and peak RSS:
 
 and from the direct run's --json report: bytes fetched over bytes needed (the records of the model's chunks
 and of the stashed items; goal at most 1.05) and GET requests per GB fetched. The three passes' times add up
-to the baseline; the ratio is direct / baseline. Results go to WORKDIR/bench_s3.json and are printed.
+to the baseline; the ratio is direct / baseline. Results go to WORKDIR/bench_s3.json and are printed, and
+with `--out FILE` to the results file (the rows of other sizes and rank counts already in FILE are kept).
 
-usage: python scripts/bench_s3.py [--workdir /tmp/bench] [--size-gb 1] [--nproc 1]
+usage: python scripts/bench.py s3 [--workdir /tmp/bench] [--size-gb 1] [--nproc 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_run import Sample, run_measured
-from bench import ensure_checkpoint, log
+from .checkpoints import ensure_checkpoint
+from .runner import Sample, command_line, log, options, run_measured, write_results
 
 KEY = {"key": "bench-key", "secret": "bench-secret"}
+OPTIONS = options(with_runs=False)  # one run of each
 
 
 def free_port() -> int:
@@ -117,20 +118,19 @@ def row(name: str, sample: Sample) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench"))
     parser.add_argument("--size-gb", type=float, default=1.0)
     parser.add_argument("--nproc", type=int, default=1)
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     workdir: Path = args.workdir
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ckpt = ensure_checkpoint(workdir, args.size_gb, "dense", env)
     logs = workdir / "logs"
     server, endpoint = start_server()
-    options = json.dumps({**KEY, "endpoint_url": endpoint})
+    storage_options = json.dumps({**KEY, "endpoint_url": endpoint})
     try:
         # in a subprocess: this process stays small, and the children measured do not inherit its RSS
         log(f"uploading {ckpt} to s3://bench/ckpt ...")
@@ -144,7 +144,7 @@ def main() -> None:
                 "s3://bench/ckpt",
                 "s3://bench/direct",
                 "--storage-options",
-                options,
+                storage_options,
                 "--quiet",
                 "--json",
             ],
@@ -199,7 +199,6 @@ def main() -> None:
         f"  the server's ranged GET of a {cost['object_mb']} MB object: {cost['22_bytes']} s for 22 bytes, "
         f"{cost['8_mb']} s for 8 MB"
     )
-
-
-if __name__ == "__main__":
-    main()
+    if args.out:
+        write_results(args.out, "s3", [result], command_line(), merge=lambda r: (r["size_gb"], r["nproc"]))
+    return 0

@@ -1,54 +1,21 @@
-"""scripts/bench.py's results: per method and size (`Result`, `SizeReport`), rendered as the text and markdown
-tables and the headline ratios printed and written to bench.md."""
+"""The conversion benchmarks' results per size (`SizeReport`: each method's `runner.Result`), rendered as the
+text and markdown tables and the headline ratios printed and written to bench.md, and as the rows of the
+results file (`result_rows`)."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _bench_memory import failed_row
-from _bench_methods import BY_KEY, DIRECTIONS, GIB, NPROC, REFERENCE, Method
-from _bench_run import Sample
-
-
-def size_label(size_gb: float) -> str:
-    return f"{size_gb:g}GB"
+from .checkpoints import size_label
+from .methods import BY_KEY, NPROC, REFERENCE, Method
+from .runner import GIB, Result
 
 
 def case_label(size_gb: float, shape: str) -> str:
     return f"{size_label(size_gb)} {shape}"
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Results
-
-
-@dataclass
-class Result:
-    size_gb: float
-    shape: str
-    method: str
-    samples: list[Sample] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and bool(self.samples)
-
-    @property
-    def seconds(self) -> float:
-        return statistics.median(s.seconds for s in self.samples)
-
-    @property
-    def rss_rank(self) -> int:
-        return max(s.rss_rank for s in self.samples)
-
-    @property
-    def rss_sum(self) -> int:
-        return max(s.rss_sum for s in self.samples)
 
 
 @dataclass
@@ -57,18 +24,18 @@ class SizeReport:
     ckpt: Path
     ckpt_bytes: int
     shape: dict[str, Any]
-    results: dict[str, Result]
+    methods: tuple[Method, ...]
     direction: str = "dcp-to-hf"
     kind: str = "dense"  # the --shapes entry
     largest: int = 0  # bytes of the largest stored tensor (the memory direction)
+    results: dict[str, Result] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         return case_label(self.size_gb, self.kind)
 
-    @property
-    def methods(self) -> tuple[Method, ...]:
-        return DIRECTIONS[self.direction]
+    def method(self, key: str) -> Method:
+        return next(m for m in self.methods if m.key == key)
 
     def seconds(self, key: str) -> float | None:
         r = self.results.get(key)
@@ -81,7 +48,7 @@ class SizeReport:
 
     def beyond_startup_over_cp(self, key: str) -> float | None:
         """(time - start-up time) / cp -r time, for the conversions."""
-        m = BY_KEY[key]
+        m = self.method(key)
         t, start, cp = (
             self.seconds(key),
             self.seconds(m.startup_key),
@@ -103,6 +70,11 @@ COLUMNS = (
     ("vs ckptconv 1r", ">"),
     ("beyond start-up / cp", ">"),
 )
+
+
+def failed_row(head: list[str], columns: Sequence[Any]) -> list[str]:
+    """A method's row when its run failed: FAILED, then a dash in each remaining column."""
+    return [*head, "FAILED", *["-"] * (len(columns) - len(head) - 1)]
 
 
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
@@ -131,6 +103,35 @@ def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
                 ]
             )
     return rows
+
+
+def result_rows(reports: Sequence[SizeReport]) -> list[dict[str, Any]]:
+    """The results file's rows: one per (direction, shape, size, method). GB/s is the checkpoint's bytes
+    (1e9) over the median seconds (none for the start-up floors); RSS in bytes, the peak over the runs."""
+    out = []
+    for rep in reports:
+        for m in rep.methods:
+            r = rep.results[m.key]
+            ok = r.ok
+            out.append(
+                {
+                    "direction": rep.direction,
+                    "shape": rep.kind,
+                    "size_gb": rep.size_gb,
+                    "method": m.key,
+                    "label": m.label,
+                    "kind": m.kind,
+                    "ranks": m.ranks,
+                    "checkpoint_bytes": rep.ckpt_bytes,
+                    "runs": len(r.samples),
+                    "median_seconds": r.seconds if ok else None,
+                    "gb_per_s": rep.ckpt_bytes / 1e9 / r.seconds if ok and m.kind != "startup" else None,
+                    "rss_rank_bytes": r.rss_rank if ok else None,
+                    "rss_sum_bytes": r.rss_sum if ok else None,
+                    "error": r.error,
+                }
+            )
+    return out
 
 
 def render_text(rows: list[list[str]], columns: Sequence[tuple[str, str]] = COLUMNS) -> str:
@@ -211,20 +212,8 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
 RSS_KEYS = {
     "dcp-to-hf": ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather", "ckptconv_fp8"),
     "hf-to-dcp": ("h_ckptconv_1", "h_ckptconv_2"),
-    "memory": (),
 }
 SECTION_TITLES = {
     "dcp-to-hf": f"dcp-to-hf: fp32 DCP (FSDP2, {NPROC} ranks) -> bf16 safetensors",
     "hf-to-dcp": "hf-to-dcp: fp32 safetensors (ckptconv dcp-to-hf --dtype keep --max-shard-size 2GB) -> DCP",
-    "memory": "memory: verify, --verify and --read gather against the largest tensor and the bucket",
 }
-
-
-NOTES = (
-    "Warm page cache: each checkpoint was just written and is read again and again, so this measures the\n"
-    "converters, not the disk. Median wall time of the runs; RSS is the peak over the runs, sampled every\n"
-    "20 ms. GB/s = input checkpoint bytes (1e9) / median seconds. 'vs ckptconv 1r' = median / ckptconv\n"
-    "1 rank's median in the same direction and size (>1 is slower). 'beyond start-up / cp' = (median -\n"
-    "start-up median) / cp -r median, the start-up being `import torch` for one process and `torchrun\n"
-    "import torch` for two ranks."
-)

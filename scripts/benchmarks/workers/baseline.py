@@ -1,6 +1,6 @@
-"""Baseline conversions for scripts/bench.py, DCP -> safetensors and back: the obvious one-process recipes.
+"""Baselines of the convert benchmark, DCP -> safetensors and back: the obvious one-process recipes.
 
-usage: python scripts/_bench_baseline.py {format_utils,dcp_load,hf_storage_writer,load_file_dcp_save} SRC OUT
+usage: python baseline.py {format_utils,dcp_load,dcp_load_fp8,hf_storage_writer,load_file_dcp_save} SRC OUT
 
 format_utils: `dcp_to_torch_save(CKPT, OUT/tmp.pt)`, `torch.load(weights_only=True)`, take the "model" group,
               cast floating tensors to bf16, `safetensors.torch.save_file(OUT/model.safetensors)`.

@@ -1,6 +1,6 @@
-"""Torchrun worker for scripts/bench.py: save a synthetic LLM-shaped fp32 model with FSDP2 and `dcp.save`.
+"""Torchrun worker of the convert benchmark: save a synthetic LLM-shaped fp32 model with FSDP2 and `dcp.save`.
 
-usage: python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/_bench_make_dcp.py OUT GB [moe]
+usage: python -m torch.distributed.run --standalone --nproc-per-node 2 make_dcp.py OUT GB [moe]
 
 The default is a dense decoder (a Llama/Qwen-like decoder under Hugging Face's own names, so no key mapping
 is needed); `moe` makes a torchtitan Qwen3-MoE-like decoder under torchtitan's names

@@ -4,8 +4,10 @@
   option's flags, type, default and help, read from the click command typer builds.
 - `<!-- report-schema -->` (json.md): ckptconv/report.schema.json as shipped.
 - `<!-- benchmark-plots -->` (benchmarks.md): plots (matplotlib, inline SVG) of the results files in
-  docs/benchmarks/*.json that the benchmark scripts write with `--out` (scripts/_bench_results.py): time and
-  peak memory against size, for ckptconv and each baseline.
+  docs/benchmarks/*.json that the benchmarks write with `--out` (`scripts/bench.py NAME --out FILE`; the
+  envelope is `write_results` of scripts/benchmarks/runner.py): for the conversions, throughput and peak RSS
+  per rank against checkpoint size, per direction and shape; for planning and the LoRA merge, time and peak
+  memory against size; one line per method, ckptconv's and each baseline's.
 """
 
 from __future__ import annotations
@@ -32,22 +34,35 @@ def benchmark_plots() -> str:
     out = []
     for path in sorted((Path(__file__).resolve().parent.parent / "docs" / "benchmarks").glob("*.json")):
         doc = json.loads(path.read_text())
-        series = SERIES[doc["benchmark"]](doc["results"])
+        name = doc["benchmark"]
         machine, versions = doc["machine"], doc["versions"]
         out += [
-            f"### {TITLES[doc['benchmark']]}",
+            f"### {TITLES.get(name, name)}",
             "",
             f"`{doc['command']}`, {doc['date']}: {machine['cpus']} CPUs, {machine['memory_gib']} GiB, "
             f"Python {machine['python']}, torch {versions.get('torch')}, ckptconv {versions.get('ckptconv')} "
             f"(docs/benchmarks/{path.name}).",
             "",
-            _svg(series, doc["benchmark"]),
-            "",
         ]
+        for heading, xlabel, panels in FIGURES[name](doc["results"]) if name in FIGURES else []:
+            out += [f"#### {heading}", ""] if heading else []
+            out += [_svg(xlabel, panels), ""]
     return "\n".join(out)
 
 
-def _plan_series(results: list[dict[str, Any]]) -> tuple[str, dict[str, list[tuple[float, float, float]]]]:
+Lines = dict[str, list[tuple[float, float]]]  # label -> (x, y) points
+Panel = tuple[str, str, Lines]  # title, y label, lines
+Figure = tuple[str, str, list[Panel]]  # heading (or ""), x label, panels side by side
+
+
+def _time_and_memory(xlabel: str, points: dict[str, list[tuple[float, float, float]]]) -> list[Figure]:
+    """One figure: seconds (left) and peak GiB (right) against x, from (x, seconds, GiB) per method."""
+    times = {k: [(x, t) for x, t, _ in v] for k, v in points.items()}
+    peaks = {k: [(x, m) for x, _, m in v] for k, v in points.items()}
+    return [("", xlabel, [("time", "seconds", times), ("peak RSS per process", "GiB", peaks)])]
+
+
+def _plan_figures(results: list[dict[str, Any]]) -> list[Figure]:
     """Planning: seconds and peak GiB against the checkpoint's chunks (millions), per method."""
     lines: dict[str, list[tuple[float, float, float]]] = {}
     for r in results:
@@ -58,22 +73,50 @@ def _plan_series(results: list[dict[str, Any]]) -> tuple[str, dict[str, list[tup
         for rank in r.get("shared", []):
             name = f"plan under torchrun, rank {rank['rank']}"
             lines.setdefault(name, []).append((r["chunks"] / 1e6, rank["seconds"], rank["peak_gib"]))
-    return "chunks in .metadata (millions)", lines
+    return _time_and_memory("chunks in .metadata (millions)", lines)
 
 
-def _lora_series(results: list[dict[str, Any]]) -> tuple[str, dict[str, list[tuple[float, float, float]]]]:
+def _lora_figures(results: list[dict[str, Any]]) -> list[Figure]:
     """LoRA merge: seconds and peak GiB per rank against the checkpoint's size, per method."""
     lines: dict[str, list[tuple[float, float, float]]] = {}
     for r in sorted(results, key=lambda r: r["size_gb"]):
         lines.setdefault(r["method"], []).append((r["size_gb"], r["seconds"], r["rss_rank_gib"]))
-    return "checkpoint size (GB)", lines
+    return _time_and_memory("checkpoint size (GB)", lines)
 
 
-SERIES = {"planning": _plan_series, "lora-merge": _lora_series}
-TITLES = {"planning": "Planning at scale", "lora-merge": "LoRA merge"}
+def _convert_figures(results: list[dict[str, Any]]) -> list[Figure]:
+    """Conversions, per direction and shape: throughput (checkpoint GB / median s; `cp -r` included, the
+    start-up floors left out) and peak RSS per rank (the conversions) against the checkpoint's size."""
+    figures = []
+    for case in dict.fromkeys((r["direction"], r["shape"]) for r in results):
+        rows = sorted(
+            (r for r in results if (r["direction"], r["shape"]) == case), key=lambda r: r["size_gb"]
+        )
+        speed: Lines = {}
+        peak: Lines = {}
+        for r in rows:
+            x = r["checkpoint_bytes"] / 1e9
+            if r["kind"] != "startup" and r["gb_per_s"] is not None:
+                speed.setdefault(r["label"], []).append((x, r["gb_per_s"]))
+            if r["kind"] == "convert" and r["rss_rank_bytes"] is not None:
+                peak.setdefault(r["label"], []).append((x, r["rss_rank_bytes"] / 2**30))
+        panels = [("throughput", "GB/s", speed), ("peak RSS per rank", "GiB", peak)]
+        figures.append((f"{case[0]}, {case[1]}", "checkpoint size (GB)", panels))
+    return figures
 
 
-def _svg(series: tuple[str, dict[str, list[tuple[float, float, float]]]], name: str) -> str:
+FIGURES = {"planning": _plan_figures, "lora-merge": _lora_figures, "convert": _convert_figures}
+TITLES = {
+    "planning": "Planning at scale",
+    "lora-merge": "LoRA merge",
+    "convert": "Conversions: dcp-to-hf and hf-to-dcp",
+    "memory": "Memory of verify and --read gather",
+    "s3": "Object storage",
+    "save-hf": "save_hf in a training job",
+}
+
+
+def _svg(xlabel: str, panels: list[Panel]) -> str:
     import io
 
     import matplotlib
@@ -81,19 +124,22 @@ def _svg(series: tuple[str, dict[str, list[tuple[float, float, float]]]], name: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xlabel, lines = series
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for label, points in lines.items():
-        xs = [p[0] for p in points]
-        left.plot(xs, [p[1] for p in points], marker="o", label=label)
-        right.plot(xs, [p[2] for p in points], marker="o", label=label)
-    left.set(xlabel=xlabel, ylabel="seconds", title="time")
-    right.set(xlabel=xlabel, ylabel="GiB", title="peak RSS per process")
-    for ax in (left, right):
+    labels = list(dict.fromkeys(label for _, _, lines in panels for label in lines))
+    cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
+    color = {label: cmap(i) for i, label in enumerate(labels)}  # one color per method in every panel
+    fig, grid = plt.subplots(1, len(panels), figsize=(10, 3.6), layout="constrained", squeeze=False)
+    axes = list(grid[0])
+    for ax, (title, ylabel, lines) in zip(axes, panels, strict=True):
+        for label, points in lines.items():
+            points = sorted(points)
+            ax.plot(
+                [p[0] for p in points], [p[1] for p in points], marker="o", label=label, color=color[label]
+            )
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
-    right.legend(fontsize=8)
-    fig.tight_layout()
+    handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
+    fig.legend([handles[k] for k in labels], labels, loc="outside right upper", fontsize=8)
     buf = io.StringIO()
     fig.savefig(buf, format="svg", metadata={"Date": None})
     plt.close(fig)

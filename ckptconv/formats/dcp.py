@@ -26,7 +26,7 @@ from ..remote.files import RemoteFiles
 from ..remote.urls import UrlPath
 from ..specs import ChunkFormat, NonTensorItem, TensorSpec, new_chunk
 from . import safe_pickle as md
-from .files import Stamp, inside, mode_of, open_regular, read_error, read_regular, stamp, stat_regular
+from .files import Stamp, inside, mode_of, open_regular, read_error, stamp, stat_regular
 from .hf import MAX_HEADER_BYTES  # a larger safetensors header inside a .distcp is refused too
 from .megatron import MARKER_FILE as MEGATRON_MARKER
 from .megatron import Common, is_megatron, read_common
@@ -75,18 +75,17 @@ def open_dcp(path: Path) -> DcpCheckpoint:
     distributed HF writer shards (no `.metadata`) is read from their headers (`hf_sharded.open_sharded`)."""
     md_path = path / METADATA_FILE
     remote = RemoteFiles(path) if isinstance(path, UrlPath) else None
-    if remote is not None:
-        data = _remote_metadata(remote)
-    else:
-        if mode_of(md_path) is None:
-            from .hf_sharded import is_sharded_dir, open_sharded
+    if remote is None and mode_of(md_path) is None:
+        from .hf_sharded import is_sharded_dir, open_sharded
 
-            if is_sharded_dir(path):
-                return open_sharded(path)
-        data = read_regular(md_path, path)
+        if is_sharded_dir(path):
+            return open_sharded(path)
     with paused():  # a million records, none of them garbage: see gcpause
-        metadata = load_dcp_metadata(data, str(md_path))
-        del data
+        if remote is not None:
+            metadata = load_dcp_metadata(_remote_metadata(remote), str(md_path))
+        else:  # streamed: the file's bytes are never all held beside the records they make
+            with os.fdopen(open_regular(md_path, path), "rb", buffering=1 << 20) as f:
+                metadata = load_dcp_metadata(f, str(md_path))
         try:
             ckpt = _specs_from_metadata(path, metadata, remote)
         except (AttributeError, TypeError, ValueError) as e:

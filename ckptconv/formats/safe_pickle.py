@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..dtype_names import ITEMSIZE
 from ..errors import CkptconvError
@@ -208,8 +208,8 @@ def trusted() -> list[str] | None:
 class AllowlistUnpickler(pickle.Unpickler):
     trustable = False  # under `trusting()`, load globals outside the allowlist instead of refusing them
 
-    def __init__(self, data: bytes, allowed: dict[tuple[str, str], Any]) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, data: bytes | BinaryIO, allowed: dict[tuple[str, str], Any]) -> None:
+        super().__init__(io.BytesIO(data) if isinstance(data, bytes) else data)
         self._allowed = allowed
 
     def find_class(self, module: str, name: str) -> Any:
@@ -231,8 +231,10 @@ class _Refused(pickle.UnpicklingError):
     pass
 
 
-def load_dcp_metadata(data: bytes, where: str) -> Metadata:
-    """Unpickle DCP `.metadata` bytes, allowing only the DCP metadata classes."""
+def load_dcp_metadata(data: bytes | BinaryIO, where: str) -> Metadata:
+    """Unpickle DCP `.metadata` (its bytes, or a file read frame by frame as the unpickler goes: a 128 MB
+    `.metadata` is then never held whole beside the records it makes), allowing only the DCP metadata
+    classes."""
     try:
         metadata = _MetadataUnpickler(data, _METADATA_GLOBALS).load()
     except _Refused as e:

@@ -2,7 +2,8 @@
 a ```bash block that runs ckptconv (directly, under torchrun or as `python -m ckptconv`) is split as a shell
 would and parsed by the command's own click parser, so a renamed or removed option, a bad value or a wrong
 number of arguments in an example fails here in a second, without the checkpoints. tests/test_docs_examples.py
-then runs every one of them (slow-marked: CI runs it)."""
+then runs every one of them (slow-marked: CI runs it). The benchmark commands the pages show
+(`scripts/bench.py NAME ...`) parse with the benchmarks' own parser too."""
 
 from __future__ import annotations
 
@@ -69,3 +70,44 @@ def test_each_command_parses(page: str, line: str) -> None:
         command.make_context(name, rest)
     except Exception as e:  # click's (or typer's vendored click's) UsageError / BadParameter
         raise AssertionError(f"{page}: `{line}` does not parse: {e}") from None
+
+
+def bench_commands() -> list[tuple[str, str]]:
+    """(page, arguments) of every `scripts/bench.py NAME ...` the pages show, in code spans (which may wrap
+    a line) and bash blocks; `[--opt X]` (an optional part, as the pages write it) is taken as given."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        lines = [
+            line.split(" #")[0]
+            for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+            for line in block.replace("\\\n", " ").splitlines()
+        ]
+        lines += [span.replace("\n", " ") for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", text)]
+        for line in lines:
+            for args in re.findall(r"scripts/bench\.py ([a-z0-9-]+(?: [^|>]*)?)", " ".join(line.split())):
+                found.append((page.name, args.replace("[", "").replace("]", "").strip()))
+    return found
+
+
+BENCH = bench_commands()
+
+
+@pytest.mark.parametrize(("page", "args"), BENCH, ids=[f"{p}:{i}" for i, (p, _) in enumerate(BENCH)])
+def test_each_benchmark_command_parses(page: str, args: str) -> None:
+    """A benchmark's options as the pages show them parse with scripts/bench.py's own parser."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bench import parser
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    try:
+        parser().parse_args(shlex.split(args))
+    except SystemExit as e:
+        raise AssertionError(f"{page}: `scripts/bench.py {args}` does not parse") from e
+
+
+def test_the_pages_show_benchmark_commands() -> None:
+    assert len(BENCH) > 20 and {"README.md", "benchmarks.md"} <= {p for p, _ in BENCH}

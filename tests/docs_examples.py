@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -58,21 +57,33 @@ class Block:
         return f"{self.page.removesuffix('.md')}{self.number}"
 
 
+ANNOTATION = re.compile(r"(?P<parts>[a-z0-9-]+(?: [a-z0-9-]+)*)(?: \| script(?P<args>(?: \S+)*))?")
+
+
 def blocks() -> list[Block]:
-    """Every bash block of the README and docs/*.md that runs ckptconv."""
+    """Every bash block of the README and docs/*.md that runs ckptconv. An annotation that does not read
+    `PART [PART ...]` or `PART ... | script ARG ...` is an error, not a block left out."""
     found = []
     for page in PAGES:
-        for number, (note, text) in enumerate(BLOCK.findall(page.read_text())):
-            parts, script = [*note.split("|"), ""][:2] if note else ("", "")
+        text = page.read_text()
+        for number, (note, body) in enumerate(BLOCK.findall(text)):
+            parsed = ANNOTATION.fullmatch(note) if note else None
+            if note and parsed is None:
+                raise ValueError(f"{page.name}: malformed annotation <!-- example: {note} -->")
+            args = parsed["args"] if parsed else None
             block = Block(
                 page.name,
                 number,
-                tuple(parts.split()),
-                tuple(shlex.split(script.removeprefix(" script"))) if script.strip() else None,
-                text,
+                tuple(parsed["parts"].split()) if parsed else (),
+                tuple(args.split()) if args is not None else None,
+                body,
             )
             if block.commands:
                 found.append(block)
+        # a ckptconv command shown in any other fence (console, text, sh) would be neither parsed nor run
+        for fence, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
+            if fence != "bash" and any(RUNS.search(line) for line in body.splitlines()):
+                raise ValueError(f"{page.name}: a ckptconv command in a ```{fence} block; show it in ```bash")
     return found
 
 
@@ -154,6 +165,14 @@ def titan_qwen3(root: Path) -> None:
     """release/: a tiny Qwen3; ckpt/runtime: the same under torchtitan's names (torchtitan-qwen3)."""
     model = _tiny("qwen3", root / "release")
     _cli("hf-to-dcp", str(model), str(root / "ckpt" / "runtime"), "--mapping", "torchtitan-qwen3")
+
+
+def titan_gpt_oss(root: Path) -> None:
+    """A tiny gpt-oss (bf16 layout) as ckpt/, its torchtitan checkpoint, with its config.json beside."""
+    model = _tiny("gpt_oss", root / "hf")
+    shutil.copy(model / "config.json", root / "config.json")
+    _cli("hf-to-dcp", str(model), str(root / "ckpt"), "--mapping", "torchtitan-gpt-oss")
+    shutil.rmtree(model)
 
 
 def my_model(root: Path) -> None:
@@ -258,6 +277,7 @@ PARTS: dict[str, Callable[[Path], None]] = {
     "release": release,
     "titan-llama": titan_llama,
     "titan-qwen3": titan_qwen3,
+    "titan-gpt-oss": titan_gpt_oss,
     "my-model": my_model,
     "megatron": megatron,
     "lora": lora,

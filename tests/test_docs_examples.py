@@ -13,16 +13,20 @@ What a sandbox changes in a line, and why (nothing else is touched):
   environment (AWS_ENDPOINT_URL), and hub repo ids come from the offline hub cache the parts fill;
 - `--push-to-hub` runs in this process with huggingface_hub's HfApi replaced by tests/test_hub_push.py's
   recorder (there is no Hub here), which checks what would be uploaded.
-A converting command's OUT left by an earlier line of the same block is removed first, as a user running the
-examples one after another would (all but the lines that pass `--overwrite`, which overwrite it).
+Each example is shown standalone, so a converting command's OUT is removed first when it is there (made by
+a part, or by an earlier line of the block), except on a line that passes `--overwrite`. The sandbox is a copy
+of the parts, with HOME in it; an example naming any other absolute path fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -31,10 +35,12 @@ from pathlib import Path
 import huggingface_hub
 import jsonschema
 import pytest
+import typer
 from conftest import s3_options
 from docs_examples import PARTS, ROOT, Block, blocks, part
 from test_docs_commands import argv as ckptconv_argv
 
+from ckptconv.cli import app
 from ckptconv.schema import load
 
 BLOCKS = blocks()
@@ -61,11 +67,12 @@ def _sandbox(block: Block, tmp_path: Path, endpoint: str | None) -> tuple[Path, 
         source = part(name)
         clash = [p for p in source.rglob("*") if p.is_file() and (box / p.relative_to(source)).exists()]
         assert not clash, f"{block.id}: part {name!r} clashes with another part at {clash[:3]}"
-        shutil.copytree(source, box, dirs_exist_ok=True, copy_function=os.link)
+        shutil.copytree(source, box, dirs_exist_ok=True)
     env = dict(os.environ)
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         PYTHONPATH=str(ROOT),
+        HOME=str(box),
         HF_HOME=str(box / ".hf"),
         HF_HUB_OFFLINE="1",
         OMP_NUM_THREADS="1",
@@ -105,19 +112,59 @@ def _localize(line: str, box: Path, endpoint: str | None) -> str:
     line = re.sub(r"--nproc-per-node [48]\b", "--nproc-per-node 2", line)
     if endpoint:
         line = line.replace("http://minio:9000", endpoint)
+    outside = [w for w in shlex.split(line) if w.startswith("/") and not w.startswith(str(box))]
+    assert not outside, f"`{line}` names paths outside the sandbox: {outside}"
     return line
 
 
 def _clear_out(args: list[str], box: Path, client: object) -> None:
-    """Remove a converting command's OUT that an earlier line made (not with --overwrite)."""
+    """Remove a converting command's OUT (found by the command's own parser) unless the line passes
+    --overwrite."""
     if args[0] not in ("dcp-to-hf", "hf-to-dcp") or "--overwrite" in args:
         return
-    out = args[2]
-    if out.startswith("s3://"):
-        if client.exists(out[5:]):  # type: ignore[attr-defined]
-            client.rm(out[5:], recursive=True)  # type: ignore[attr-defined]
+    command = typer.main.get_command(app).commands[args[0]]  # type: ignore[attr-defined]
+    out = str(command.make_context(args[0], args[1:]).params["out"])
+    if out.startswith("s3:/"):
+        key = out.removeprefix("s3://").removeprefix("s3:/")
+        if client.exists(key):  # type: ignore[attr-defined]
+            client.rm(key, recursive=True)  # type: ignore[attr-defined]
     elif (box / out).exists():
         shutil.rmtree(box / out)
+
+
+def _shell(line: str, box: Path, env: dict[str, str], out: Path) -> subprocess.Popen[bytes]:
+    """`line` started by bash (with pipefail) in its own session, stdout and stderr into files."""
+    return subprocess.Popen(
+        ["bash", "-o", "pipefail", "-c", line],
+        cwd=box,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=(out.with_suffix(".out")).open("wb"),
+        stderr=(out.with_suffix(".err")).open("wb"),
+        start_new_session=True,
+    )
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout: float = 600) -> None:
+    """Wait for every process; whatever is left of their sessions (torchrun's workers) is killed after."""
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _run(line: str, box: Path, env: dict[str, str], tmp: Path) -> None:
+    proc = _shell(line, box, env, tmp / "line")
+    _wait([proc])
+    _check(line, ckptconv_argv(line), proc.returncode, *_output(tmp / "line"))
+
+
+def _output(stem: Path) -> tuple[str, str]:
+    return stem.with_suffix(".out").read_text(), stem.with_suffix(".err").read_text()
 
 
 def _check(line: str, args: list[str], code: int, out: str, err: str) -> None:
@@ -127,27 +174,17 @@ def _check(line: str, args: list[str], code: int, out: str, err: str) -> None:
         VALIDATOR.validate(json.loads(out))
 
 
-def _two_nodes(line: str, box: Path, env: dict[str, str]) -> None:
+def _two_nodes(line: str, box: Path, env: dict[str, str], tmp: Path) -> None:
     port = _free_port()
     procs = []
-    for node in (0, 1):
+    for node in (0, 1):  # node 0 hosts the rendezvous
         one = line.replace("--nproc-per-node 2", "--nproc-per-node 1")
-        one = re.sub(
-            r"--rdzv-endpoint \S+", f"--rdzv-endpoint 127.0.0.1:{port} --rdzv-conf is_host={node}", one
-        )
-        procs.append(
-            subprocess.Popen(
-                ["bash", "-c", one],
-                cwd=box,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        _check(line, ckptconv_argv(line), proc.returncode, out, err)
+        host = f"--rdzv-endpoint 127.0.0.1:{port} --rdzv-conf is_host={int(node == 0)}"
+        one = re.sub(r"--rdzv-endpoint \S+", host, one)
+        procs.append(_shell(one, box, env, tmp / f"node{node}"))
+    _wait(procs)
+    for node, proc in enumerate(procs):
+        _check(line, ckptconv_argv(line), proc.returncode, *_output(tmp / f"node{node}"))
 
 
 def _push(line: str, box: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,6 +194,7 @@ def _push(line: str, box: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.
 
     FakeApi.calls, FakeApi.fail, FakeApi.uploaded = [], {}, {}
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.delenv("CKPTCONV_DEBUG", raising=False)
     monkeypatch.chdir(box)
     args = ckptconv_argv(line)
     try:
@@ -169,6 +207,11 @@ def _push(line: str, box: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     repo = args[args.index("--push-to-hub") + 1]
     uploads = [kw for name, kw in FakeApi.calls if name in ("upload_folder", "upload_large_folder")]
     assert uploads and uploads[0]["repo_id"] == repo, FakeApi.calls
+    for flag, name in (("--revision", "revision"), ("--commit-message", "commit_message")):
+        if flag in args:
+            assert uploads[0][name] == args[args.index(flag) + 1], FakeApi.calls
+    created = [kw for name, kw in FakeApi.calls if name == "create_repo"]
+    assert created and created[0].get("private") is (True if "--private" in args else None), FakeApi.calls
     assert "model.safetensors" in FakeApi.uploaded or "model.safetensors.index.json" in FakeApi.uploaded
 
 
@@ -188,18 +231,11 @@ def test_the_example_runs(
     if block.script_args is not None:
         script = tmp_path / "example.sh"
         script.write_text(_localize(block.text, box, endpoint))
-        proc = subprocess.run(
-            ["bash", str(script), *block.script_args],
-            cwd=box,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, (
-            f"{block.id} as a script exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
-        )
-        assert "Traceback" not in proc.stderr
+        proc = _shell(f"bash {script} {' '.join(block.script_args)}", box, env, tmp_path / "script")
+        _wait([proc])
+        out, err = _output(tmp_path / "script")
+        assert proc.returncode == 0, f"{block.id} as a script exited {proc.returncode}:\n{out}\n{err}"
+        assert "Traceback" not in err
         reports = [*box.glob("*.convert.json"), *box.glob("*.report.json")]
         assert reports, f"{block.id}: the script wrote no report"
         for report in reports:
@@ -209,16 +245,12 @@ def test_the_example_runs(
         line = _localize(original, box, endpoint)
         args = ckptconv_argv(line)
         if args in (["--version"], ["--help"]):
-            proc = subprocess.run(["bash", "-c", line], cwd=box, env=env, capture_output=True, text=True)
-            _check(line, args, proc.returncode, proc.stdout, proc.stderr)
+            _run(line, box, env, tmp_path)
             continue
         _clear_out(args, box, client)
         if "--push-to-hub" in args:
             _push(line, box, monkeypatch, capsys)
         elif "--nnodes 2" in line:
-            _two_nodes(line, box, env)
+            _two_nodes(line, box, env, tmp_path)
         else:
-            proc = subprocess.run(
-                ["bash", "-c", line], cwd=box, env=env, capture_output=True, text=True, timeout=600
-            )
-            _check(line, args, proc.returncode, proc.stdout, proc.stderr)
+            _run(line, box, env, tmp_path)

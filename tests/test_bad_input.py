@@ -260,3 +260,39 @@ def test_object_storage_urls_are_refused_by_name_and_never_written_locally(
     with pytest.raises(CkptconvError, match="object storage"):
         save_hf({"w": torch.zeros(2)}, str(tmp_path / "out"), copy_from=url)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_metadata_claiming_a_huge_frame_is_one_line_without_allocating_it(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`.metadata` is streamed from the file: a pickle frame whose length field says 4 EiB in a 20-byte file
+    is read no further than the file (the pickle is truncated), never allocated. A bytes object claiming as
+    much is allocated by the C unpickler itself before it reads, which fails at once: one line too."""
+    import struct
+
+    ckpt = copy_ckpt(fsdp2_ckpt, tmp_path / "ckpt")
+    md = ckpt / ".metadata"
+    huge = struct.pack("<Q", 1 << 62)
+    for payload, needle in (
+        (b"\x80\x04\x95" + huge + b"}.", "pickle data was truncated"),
+        (b"\x80\x04\x8e" + huge, "not a readable DCP metadata file"),
+    ):
+        md.write_bytes(payload)
+        code, err = run(capsys, "inspect", str(ckpt))
+        assert_one_line(code, err, ".metadata", needle)
+
+
+def test_metadata_read_error_names_the_file_and_the_cause(
+    fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error while `.metadata` is streamed is a read error of that file, not "corrupt"."""
+    import errno
+
+    from ckptconv.formats import files
+
+    def failing(self: object, n: int | None = -1) -> bytes:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(files.BoundedReader, "read", failing)
+    code, err = run(capsys, "inspect", str(fsdp2_ckpt))
+    assert_one_line(code, err, ".metadata", "cannot read (Input/output error)", "storage")

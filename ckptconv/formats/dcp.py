@@ -26,7 +26,7 @@ from ..remote.files import RemoteFiles
 from ..remote.urls import UrlPath
 from ..specs import ChunkFormat, NonTensorItem, TensorSpec, new_chunk
 from . import safe_pickle as md
-from .files import Stamp, inside, mode_of, open_regular, read_error, stamp, stat_regular
+from .files import BoundedReader, Stamp, inside, mode_of, open_regular, read_error, stamp, stat_regular
 from .hf import MAX_HEADER_BYTES  # a larger safetensors header inside a .distcp is refused too
 from .megatron import MARKER_FILE as MEGATRON_MARKER
 from .megatron import Common, is_megatron, read_common
@@ -85,7 +85,10 @@ def open_dcp(path: Path) -> DcpCheckpoint:
             metadata = load_dcp_metadata(_remote_metadata(remote), str(md_path))
         else:  # streamed: the file's bytes are never all held beside the records they make
             with os.fdopen(open_regular(md_path, path), "rb", buffering=1 << 20) as f:
-                metadata = load_dcp_metadata(f, str(md_path))
+                try:
+                    metadata = load_dcp_metadata(BoundedReader(f, os.fstat(f.fileno()).st_size), str(md_path))
+                except OSError as e:
+                    raise read_error(md_path, e) from None
         try:
             ckpt = _specs_from_metadata(path, metadata, remote)
         except (AttributeError, TypeError, ValueError) as e:

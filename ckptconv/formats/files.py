@@ -20,6 +20,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import CkptconvError
 from ..remote.urls import UrlPath
@@ -140,6 +141,25 @@ def open_regular(path: Path, root: Path | None = None) -> int:
         os.close(fd)
         raise
     return fd
+
+
+class BoundedReader:
+    """A binary file read no further than the `size` it had when opened: a read of n bytes asks the file for
+    at most the bytes left, so a length field in the data (a pickle frame claiming 64 GiB) cannot make the
+    reader allocate more than the file holds; such a read comes back short, as at the end of the file."""
+
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self._f, self._left = f, size
+
+    def read(self, n: int | None = -1) -> bytes:
+        data = self._f.read(self._left if n is None or n < 0 else min(n, self._left))
+        self._left -= len(data)
+        return data
+
+    def readline(self, limit: int = -1) -> bytes:
+        data = self._f.readline(self._left if limit < 0 else min(limit, self._left))
+        self._left -= len(data)
+        return data
 
 
 def stamp(st: os.stat_result) -> Stamp:

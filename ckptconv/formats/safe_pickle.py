@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from ..dtype_names import ITEMSIZE
 from ..errors import CkptconvError
@@ -205,10 +205,18 @@ def trusted() -> list[str] | None:
     return _TRUSTED.get()
 
 
+class Readable(Protocol):
+    """What the unpickler reads a pickle from (a file, `files.BoundedReader`)."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def readline(self, limit: int = -1, /) -> bytes: ...
+
+
 class AllowlistUnpickler(pickle.Unpickler):
     trustable = False  # under `trusting()`, load globals outside the allowlist instead of refusing them
 
-    def __init__(self, data: bytes | BinaryIO, allowed: dict[tuple[str, str], Any]) -> None:
+    def __init__(self, data: bytes | Readable, allowed: dict[tuple[str, str], Any]) -> None:
         super().__init__(io.BytesIO(data) if isinstance(data, bytes) else data)
         self._allowed = allowed
 
@@ -231,12 +239,14 @@ class _Refused(pickle.UnpicklingError):
     pass
 
 
-def load_dcp_metadata(data: bytes | BinaryIO, where: str) -> Metadata:
+def load_dcp_metadata(data: bytes | Readable, where: str) -> Metadata:
     """Unpickle DCP `.metadata` (its bytes, or a file read frame by frame as the unpickler goes: a 128 MB
     `.metadata` is then never held whole beside the records it makes), allowing only the DCP metadata
     classes."""
     try:
         metadata = _MetadataUnpickler(data, _METADATA_GLOBALS).load()
+    except OSError:
+        raise  # reading the file failed, not its contents: the caller names the path and the cause
     except _Refused as e:
         raise CkptconvError(
             f"{where}: refusing to load: the metadata references {e}, which is not part of DCP metadata "
@@ -245,7 +255,7 @@ def load_dcp_metadata(data: bytes | BinaryIO, where: str) -> Metadata:
         ) from None
     except Exception as e:
         raise CkptconvError(
-            f"{where}: not a readable DCP metadata file ({type(e).__name__}: {e}); "
+            f"{where}: not a readable DCP metadata file ({type(e).__name__}{f': {e}' if str(e) else ''}); "
             "the checkpoint is truncated or corrupt, re-save or re-copy it"
         ) from None
     if not isinstance(metadata, Metadata):

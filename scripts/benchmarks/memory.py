@@ -113,7 +113,7 @@ def bound_bytes(key: str, largest: int) -> int:
 
 
 def table_rows(reports: Sequence[Any]) -> list[list[str]]:
-    """Rows of the memory table. `reports`: bench.SizeReport of the memory direction, with `.largest` set."""
+    """Rows of the memory table. `reports`: tables.SizeReport of the memory benchmark, with `.largest` set."""
     rows = []
     for rep in reports:
         startup = {m.ranks: rep.results[m.key] for m in rep.methods if m.kind == "startup"}

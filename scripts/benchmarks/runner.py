@@ -251,10 +251,15 @@ def write_results(
     path: Path, benchmark: str, results: Any, command: str, merge: Callable[[Any], Any] | None = None
 ) -> None:
     """`results` (the benchmark's own rows) in the envelope the plots read. With `merge` (a row -> its key),
-    the rows of an existing file whose key no new row has are kept: one file for several invocations."""
-    if merge is not None and path.exists():
-        new = {merge(r) for r in results}
-        results = [r for r in json.loads(path.read_text())["results"] if merge(r) not in new] + list(results)
+    the rows of an existing file whose key no new row has are kept: one file for several invocations. Then
+    each row names the command that made it, and the file's `command` is every one of them."""
+    if merge is not None:
+        results = [{**r, "command": command} for r in results]
+        if path.exists():
+            new = {merge(r) for r in results}
+            kept = [r for r in json.loads(path.read_text())["results"] if merge(r) not in new]
+            results = kept + results
+        command = " and ".join(dict.fromkeys(r.get("command", "an earlier command") for r in results))
     versions: dict[str, str | None] = {}
     for name in VERSIONS:
         try:

@@ -113,3 +113,48 @@ def test_unfinished_output_is_refused_as_input(fsdp2_ckpt: Path, tmp_path: Path)
     proc = ckptconv("dcp-to-hf", str(dcp_partial), str(tmp_path / "x"))
     assert_one_line(proc.returncode, proc.stderr, "unfinished output of an interrupted ckptconv run")
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_closing_the_reader_waits_for_reads_in_flight(
+    fsdp2_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an error, reads other threads already started finish on their own while the reader is closed
+    (`unshard.direct_tensors`): close() waits for them, so no descriptor is closed (and its number reused by
+    the next file opened) under a read, and a read started after close is refused. This used to close the
+    files under the readers, and a thread opening a file meanwhile made close() raise "dictionary changed
+    size during iteration" instead of the run's own one-line error."""
+    import threading
+
+    from ckptconv.errors import CkptconvError
+    from ckptconv.formats import dcp_reader
+    from ckptconv.formats.dcp import open_dcp
+
+    ckpt = open_dcp(fsdp2_ckpt)
+    spec = next(iter(ckpt.tensors.values()))
+    chunk = spec.chunks[0]
+    reading, release = threading.Event(), threading.Event()
+    real = dcp_reader.pread_exact
+    seen: list[bool] = []
+
+    def slow(fd: int, path: Path, offset: int, out: memoryview) -> None:
+        reading.set()
+        release.wait(10)
+        seen.append(os.fstat(fd) is not None)  # still open: fstat would raise EBADF otherwise
+        real(fd, path, offset, out)
+
+    monkeypatch.setattr(dcp_reader, "pread_exact", slow)
+    reader = dcp_reader.DcpReader(ckpt)
+    out = memoryview(bytearray(16))
+    worker = threading.Thread(target=reader.pread, args=(chunk.file, 0, out))
+    worker.start()
+    assert reading.wait(10)
+    closer = threading.Thread(target=reader.close)
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive(), "close() returned while a read was in flight"
+    release.set()
+    worker.join(10)
+    closer.join(10)
+    assert not closer.is_alive() and seen == [True]
+    with pytest.raises(CkptconvError, match="closed"):
+        reader.pread(chunk.file, 0, out)

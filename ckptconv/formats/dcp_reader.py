@@ -14,7 +14,8 @@ import os
 import struct
 import threading
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +30,8 @@ from .files import check_unchanged, open_regular, pread_exact, read_error
 from .hf import MAX_HEADER_BYTES, StoredTensor, header_tensors, parse_header
 from .safe_pickle import pickle_globals, trusted
 from .torch_record import read_tensor_record
+
+_CLOSE_WAIT = 60.0  # seconds close() waits for reads in flight before closing their files anyway
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -60,18 +63,41 @@ class DcpReader:
         self._crcs: dict[tuple[str, int], int] = {}  # (file, data offset) -> CRC-32 of a whole zip entry
         self._pieces: list[RowPiece] = []  # parts of checkable chunks read in pieces, checked at the end
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a thread leaves the files
+        self._using = 0  # threads between taking a descriptor and the end of its use
+        self._closed = False
         self.bytes_read = 0  # every byte read from the checkpoint's files, by every thread
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        """Close the files once no thread is using them: after an error, reads already started in other
+        threads finish on their own (`unshard.direct_tensors`), and a descriptor closed under one of them
+        could be reused by the next file opened. Later reads are refused."""
+        with self._idle:
+            self._closed = True
+            self._idle.wait_for(lambda: self._using == 0, timeout=_CLOSE_WAIT)
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
             os.close(fd)
-        self._fds.clear()
 
     def __enter__(self) -> DcpReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @contextmanager
+    def _file(self, rel: str) -> Iterator[int]:
+        """The open descriptor of `rel` (`_fd`), held open until the block ends."""
+        with self._lock:
+            if self._closed:
+                raise CkptconvError(f"{self.ckpt.path / rel}: read after the reader was closed")
+            self._using += 1
+        try:
+            yield self._fd(rel)
+        finally:
+            with self._idle:
+                self._using -= 1
+                self._idle.notify_all()
 
     def _fd(self, rel: str) -> int:
         """The open descriptor of `rel`: a regular file inside the checkpoint, the very file `open_dcp`
@@ -94,7 +120,8 @@ class DcpReader:
         if self._remote is not None:
             self._remote.pread(rel, offset, out)
         else:
-            pread_exact(self._fd(rel), self.ckpt.path / rel, offset, out)
+            with self._file(rel) as fd:
+                pread_exact(fd, self.ckpt.path / rel, offset, out)
         with self._lock:
             self.bytes_read += len(out)
 
@@ -267,7 +294,8 @@ class DcpReader:
         if self._remote is not None:
             return self._remote.sizes()[rel]
         try:
-            return os.fstat(self._fd(rel)).st_size
+            with self._file(rel) as fd:
+                return os.fstat(fd).st_size
         except OSError as e:
             raise read_error(self.ckpt.path / rel, e) from None
 

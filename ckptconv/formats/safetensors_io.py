@@ -17,6 +17,7 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +145,7 @@ class RowReader:
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._remote: dict[str, RemoteFiles] = {}  # prefix URL -> its objects, read by range
+        self._lock = threading.Lock()  # hf-to-dcp's writer threads read through one reader
         self.bytes_read = 0
 
     def rows(
@@ -204,19 +206,23 @@ class RowReader:
         object storage: one ranged GET, which must return every byte."""
         if isinstance(t.file, UrlPath):
             self._files(t.file).pread(t.file.name, start, view)
+        else:
+            pread_exact(self._fd(t), t.file, start, view, shrank=True)
+        with self._lock:
             self.bytes_read += len(view)
-            return
-        fd = self._fds.get(t.file)
-        if fd is None:
-            fd = open_regular(t.file)
-            try:
-                check_unchanged(t.file, fd, t.stamp)
-            except CkptconvError:
-                os.close(fd)
-                raise
-            self._fds[t.file] = fd
-        pread_exact(fd, t.file, start, view, shrank=True)
-        self.bytes_read += len(view)
+
+    def _fd(self, t: StoredTensor) -> int:
+        with self._lock:
+            fd = self._fds.get(t.file)
+            if fd is None:
+                fd = open_regular(t.file)
+                try:
+                    check_unchanged(t.file, fd, t.stamp)
+                except CkptconvError:
+                    os.close(fd)
+                    raise
+                self._fds[t.file] = fd
+            return fd
 
     def expect(self, t: StoredTensor, lo: int, hi: int) -> None:
         """This reader will read rows [lo, hi) of `t` soon: from object storage, neighbouring expected rows
@@ -228,10 +234,11 @@ class RowReader:
         self._files(t.file).expect(t.file.name, start, (hi - lo) * row_bytes if t.shape else t.nbytes)
 
     def _files(self, file: UrlPath) -> RemoteFiles:
-        files = self._remote.get(str(file.parent))
-        if files is None:
-            files = self._remote[str(file.parent)] = RemoteFiles(file.parent)
-        return files
+        with self._lock:
+            files = self._remote.get(str(file.parent))
+            if files is None:
+                files = self._remote[str(file.parent)] = RemoteFiles(file.parent)
+            return files
 
     def fetched(self) -> tuple[int, int]:
         """(bytes, requests) fetched from object storage so far."""
@@ -240,7 +247,8 @@ class RowReader:
 
     def close(self) -> None:
         """Close the files (a read error was raised where it happened: `dcp_writer` finds it inside torch's
-        CheckpointException)."""
-        for fd in self._fds.values():
+        CheckpointException); called once the threads reading through it are done."""
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
             os.close(fd)
-        self._fds.clear()

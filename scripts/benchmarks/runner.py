@@ -247,6 +247,16 @@ def command_line() -> str:
     return " ".join(["scripts/bench.py", *sys.argv[1:]])
 
 
+def machine() -> dict[str, Any]:
+    """The machine results were measured on, as every results file records it."""
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
 def write_results(
     path: Path, benchmark: str, results: Any, command: str, merge: Callable[[Any], Any] | None = None
 ) -> None:
@@ -270,12 +280,7 @@ def write_results(
         "benchmark": benchmark,
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "versions": versions,
         "results": results,
     }

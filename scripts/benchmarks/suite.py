@@ -8,14 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from .checkpoints import (
     checkpoint_shape,
@@ -27,7 +24,8 @@ from .checkpoints import (
     stem,
 )
 from .methods import SHAPES, Method
-from .runner import GIB, ROOT, Command, dir_bytes, log, remove, run_interleaved
+from .runner import ROOT, Command, dir_bytes, log, remove, run_interleaved
+from .runner import machine as runner_machine
 from .tables import SizeReport, render_markdown, render_text
 
 NOTES = (
@@ -131,14 +129,12 @@ def title(args: argparse.Namespace) -> str:
 
 
 def machine() -> dict[str, Any]:
+    """The runner's machine record, with torch's version and the threads it was allowed."""
     import torch
 
     return {
-        "python": platform.python_version(),
+        **runner_machine(),
         "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "mem_gib": round(psutil.virtual_memory().total / GIB, 1),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
 

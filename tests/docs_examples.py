@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- example: ([^>]*?) -->\n)?```bash\n(.*?)```", re.S)
 RUNS = re.compile(r"(^|\s|/)ckptconv\s+(dcp-to-hf|hf-to-dcp|inspect|verify|--version|--help)\b")
-HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,9 @@ def blocks() -> list[Block]:
 
 def _hub(root: Path, repo: str, model: Path) -> None:
     """`model`'s files as one snapshot of `repo` in the huggingface_hub cache under root/.hf (HF_HOME)."""
-    cache = root / ".hf" / "hub" / ("models--" + repo.replace("/", "--"))
-    (cache / "refs").mkdir(parents=True)
-    (cache / "refs" / "main").write_text(HUB_COMMIT)
-    shutil.copytree(model, cache / "snapshots" / HUB_COMMIT)
+    from test_hf_to_dcp import hub_cache
+
+    hub_cache(root / ".hf", repo, {f.name: f.read_bytes() for f in model.iterdir() if f.is_file()})
 
 
 def _cli(*args: str) -> None:
@@ -138,9 +136,7 @@ def release(root: Path) -> None:
     shutil.copytree(root / "ckpt" / "step-1000", root / "shared" / "ckpt")
     _hub(root, "Qwen/Qwen3-8B", base)
     shutil.copy(base / "model.safetensors", root / "a.safetensors")
-    nudged = {
-        k: v + 1e-4 if v.is_floating_point() else v for k, v in load_file(base / "model.safetensors").items()
-    }
+    nudged = {k: v + 1e-4 if v.is_floating_point() else v for k, v in bf16.items()}  # as saved in base
     save_file(nudged, root / "b.safetensors")
 
 

@@ -6,11 +6,17 @@ as `Interrupted`, a KeyboardInterrupt, so every `finally` and `except BaseExcept
 Ctrl-C cleans up after them too. Python runs the handler in the main thread, between bytecodes. The first
 signal decides the exit code; the ones after it (torchrun's SIGTERM after a Ctrl-C, a second Ctrl-C) are
 ignored while the run unwinds, so they cannot interrupt its cleanup.
+
+A call to a store that makes something the cleanup must remove (an object put, a multipart upload started or
+completed) runs on fsspec's I/O thread: interrupted while waiting for it, the main thread would unwind while
+the call still lands, and what it made would be left behind. Such a call and the record of what it made run
+`deferred()`: a signal arriving inside is raised once the block is left; a second one raises at once.
 """
 
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -27,6 +33,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 _received: list[int] = []  # the signals `as_interrupts` turned into `Interrupted`, in order
+_deferring = 0  # the depth of `deferred()` blocks in progress
+_pending: list[int] = []  # a signal that arrived inside one, raised on leaving the outermost
 
 
 def exit_code() -> int:
@@ -36,6 +44,11 @@ def exit_code() -> int:
 
 
 def _raise(signum: int, frame: FrameType | None) -> None:
+    if _deferring and not _pending:
+        _pending.append(signum)
+        return
+    if _pending:  # the first decides the exit code
+        signum = _pending.pop()
     _received.append(signum)
     for sig in (*HANDLED, signal.SIGINT):  # a second signal while unwinding must not interrupt the cleanup
         if signal.getsignal(sig) is _raise:
@@ -63,3 +76,21 @@ def as_interrupts() -> Iterator[None]:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Inside: a signal `as_interrupts` routes is held until the block is left (then raised as
+    `Interrupted`), so that a store call and the record of what it made are not split; a second signal
+    raises at once. Off the main thread (which signals never interrupt) it does nothing."""
+    global _deferring
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+        if not _deferring and _pending:
+            _raise(_pending[0], None)

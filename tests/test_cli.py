@@ -223,6 +223,31 @@ def test_the_first_signal_decides_and_later_ones_do_not_interrupt_the_cleanup(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_signal_inside_a_deferred_block_is_raised_on_leaving_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store call and the record of what it made are not split: SIGTERM inside `deferred()` is raised
+    when the block is left, with its own exit code; a second signal raises at once (a user insisting)."""
+    from ckptconv import signals
+
+    monkeypatch.setattr(signals, "_received", [])
+    done = []
+    with pytest.raises(signals.Interrupted) as caught, signals.as_interrupts():
+        with signals.deferred(), signals.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            done.append("inner")
+        done.append("after")
+    assert done == ["inner"] and caught.value.signum == signal.SIGTERM and signals.exit_code() == 143
+
+    monkeypatch.setattr(signals, "_received", [])
+    with pytest.raises(signals.Interrupted) as caught, signals.as_interrupts(), signals.deferred():
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    assert caught.value.signum == signal.SIGHUP and signals.exit_code() == 129
+    assert not signals._pending and not signals._deferring
+
+
 OLD_TYPER = ("typer==0.15.4", "click==8.1.8")
 
 

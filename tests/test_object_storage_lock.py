@@ -4,6 +4,7 @@ finished, failed or interrupted run."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -89,3 +90,55 @@ def test_two_runs_at_once_one_writes(
     _, err = third.communicate(timeout=60)
     assert third.returncode == 143, err
     assert not s3.exists("ckpts/.busy.ckptconv-lock") and _uploads_in_progress(s3) == []
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "shards"),
+    [
+        ("put_object", ".ckptconv-lock", "400"),
+        ("create_multipart_upload", "/model.safetensors", "5GB"),
+        ("complete_multipart_upload", "/model-00001-of-", "400"),
+        ("complete_multipart_upload", "/model.safetensors", "5GB"),  # the one file: the completing object
+        ("put_object", "/ckptconv_state.json", "400"),
+        ("put_object", "/model.safetensors.index.json", "400"),  # the completing object
+    ],
+)
+def test_a_signal_while_a_store_call_is_in_flight_leaves_nothing(
+    method: str,
+    target: str,
+    shards: str,
+    fsdp2_ckpt: Path,
+    s3_endpoint: str,
+    s3: s3fs.S3FileSystem,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGTERM arriving while a call that makes something (an upload started or completed, an object put)
+    is on its way: fsspec's I/O thread still lands the call after the main thread is interrupted, so the run
+    waits for it and removes what it made. Exit 143; no object, upload or lock left."""
+    from fsspec.asyn import sync_wrapper
+
+    from ckptconv import signals
+
+    real = s3fs.S3FileSystem._call_s3
+    sent: list[str] = []
+
+    async def late(self: s3fs.S3FileSystem, name: str, *args: object, **kwargs: object) -> object:
+        if name == method and target in str(kwargs.get("Key")) and not sent:
+            sent.append(name)
+            os.kill(os.getpid(), signal.SIGTERM)  # interrupts the main thread, waiting on this call
+            await asyncio.sleep(0.5)  # the call lands after the interrupt
+        return await real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", late)
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", sync_wrapper(late))
+    monkeypatch.setattr(signals, "_received", [])
+    key = f"cut-{method}-{shards}"
+    code, err = _in_process(
+        capsys, s3_endpoint, "dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/{key}", "--max-shard-size", shards
+    )
+    assert sent == [method] and code == 143, err
+    time.sleep(1)  # anything still on its way has landed
+    uploads = [u["Key"] for u in _uploads_in_progress(s3) if u["Key"].startswith(f"{key}/")]
+    assert _objects(s3, key) == {} and uploads == [], err
+    assert not s3.exists(f"ckpts/.{key}.ckptconv-lock")

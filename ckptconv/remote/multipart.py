@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CkptconvError
+from ..signals import deferred
 from .parts import Piece
 from .urls import UrlPath, filesystem
 
@@ -28,17 +29,19 @@ def _call(url: UrlPath, method: str, **kwargs: Any) -> Any:
     return fs.call_s3(method, Bucket=bucket, Key=key, **kwargs)
 
 
-def start(url: UrlPath, names: list[str]) -> dict[str, str]:
-    """Rank 0: a multipart upload for each file; {name: upload id}. Those started before a failure are
-    aborted before it is raised."""
-    ids: dict[str, str] = {}
+def start(url: UrlPath, names: list[str], ids: dict[str, str]) -> dict[str, str]:
+    """Rank 0: a multipart upload for each file, each recorded in `ids` {name: upload id} as it is started
+    (a signal cannot fall between the two); a copy of `ids`. Those started before a failure are aborted
+    and forgotten before it is raised."""
     try:
         for name in names:
-            ids[name] = _call(url / name, "create_multipart_upload")["UploadId"]
+            with deferred():
+                ids[name] = _call(url / name, "create_multipart_upload")["UploadId"]
     except BaseException:
         abort_all(url, ids)
+        ids.clear()
         raise
-    return ids
+    return dict(ids)
 
 
 def complete(url: UrlPath, upload_id: str, tags: list[tuple[int, str]]) -> None:

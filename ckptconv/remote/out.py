@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import CkptconvError
+from ..signals import deferred
 from ..world import World, everyone, from_main, on_main
 from . import multipart
 from .files import RemoteFiles, denied, forget
@@ -139,7 +140,8 @@ class Stream:
         if offset != self.pos:  # a rank writes its file in order (file granularity): a bug otherwise
             raise CkptconvError(f"{self.url}: write at byte {offset}, expected {self.pos} (internal error)")
         try:
-            self._file.write(data)
+            with deferred():  # s3fs starts the multipart upload in a write: kept, to be aborted
+                self._file.write(data)
         except Exception as e:
             raise write_error(self.url, e) from None
         self.pos += len(data)
@@ -172,10 +174,11 @@ class Stream:
 
     def commit(self) -> None:
         try:
-            self._file.close()
+            with deferred():
+                self._file.close()
+                _run.completed.append(self.url)
         except Exception as e:
             raise write_error(self.url, e) from None
-        _run.completed.append(self.url)
         _run.held = [s for s in _run.held if s is not self]
 
     def discard(self) -> None:
@@ -259,7 +262,7 @@ def publish(
     try:
         with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
             _run.local = Path(tmp)
-            on_main(world, lambda: held.append(take_lock(target.url)))
+            on_main(world, lambda: _take(target.url, held))
             cleared = bool(on_main(world, target.clear))
             if layout is not None and multipart.supported(target.url):
                 everyone(world, _start_parts, world, target.url, *layout)
@@ -286,6 +289,11 @@ def publish(
             lock.release()
 
 
+def _take(url: UrlPath, held: list[RemoteLock]) -> None:
+    with deferred():  # the lock put and its record
+        held.append(take_lock(url))
+
+
 def _check(check: Callable[[Path], None], url: UrlPath) -> None:
     forget(url)  # listed empty when the run began
     check(url)
@@ -294,8 +302,8 @@ def _check(check: Callable[[Path], None], url: UrlPath) -> None:
 def _start_parts(world: World, url: UrlPath, files: Sequence[OutFile], writes: Sequence[Write]) -> None:
     """Every rank: the uploads rank 0 starts, and this rank's pieces."""
     pieces = plan_pieces(files, writes)
-    _run.uploads = from_main(world, lambda: multipart.start(url, [f.name for f in files]))
-    _run.out, _run.owned = url, dict(_run.uploads) if world.is_main else {}
+    _run.out = url
+    _run.uploads = from_main(world, lambda: multipart.start(url, [f.name for f in files], _run.owned))
     _run.pieces = {p.file: p for p in pieces if p.rank == world.rank}
 
 
@@ -314,11 +322,12 @@ def _complete_parts(url: UrlPath, gathered: list[multipart.Tags]) -> None:
 
 def _complete_upload(url: UrlPath, upload_id: str, tags: list[tuple[int, str]]) -> None:
     try:
-        multipart.complete(url, upload_id, tags)
+        with deferred():
+            multipart.complete(url, upload_id, tags)
+            _run.completed.append(url)
+            del _run.owned[url.name]
     except Exception as e:
         raise write_error(url, e) from None
-    _run.completed.append(url)
-    del _run.owned[url.name]
 
 
 def local_dir() -> Path:
@@ -338,10 +347,11 @@ def _upload_small(url: UrlPath, tmp: Path) -> None:
     for path in sorted(tmp.iterdir()):
         if path.is_file() and path.name != _run.completing and not path.name.endswith(".tmp"):
             try:
-                fs.put_file(str(path), f"{url.key}/{path.name}")
+                with deferred():
+                    fs.put_file(str(path), f"{url.key}/{path.name}")
+                    _run.completed.append(url / path.name)
             except Exception as e:
                 raise write_error(url / path.name, e) from None
-            _run.completed.append(url / path.name)
 
 
 def _complete(url: UrlPath, tmp: Path) -> None:
@@ -353,10 +363,11 @@ def _complete(url: UrlPath, tmp: Path) -> None:
     last = tmp / _run.completing
     if last.is_file():
         try:
-            filesystem(url).put_file(str(last), f"{url.key}/{last.name}")
+            with deferred():
+                filesystem(url).put_file(str(last), f"{url.key}/{last.name}")
+                _run.completed.append(url / last.name)
         except Exception as e:
             raise write_error(url / last.name, e) from None
-        _run.completed.append(url / last.name)
 
 
 def _remove_ours() -> list[str]:

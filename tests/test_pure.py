@@ -330,7 +330,7 @@ def test_enum_pickled_through_getattr_is_accepted_and_nothing_else() -> None:
 
     def load(obj: object) -> object:
         return safe_pickle.AllowlistUnpickler(
-            pickle.dumps(obj, protocol=4), safe_pickle._METADATA_GLOBALS
+            pickle.dumps(obj, protocol=4), safe_pickle.METADATA_GLOBALS
         ).load()
 
     assert load(ByName(_MEM_FORMAT_ENCODING, "TORCH_CHANNELS_LAST")) == 1

@@ -26,11 +26,11 @@ from ..remote.files import RemoteFiles
 from ..remote.urls import UrlPath
 from ..specs import ChunkFormat, NonTensorItem, TensorSpec, new_chunk
 from . import safe_pickle as md
+from .dcp_columns import Columns, load_dcp_metadata
 from .files import BoundedReader, Stamp, inside, mode_of, open_regular, read_error, stamp, stat_regular
 from .hf import MAX_HEADER_BYTES  # a larger safetensors header inside a .distcp is refused too
 from .megatron import MARKER_FILE as MEGATRON_MARKER
 from .megatron import Common, is_megatron, read_common
-from .safe_pickle import load_dcp_metadata
 
 METADATA_FILE = ".metadata"
 
@@ -82,15 +82,17 @@ def open_dcp(path: Path) -> DcpCheckpoint:
             return open_sharded(path)
     with paused():  # a million records, none of them garbage: see gcpause
         if remote is not None:
-            metadata = load_dcp_metadata(_remote_metadata(remote), str(md_path))
+            metadata, columns = load_dcp_metadata(_remote_metadata(remote), str(md_path))
         else:  # streamed: the file's bytes are never all held beside the records they make
             with os.fdopen(open_regular(md_path, path), "rb", buffering=1 << 20) as f:
                 try:
-                    metadata = load_dcp_metadata(BoundedReader(f, os.fstat(f.fileno()).st_size), str(md_path))
+                    metadata, columns = load_dcp_metadata(
+                        BoundedReader(f, os.fstat(f.fileno()).st_size), str(md_path)
+                    )
                 except OSError as e:
                     raise read_error(md_path, e) from None
         try:
-            ckpt = _specs_from_metadata(path, metadata, remote)
+            ckpt = _specs_from_metadata(path, metadata, columns, remote)
         except (AttributeError, TypeError, ValueError) as e:
             raise CkptconvError(
                 f"{md_path}: malformed DCP metadata ({e}); re-save or re-copy the checkpoint"
@@ -114,21 +116,14 @@ def _remote_metadata(remote: RemoteFiles) -> bytes:
 
 
 def _specs_from_metadata(
-    root: Path, metadata: md.Metadata, remote: RemoteFiles | None = None
+    root: Path, metadata: md.Metadata, columns: Columns, remote: RemoteFiles | None = None
 ) -> DcpCheckpoint:
     where = root / METADATA_FILE
-    storage = metadata.storage_data
-    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+    if not isinstance(metadata.storage_data, dict) or not isinstance(metadata.state_dict_metadata, dict):
         raise CkptconvError(f"{where}: has no storage index (not written by FileSystemWriter?)")
-    index = list(storage)
-    if set(map(type, index)) - {md.MetadataIndex}:
-        raise CkptconvError(f"{where}: malformed storage index entry")
-    # keyed by (fqn, offsets) as stored: a chunk's validated offsets find their entry, a malformed one matches
-    # no chunk (then "no stored data"), so the index needs no check of its own
-    locations = dict(
-        zip(zip(map(_FQN, index), map(_OFFSET, index), strict=True), storage.values(), strict=True)
-    )
-    del index
+    # {fqn: {offsets: storage row}} as stored: a chunk's validated offsets find their entry, a malformed one
+    # matches no chunk (then "no stored data"), so the index needs no check of its own
+    locations = _Locations(columns)
     file_sizes = _FileSizes(root, remote)
     planner_paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     tensors: dict[str, TensorSpec] = {}
@@ -142,9 +137,8 @@ def _specs_from_metadata(
         if isinstance(entry, md.BytesStorageMetadata):
             file, start, length = _location(locations, fqn, file_sizes, where)
             items[fqn] = NonTensorItem(fqn, paths[fqn], file, start, length)
-        elif isinstance(entry, md.TensorStorageMetadata):
+        elif isinstance(entry, md.TensorStorageMetadata) and isinstance(getattr(entry, "rows", None), range):
             tensors[fqn] = _tensor_spec(fqn, entry, locations, file_sizes, where)
-            entry.chunks = []  # its records go as the specs grow: the peak holds one of the two
         else:
             raise CkptconvError(f"{where}: key {fqn!r} has an unknown storage type")
     formats = _sniff_formats(root, tensors.values(), remote)
@@ -160,39 +154,63 @@ def _specs_from_metadata(
     return DcpCheckpoint(root, tensors, items, paths, file_sizes.stamps)
 
 
-_FQN, _OFFSET = attrgetter("fqn"), attrgetter("offset")
-_OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
-_REL, _START, _LENGTH = attrgetter("relative_path"), attrgetter("offset"), attrgetter("length")
-_TRANSFORMS = attrgetter("transform_descriptors")
+class _Locations:
+    """Where each stored entry is: `rows(fqn, offsets)`, the storage row of each chunk (None: not stored)."""
+
+    def __init__(self, columns: Columns) -> None:
+        self.columns = columns
+        self.by_fqn = columns.locations()
+
+    def rows(self, fqn: str, offsets: list[Any]) -> list[int | None]:
+        return list(map(self.by_fqn.get(fqn, {}).get, offsets))
+
+    def files(self, rows: list[int]) -> tuple[list[Any], list[int], list[int]]:
+        """(files, starts, lengths) of storage rows."""
+        c = self.columns
+        return (
+            list(map(c.paths.__getitem__, rows)),
+            list(map(c.starts.__getitem__, rows)),
+            list(map(c.lengths.__getitem__, rows)),
+        )
+
+    def transforms(self, rows: list[int]) -> Any:
+        """The transform descriptors of the first of `rows` stored with any, or None."""
+        found = self.columns.transforms
+        return next((found[k] for k in rows if k in found), None) if found else None
+
+
 _FILE, _BYTE_OFFSET = attrgetter("file"), attrgetter("byte_offset")
 
 
-def _tensor_spec(fqn: str, entry: Any, locations: dict, file_sizes: _FileSizes, where: Path) -> TensorSpec:
+def _tensor_spec(
+    fqn: str, entry: Any, locations: _Locations, file_sizes: _FileSizes, where: Path
+) -> TensorSpec:
     """The spec of one tensor, its chunks checked in bulk: each check is one pass in C over all the chunks
     (a million of them at 1 TB), and the per-chunk message is found only when a check fails."""
     dtype = getattr(entry.properties, "dtype", None)
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CkptconvError(f"{where}: tensor {fqn!r} has no valid dtype")
     shape = _int_tuple(entry.size, fqn, where)
-    records = entry.chunks
-    offsets = _int_tuples(list(map(_OFFSETS, records)), fqn, where)
-    sizes = _int_tuples(list(map(_SIZES, records)), fqn, where)
-    infos = list(map(locations.get, zip(repeat(fqn), offsets)))
-    if None in infos:
-        missing = offsets[infos.index(None)]
+    rows = entry.rows
+    offsets = _int_tuples(locations.columns.offsets[rows.start : rows.stop], fqn, where)
+    sizes = _int_tuples(locations.columns.sizes[rows.start : rows.stop], fqn, where)
+    found = locations.rows(fqn, offsets)
+    if None in found:
+        missing = offsets[found.index(None)]
         raise CkptconvError(
             f"{where}: no stored data for {fqn!r} at offset {missing}; the metadata is corrupt"
         )
-    files, starts, lengths = list(map(_REL, infos)), list(map(_START, infos)), list(map(_LENGTH, infos))
-    if set(map(type, files)) - {str} or set(map(type, starts)) - {int} or set(map(type, lengths)) - {int}:
+    stored: list[int] = found  # type: ignore[assignment]  # no None in it
+    files, starts, lengths = locations.files(stored)
+    if set(map(type, files)) - {str}:
         raise CkptconvError(f"{where}: malformed storage entry for {fqn!r}")
-    if any(map(_TRANSFORMS, infos)):
-        transforms = next(filter(None, map(_TRANSFORMS, infos)))
+    transforms = locations.transforms(stored)
+    if transforms is not None:
         raise CkptconvError(
             f"{where}: {fqn!r} is stored with transforms {transforms} "
             "(compression or another DCP extension), which ckptconv does not read yet"
         )
-    if infos and (min(starts) < 0 or min(lengths) < 0):
+    if stored and (min(starts) < 0 or min(lengths) < 0):
         raise CkptconvError(
             f"{where}: negative storage offset or length for {fqn!r}; the metadata is corrupt"
         )
@@ -251,18 +269,18 @@ def _int_tuple(value: Any, fqn: str, where: Path) -> tuple[int, ...]:
     return out
 
 
-def _location(locations: dict, fqn: str, file_sizes: _FileSizes, where: Path) -> tuple[str, int, int]:
+def _location(locations: _Locations, fqn: str, file_sizes: _FileSizes, where: Path) -> tuple[str, int, int]:
     """Where a non-tensor item is stored: (file, start, length)."""
-    info = locations.get((fqn, None))
-    if info is None:
+    row = locations.rows(fqn, [None])[0]
+    if row is None:
         raise CkptconvError(f"{where}: no stored data for {fqn!r}; the metadata is corrupt")
-    rel = getattr(info, "relative_path", None)
-    start, length = getattr(info, "offset", None), getattr(info, "length", None)
-    if not isinstance(rel, str) or not isinstance(start, int) or not isinstance(length, int):
+    (rel,), (start,), (length,) = locations.files([row])
+    if not isinstance(rel, str):
         raise CkptconvError(f"{where}: malformed storage entry for {fqn!r}")
-    if getattr(info, "transform_descriptors", None):
+    transforms = locations.transforms([row])
+    if transforms is not None:
         raise CkptconvError(
-            f"{where}: {fqn!r} is stored with transforms {info.transform_descriptors} "
+            f"{where}: {fqn!r} is stored with transforms {transforms} "
             "(compression or another DCP extension), which ckptconv does not read yet"
         )
     size = file_sizes.size(rel, fqn, where)

@@ -1,8 +1,9 @@
 """Unpickling without running code from the checkpoint.
 
-`load_dcp_metadata` accepts only the classes DCP's `.metadata` is made of (see
-torch/distributed/checkpoint/metadata.py), loaded into plain stand-ins without importing torch: a dtype
-becomes its name (`"bfloat16"`), a `torch.Size` a tuple. It also accepts torch's own save-plan records
+`.metadata` is loaded (by dcp_columns.load_dcp_metadata) allowing only the classes DCP's `.metadata` is made
+of (see torch/distributed/checkpoint/metadata.py), into plain stand-ins without importing torch: a dtype
+becomes its name (`"bfloat16"`), a `torch.Size` a tuple; the chunk and storage records go into columns
+(dcp_columns). It also accepts torch's own save-plan records
 (torch/distributed/checkpoint/planner.py): Megatron-Core keeps every rank's `SavePlan` in an extra
 `all_local_plans` attribute of the `Metadata` it saves, and ckptconv ignores them. Any other global in the
 pickle stops the load with a `CkptconvError` naming it. The allowlist unpickler here also serves
@@ -21,7 +22,6 @@ from pathlib import PurePosixPath
 from typing import Any, Protocol
 
 from ..dtype_names import ITEMSIZE
-from ..errors import CkptconvError
 
 _LAYOUTS = ("torch.strided", "torch.sparse_coo")
 
@@ -64,24 +64,6 @@ class TensorStorageMetadata(Record):
 
 class BytesStorageMetadata(Record):
     pass
-
-
-class ChunkStorageMetadata(Record):
-    offsets: Any
-    sizes: Any
-
-
-class MetadataIndex(Record):
-    fqn: str
-    offset: Any = None
-    index: Any = None
-
-
-class StorageInfo(Record):
-    relative_path: str
-    offset: int
-    length: int
-    transform_descriptors: Any = None
 
 
 class StorageMeta(Record):
@@ -150,28 +132,27 @@ _ENUM_MEMBERS: dict[Any, set[str]] = {
 def _enum_member(cls: Any, name: Any) -> Any:
     """`builtins.getattr` as enum pickles use it: only a member name of an allowed enum stand-in."""
     if cls not in _ENUM_MEMBERS or name not in _ENUM_MEMBERS[cls]:
-        raise _Refused(f"builtins.getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
+        raise Refused(f"builtins.getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
     return getattr(cls, name)
 
 
-_DCP_MD = "torch.distributed.checkpoint.metadata"
+DCP_MD = "torch.distributed.checkpoint.metadata"
+DCP_FS = "torch.distributed.checkpoint.filesystem"
 _DCP_PLANNER = "torch.distributed.checkpoint.planner"
-_METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    (_DCP_MD, "Metadata"): Metadata,
-    (_DCP_MD, "TensorStorageMetadata"): TensorStorageMetadata,
-    (_DCP_MD, "BytesStorageMetadata"): BytesStorageMetadata,
-    (_DCP_MD, "ChunkStorageMetadata"): ChunkStorageMetadata,
-    (_DCP_MD, "TensorProperties"): TensorProperties,
-    (_DCP_MD, "MetadataIndex"): MetadataIndex,
-    (_DCP_MD, "StorageMeta"): StorageMeta,
-    (_DCP_MD, "_MEM_FORMAT_ENCODING"): _MemFormat,
+# what `.metadata` may reference (dcp_columns loads the chunk, index and storage records into columns)
+METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    (DCP_MD, "Metadata"): Metadata,
+    (DCP_MD, "TensorStorageMetadata"): TensorStorageMetadata,
+    (DCP_MD, "BytesStorageMetadata"): BytesStorageMetadata,
+    (DCP_MD, "TensorProperties"): TensorProperties,
+    (DCP_MD, "StorageMeta"): StorageMeta,
+    (DCP_MD, "_MEM_FORMAT_ENCODING"): _MemFormat,
     ("builtins", "getattr"): _enum_member,
     (_DCP_PLANNER, "SavePlan"): SavePlan,
     (_DCP_PLANNER, "WriteItem"): WriteItem,
     (_DCP_PLANNER, "WriteItemType"): _WriteItemType,
     (_DCP_PLANNER, "TensorWriteData"): TensorWriteData,
     (_DCP_PLANNER, "BytesIOWriteData"): BytesIOWriteData,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     ("torch", "Size"): tuple,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,
@@ -226,41 +207,17 @@ class AllowlistUnpickler(pickle.Unpickler):
         except KeyError:
             loaded = trusted() if self.trustable else None
             if loaded is None:
-                raise _Refused(f"{module}.{name}") from None
+                raise Refused(f"{module}.{name}") from None
             loaded.append(f"{module}.{name}")
             return super().find_class(module, name)
 
 
-class _MetadataUnpickler(AllowlistUnpickler):
+class MetadataUnpickler(AllowlistUnpickler):
     trustable = True
 
 
-class _Refused(pickle.UnpicklingError):
-    pass
-
-
-def load_dcp_metadata(data: bytes | Readable, where: str) -> Metadata:
-    """Unpickle DCP `.metadata` (its bytes, or a file read frame by frame as the unpickler goes: a 128 MB
-    `.metadata` is then never held whole beside the records it makes), allowing only the DCP metadata
-    classes."""
-    try:
-        metadata = _MetadataUnpickler(data, _METADATA_GLOBALS).load()
-    except OSError:
-        raise  # reading the file failed, not its contents: the caller names the path and the cause
-    except _Refused as e:
-        raise CkptconvError(
-            f"{where}: refusing to load: the metadata references {e}, which is not part of DCP metadata "
-            "(a pickle payload or a non-standard planner); ckptconv never runs code from a checkpoint "
-            "(--trust-pickle loads it anyway, for checkpoints you trust)"
-        ) from None
-    except Exception as e:
-        raise CkptconvError(
-            f"{where}: not a readable DCP metadata file ({type(e).__name__}{f': {e}' if str(e) else ''}); "
-            "the checkpoint is truncated or corrupt, re-save or re-copy it"
-        ) from None
-    if not isinstance(metadata, Metadata):
-        raise CkptconvError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
-    return metadata
+class Refused(pickle.UnpicklingError):
+    """A global outside the allowlist."""
 
 
 def pickle_globals(data: bytes) -> list[str]:

@@ -1,0 +1,176 @@
+"""DCP `.metadata` unpickled into columns: a million chunk records without a million objects.
+
+At 1 TB a `.metadata` holds about a million chunks, each a `ChunkStorageMetadata` in its tensor's list and a
+`MetadataIndex -> _StorageInfo` entry of the storage index. Loaded as objects, even plain stand-ins, each is
+an instance, a dict and tuples, and pickle's memo keeps every one of them alive to the end of the load: about
+1.9 KB a chunk. Here those three classes load into one *sink* each instead. NEWOBJ gives the sink itself (no
+instance is made), BUILD hands it the record's state, whose fields it appends to columns (ints into arrays)
+before clearing it (the memo then keeps an empty dict). A tensor's chunk list holds its sink N times, and the
+`TensorStorageMetadata` built right after that list takes the last N chunk rows. The storage index's keys and
+values alternate in the stream (key, value, key, value), so each `_StorageInfo` row is paired with the index
+row just before it.
+
+    chunk rows    offsets[i], sizes[i]            one per ChunkStorageMetadata (a tensor's rows: its `rows`)
+    index rows    fqns[j], index_offsets[j]       one per MetadataIndex (offset None: a non-tensor item)
+    storage rows  key[k] (its index row j), paths[k], starts[k], lengths[k], transforms.get(k)
+
+A record the stream reuses (a memo reference builds nothing) cannot shift a row onto another's data: a chunk
+list must be its sink N times with exactly N new rows since the last tensor, and a `_StorageInfo` must follow
+an index row of its own; anything else is an UnpicklingError. Megatron-Core's `all_local_plans`, saved after
+the index, leaves index rows without storage and chunk rows no tensor takes: nothing reads them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from array import array
+from typing import Any
+
+from ..errors import CkptconvError
+from . import safe_pickle as sp
+
+
+class Columns:
+    """The chunk, index and storage rows of one `.metadata` (see the module's table)."""
+
+    def __init__(self) -> None:
+        self.offsets: list[Any] = []
+        self.sizes: list[Any] = []
+        self.fqns: list[Any] = []
+        self.index_offsets: list[Any] = []
+        self.key = array("q")
+        self.paths: list[Any] = []
+        self.starts = array("q")
+        self.lengths = array("q")
+        self.transforms: dict[int, Any] = {}  # storage row -> its transform descriptors, where it has any
+        self.paired = -1  # the last index row given a storage row
+        self.taken = 0  # chunk rows taken by tensors so far
+
+    def locations(self) -> dict[Any, dict[Any, int]]:
+        """{fqn: {offsets (None for a non-tensor item): storage row}}, keyed by the index rows' own tuples."""
+        found: dict[Any, dict[Any, int]] = {}
+        fqns, offsets = self.fqns, self.index_offsets
+        for k, j in enumerate(self.key):
+            found.setdefault(fqns[j], {})[offsets[j]] = k
+        return found
+
+
+def _state(state: Any) -> dict[str, Any]:
+    """A BUILD state as one dict: the dict, or the (dict, slots) pair of a class with `__slots__`."""
+    if type(state) is dict:
+        return state
+    if type(state) is tuple and len(state) == 2 and all(s is None or type(s) is dict for s in state):
+        return {**(state[0] or {}), **(state[1] or {})}
+    raise pickle.UnpicklingError(f"unexpected record state {type(state).__name__}")
+
+
+class _ChunkSink:
+    def __init__(self, columns: Columns) -> None:
+        self.offsets, self.sizes = columns.offsets.append, columns.sizes.append
+
+    def __setstate__(self, state: Any) -> None:
+        if type(state) is not dict:
+            state = _state(state)
+        self.offsets(state["offsets"])
+        self.sizes(state["sizes"])
+        state.clear()
+
+
+class _IndexSink:
+    def __init__(self, columns: Columns) -> None:
+        self.fqns, self.offsets = columns.fqns.append, columns.index_offsets.append
+
+    def __setstate__(self, state: Any) -> None:
+        if type(state) is not dict:
+            state = _state(state)
+        self.fqns(state["fqn"])
+        self.offsets(state.get("offset"))
+        state.clear()
+
+
+class _StorageSink:
+    def __init__(self, columns: Columns) -> None:
+        self.columns = columns
+
+    def __setstate__(self, state: Any) -> None:
+        if type(state) is not dict:
+            state = _state(state)
+        c = self.columns
+        row = len(c.fqns) - 1
+        if row <= c.paired:
+            raise pickle.UnpicklingError("a storage entry without an index key of its own")
+        c.paired = row
+        c.key.append(row)
+        c.paths.append(state["relative_path"])
+        c.starts.append(state["offset"])
+        c.lengths.append(state["length"])
+        if state.get("transform_descriptors"):
+            c.transforms[len(c.paths) - 1] = state["transform_descriptors"]
+        state.clear()
+
+
+def _sink_class(name: str, sink: object) -> type:
+    """A class for NEWOBJ whose `__new__` (a dict's `get`: no Python frame) gives `sink`."""
+    made: dict[type, object] = {}
+    cls = type(name, (), {"__new__": staticmethod(made.get)})
+    made[cls] = sink
+    return cls
+
+
+def _tensor_class(columns: Columns, chunk: _ChunkSink) -> type:
+    class TensorStorageMetadata(sp.TensorStorageMetadata):
+        """A tensor's record; its chunks as `rows`, the chunk rows its list was built into."""
+
+        rows: range
+
+        def __setstate__(self, state: Any) -> None:
+            state = dict(_state(state))
+            chunks = state.pop("chunks", None)
+            if type(chunks) is not list or chunks.count(chunk) != len(chunks):
+                raise pickle.UnpicklingError("a tensor's chunk list holds something else than chunks")
+            if len(columns.offsets) - columns.taken != len(chunks):
+                raise pickle.UnpicklingError("a tensor's chunk list reuses chunk records")
+            self.rows = range(columns.taken, len(columns.offsets))
+            columns.taken = len(columns.offsets)
+            chunks.clear()
+            self.__dict__.update(state)
+
+    return TensorStorageMetadata
+
+
+def allowed(columns: Columns) -> dict[tuple[str, str], Any]:
+    """The `.metadata` allowlist (safe_pickle's), with the chunk, index and storage records and the tensors
+    loading into `columns`."""
+    chunk = _ChunkSink(columns)
+    return {
+        **sp.METADATA_GLOBALS,
+        (sp.DCP_MD, "ChunkStorageMetadata"): _sink_class("ChunkStorageMetadata", chunk),
+        (sp.DCP_MD, "MetadataIndex"): _sink_class("MetadataIndex", _IndexSink(columns)),
+        (sp.DCP_FS, "_StorageInfo"): _sink_class("_StorageInfo", _StorageSink(columns)),
+        (sp.DCP_MD, "TensorStorageMetadata"): _tensor_class(columns, chunk),
+    }
+
+
+def load_dcp_metadata(data: bytes | sp.Readable, where: str) -> tuple[sp.Metadata, Columns]:
+    """Unpickle DCP `.metadata` (its bytes, or a file read frame by frame as the unpickler goes: a 128 MB
+    `.metadata` is then never held whole beside what it makes), allowing only the DCP metadata classes; the
+    chunk and storage records as `Columns`."""
+    columns = Columns()
+    try:
+        metadata = sp.MetadataUnpickler(data, allowed(columns)).load()
+    except OSError:
+        raise  # reading the file failed, not its contents: the caller names the path and the cause
+    except sp.Refused as e:
+        raise CkptconvError(
+            f"{where}: refusing to load: the metadata references {e}, which is not part of DCP metadata "
+            "(a pickle payload or a non-standard planner); ckptconv never runs code from a checkpoint "
+            "(--trust-pickle loads it anyway, for checkpoints you trust)"
+        ) from None
+    except Exception as e:
+        raise CkptconvError(
+            f"{where}: not a readable DCP metadata file ({type(e).__name__}{f': {e}' if str(e) else ''}); "
+            "the checkpoint is truncated or corrupt, re-save or re-copy it"
+        ) from None
+    if not isinstance(metadata, sp.Metadata):
+        raise CkptconvError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata, columns

@@ -54,6 +54,22 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def broadcast_bytes(self, data: bytearray | None) -> bytearray:
+        """Rank 0's `data` on every rank, sent as it lies in memory (a uint8 tensor over its buffer): not
+        pickled, not copied on rank 0, received straight into the others' buffer."""
+        if not self.distributed:
+            assert data is not None
+            return data
+        import torch
+        import torch.distributed as dist
+
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        box = data if self.is_main and data is not None else bytearray(int(size.item()))
+        if box:
+            dist.broadcast(torch.frombuffer(box, dtype=torch.uint8), src=0)
+        return box
+
     def barrier(self) -> None:
         if self.distributed:
             import torch.distributed as dist
@@ -97,11 +113,13 @@ def from_main(
     fn: Callable[[], T],
     encode: Callable[[T], Any] = lambda x: x,
     decode: Callable[[Any], T] = lambda x: x,
+    raw: bool = False,
 ) -> T:
     """`fn()` run on rank 0 alone, its result on every rank (sent as `encode(result)`, rebuilt by `decode`),
     or its error raised on every rank. Collective; call it inside `everyone`, whose agreement then names
     rank 0 as where an error came from. What one rank reads for all (a `.metadata`, 2,000 file headers) is
-    read once instead of once per rank."""
+    read once instead of once per rank. `raw`: `encode` gives a bytearray, sent as it is (`broadcast_bytes`:
+    tens of MB are then neither pickled nor copied)."""
     if not world.distributed:
         return fn()
     if world.is_main:
@@ -111,12 +129,14 @@ def from_main(
         except Exception as e:  # the others are waiting in the broadcast: they get the error instead
             world.broadcast_object(("error", str(e), e.exit_code if isinstance(e, CkptconvError) else 1))
             raise
-        world.broadcast_object(("ok", sent))
+        world.broadcast_object(("ok", None if raw else sent))
+        if raw:
+            world.broadcast_bytes(sent)
         return result
     message = world.broadcast_object(None)
     if message[0] == "error":
         raise CkptconvError(message[1], exit_code=message[2])
-    return decode(message[1])
+    return decode(world.broadcast_bytes(None) if raw else message[1])
 
 
 def _one_line(error: BaseException) -> str:

@@ -10,13 +10,15 @@ ignored while the run unwinds, so they cannot interrupt its cleanup.
 A call to a store that makes something the cleanup must remove (an object put, a multipart upload started or
 completed) runs on fsspec's I/O thread: interrupted while waiting for it, the main thread would unwind while
 the call still lands, and what it made would be left behind. Such a call and the record of what it made run
-`deferred()`: a signal arriving inside is raised once the block is left; a second one raises at once.
+`deferred()`: a signal arriving inside is raised once the block is left; another signal, or the same one
+again after INSIST_S (a user insisting, not torchrun forwarding srun's SIGTERM), raises at once.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -34,7 +36,10 @@ class Interrupted(KeyboardInterrupt):
 
 _received: list[int] = []  # the signals `as_interrupts` turned into `Interrupted`, in order
 _deferring = 0  # the depth of `deferred()` blocks in progress
-_pending: list[int] = []  # a signal that arrived inside one, raised on leaving the outermost
+_pending: list[tuple[int, float]] = []  # (signal, when) that arrived inside one, raised on leaving it
+# a repeat of the held signal sooner than this is the same request (torchrun forwards the SIGTERM srun sent
+# every process of the step), not a user insisting
+INSIST_S = 2.0
 
 
 def exit_code() -> int:
@@ -45,10 +50,14 @@ def exit_code() -> int:
 
 def _raise(signum: int, frame: FrameType | None) -> None:
     if _deferring and not _pending:
-        _pending.append(signum)
+        _pending.append((signum, time.monotonic()))
         return
-    if _pending:  # the first decides the exit code
-        signum = _pending.pop()
+    if _pending:
+        first, when = _pending[0]
+        if frame is not None and signum == first and time.monotonic() - when < INSIST_S:
+            return  # the same request again: still held
+        _pending.clear()
+        signum = first  # the first decides the exit code
     _received.append(signum)
     for sig in (*HANDLED, signal.SIGINT):  # a second signal while unwinding must not interrupt the cleanup
         if signal.getsignal(sig) is _raise:
@@ -81,8 +90,9 @@ def as_interrupts() -> Iterator[None]:
 @contextmanager
 def deferred() -> Iterator[None]:
     """Inside: a signal `as_interrupts` routes is held until the block is left (then raised as
-    `Interrupted`), so that a store call and the record of what it made are not split; a second signal
-    raises at once. Off the main thread (which signals never interrupt) it does nothing."""
+    `Interrupted`), so that a store call and the record of what it made are not split; another signal, or
+    the same one again after INSIST_S, raises at once. Off the main thread (which signals never interrupt)
+    it does nothing."""
     global _deferring
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -93,4 +103,4 @@ def deferred() -> Iterator[None]:
     finally:
         _deferring -= 1
         if not _deferring and _pending:
-            _raise(_pending[0], None)
+            _raise(_pending[0][0], None)

@@ -225,25 +225,31 @@ def test_the_first_signal_decides_and_later_ones_do_not_interrupt_the_cleanup(
 
 def test_a_signal_inside_a_deferred_block_is_raised_on_leaving_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A store call and the record of what it made are not split: SIGTERM inside `deferred()` is raised
-    when the block is left, with its own exit code; a second signal raises at once (a user insisting)."""
+    when the outermost block is left, with its own exit code; the same signal again at once (torchrun
+    forwarding srun's) stays held; another signal raises at once (a user insisting)."""
     from ckptconv import signals
 
     monkeypatch.setattr(signals, "_received", [])
     done = []
     with pytest.raises(signals.Interrupted) as caught, signals.as_interrupts():
-        with signals.deferred(), signals.deferred():
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.2)
-            done.append("inner")
+        with signals.deferred():
+            with signals.deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)  # the forwarded copy
+                time.sleep(0.2)
+                done.append("inner")
+            done.append("outer")
         done.append("after")
-    assert done == ["inner"] and caught.value.signum == signal.SIGTERM and signals.exit_code() == 143
+    assert done == ["inner", "outer"] and caught.value.signum == signal.SIGTERM and signals.exit_code() == 143
 
     monkeypatch.setattr(signals, "_received", [])
+    start = time.monotonic()
     with pytest.raises(signals.Interrupted) as caught, signals.as_interrupts(), signals.deferred():
         os.kill(os.getpid(), signal.SIGHUP)
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
+    assert time.monotonic() - start < 4  # raised by the second signal, not on leaving the block
     assert caught.value.signum == signal.SIGHUP and signals.exit_code() == 129
     assert not signals._pending and not signals._deferring
 

@@ -89,9 +89,22 @@ def _reuse_a_storage_entry(metadata: Any) -> None:
     metadata.storage_data = {k: (first if k == keys[1] else v) for k, v in metadata.storage_data.items()}
 
 
+def _swap_keys_inside_values(metadata: Any) -> None:
+    """Each of two storage entries carries the other's key in an extra field: built between a key and its
+    entry, it would pair the entries crosswise if pairing went by "the last key made"."""
+    fqn, entry = _first_tensor(metadata)
+    a, b = (MetadataIndex(fqn, c.offsets) for c in entry.chunks[:2])
+    metadata.storage_data[a].extra = MetadataIndex(fqn, b.offset)
+    metadata.storage_data[b].extra = MetadataIndex(fqn, a.offset)
+
+
 @pytest.mark.parametrize(
     ("damage", "needle"),
-    [(_reuse_a_chunk, "chunk list reuses"), (_reuse_a_storage_entry, "no stored data")],
+    [
+        (_reuse_a_chunk, "chunk list reuses"),
+        (_reuse_a_storage_entry, "index key of its own"),
+        (_swap_keys_inside_values, "index key of its own"),
+    ],
 )
 def test_a_reused_record_is_refused_not_read_as_another(
     damage: Any, needle: str, fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]

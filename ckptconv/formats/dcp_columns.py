@@ -8,15 +8,17 @@ instance is made), BUILD hands it the record's state, whose fields it appends to
 before clearing it (the memo then keeps an empty dict). A tensor's chunk list holds its sink N times, and the
 `TensorStorageMetadata` built right after that list takes the last N chunk rows. The storage index's keys and
 values alternate in the stream (key, value, key, value), so each `_StorageInfo` row is paired with the index
-row just before it.
+row built just before it.
 
     chunk rows    offsets[i], sizes[i]            one per ChunkStorageMetadata (a tensor's rows: its `rows`)
     index rows    fqns[j], index_offsets[j]       one per MetadataIndex (offset None: a non-tensor item)
     storage rows  key[k] (its index row j), paths[k], starts[k], lengths[k], transforms.get(k)
 
-A record the stream reuses (a memo reference builds nothing) cannot shift a row onto another's data: a chunk
-list must be its sink N times with exactly N new rows since the last tensor, and a `_StorageInfo` must follow
-an index row of its own; anything else is an UnpicklingError. Megatron-Core's `all_local_plans`, saved after
+A stream that does not have that shape is refused (an UnpicklingError), never read with rows shifted onto
+another record's data: a record the stream reuses (a memo reference builds nothing), or one built where torch
+never puts it. A chunk list must be its sink N times with exactly N new rows since the last tensor; a
+`_StorageInfo` must come right after a new index record of its own (row `paired + 1`), with no index record
+built between its making (NEWOBJ) and its state (BUILD). Megatron-Core's `all_local_plans`, saved after
 the index, leaves index rows without storage and chunk rows no tensor takes: nothing reads them.
 """
 
@@ -91,14 +93,20 @@ class _IndexSink:
 class _StorageSink:
     def __init__(self, columns: Columns) -> None:
         self.columns = columns
+        self.opened = -1  # the index rows there were when the record being loaded was made (NEWOBJ)
+
+    def open(self, cls: type) -> _StorageSink:
+        """NEWOBJ of a `_StorageInfo`."""
+        self.opened = len(self.columns.fqns)
+        return self
 
     def __setstate__(self, state: Any) -> None:
         if type(state) is not dict:
             state = _state(state)
         c = self.columns
         row = len(c.fqns) - 1
-        if row <= c.paired:
-            raise pickle.UnpicklingError("a storage entry without an index key of its own")
+        if row != c.paired + 1 or self.opened != len(c.fqns):  # its key: the index record just before it
+            raise pickle.UnpicklingError("a storage entry without an index key of its own just before it")
         c.paired = row
         c.key.append(row)
         c.paths.append(state["relative_path"])
@@ -115,6 +123,11 @@ def _sink_class(name: str, sink: object) -> type:
     cls = type(name, (), {"__new__": staticmethod(made.get)})
     made[cls] = sink
     return cls
+
+
+def _storage_class(sink: _StorageSink) -> type:
+    """`_StorageInfo`'s: NEWOBJ notes how many index rows there are (its key must be the last of them)."""
+    return type("_StorageInfo", (), {"__new__": staticmethod(sink.open)})
 
 
 def _tensor_class(columns: Columns, chunk: _ChunkSink) -> type:
@@ -146,7 +159,7 @@ def allowed(columns: Columns) -> dict[tuple[str, str], Any]:
         **sp.METADATA_GLOBALS,
         (sp.DCP_MD, "ChunkStorageMetadata"): _sink_class("ChunkStorageMetadata", chunk),
         (sp.DCP_MD, "MetadataIndex"): _sink_class("MetadataIndex", _IndexSink(columns)),
-        (sp.DCP_FS, "_StorageInfo"): _sink_class("_StorageInfo", _StorageSink(columns)),
+        (sp.DCP_FS, "_StorageInfo"): _storage_class(_StorageSink(columns)),
         (sp.DCP_MD, "TensorStorageMetadata"): _tensor_class(columns, chunk),
     }
 

@@ -140,8 +140,9 @@ class Stream:
         if offset != self.pos:  # a rank writes its file in order (file granularity): a bug otherwise
             raise CkptconvError(f"{self.url}: write at byte {offset}, expected {self.pos} (internal error)")
         try:
-            with deferred():  # s3fs starts the multipart upload in a write: kept, to be aborted
-                self._file.write(data)
+            for at in range(0, len(data), PART_BYTES):  # a signal waits for one part's upload at most
+                with deferred():  # s3fs starts the multipart upload in a write: kept, to be aborted
+                    self._file.write(data[at : at + PART_BYTES])
         except Exception as e:
             raise write_error(self.url, e) from None
         self.pos += len(data)

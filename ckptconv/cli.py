@@ -134,7 +134,7 @@ def dcp_to_hf_cmd(
 ) -> None:
     """Convert a DCP checkpoint to Hugging Face safetensors (under torchrun: every rank shares the work)."""
     from .cli_output import show_dcp_to_hf
-    from .convert import dcp_to_hf
+    from .early_open import open_early
     from .errors import CkptconvError
     from .ui import Ui
     from .world import world_from_env
@@ -144,36 +144,41 @@ def dcp_to_hf_cmd(
     use_storage(storage_options, coalesce_gap)
     push = push_request(push_to_hub, revision, private, commit_message, create_pr)
     lora_req = opt.lora_request(lora, lora_name, lora_alpha, lora_config, lora_rslora, lora_base)
-    with _trust(trust_pickle), world_from_env() as world:
-        ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
-        result = dcp_to_hf(
-            src,
-            out,
-            world=world,
-            ui=ui,
-            dtype=dtype or ("keep" if lora == "adapter" else "bf16"),
-            fp32=fp32 or (),
-            max_shard_size=max_shard_size,
-            prefix=prefix,
-            copy_from=copy_from,
-            overwrite=overwrite,
-            dry_run=dry_run,
-            bucket_size=bucket_size,
-            read_path=read,  # type: ignore[arg-type]
-            mapping=mapping,
-            config=config,
-            allow_unmapped=allow_unmapped,
-            hf_experts=hf_experts,
-            keep_trainer_state=keep_trainer_state,
-            keep_file_split=keep_file_split,
-            quantize=quantize,
-            quantize_skip=quantize_skip or (),
-            verify=verify,
-            write_granularity=write_granularity,  # type: ignore[arg-type]
-            push=push,
-            lora=lora_req,
-        )
-        show_dcp_to_hf(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
+    with _trust(trust_pickle):
+        early = open_early(src)  # before anything imports torch (see early_open)
+        from .convert import dcp_to_hf
+
+        with world_from_env() as world:
+            ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
+            result = dcp_to_hf(
+                src,
+                out,
+                world=world,
+                ui=ui,
+                dtype=dtype or ("keep" if lora == "adapter" else "bf16"),
+                fp32=fp32 or (),
+                max_shard_size=max_shard_size,
+                prefix=prefix,
+                copy_from=copy_from,
+                overwrite=overwrite,
+                dry_run=dry_run,
+                bucket_size=bucket_size,
+                read_path=read,  # type: ignore[arg-type]
+                mapping=mapping,
+                config=config,
+                allow_unmapped=allow_unmapped,
+                hf_experts=hf_experts,
+                keep_trainer_state=keep_trainer_state,
+                keep_file_split=keep_file_split,
+                quantize=quantize,
+                quantize_skip=quantize_skip or (),
+                verify=verify,
+                write_granularity=write_granularity,  # type: ignore[arg-type]
+                push=push,
+                lora=lora_req,
+                early=early,
+            )
+            show_dcp_to_hf(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 
 
 @app.command("hf-to-dcp")

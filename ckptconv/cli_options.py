@@ -203,7 +203,7 @@ def use_storage(storage_options: str | None, coalesce_gap: str) -> None:
     if coalesce_gap.strip() == "0":
         gap = 0
     else:
-        from .plan import parse_size  # torch: not for inspect, which passes "0"
+        from .sizes import parse_size
 
         gap = parse_size(coalesce_gap, "--coalesce-gap")
     configure(storage_options, gap)

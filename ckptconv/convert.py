@@ -19,6 +19,7 @@ from .copies import check_copies
 from .copy_from import copy_non_weights
 from .dcp_save import save_dcp
 from .dtypes import DtypePolicy, parse_dtype_flag
+from .early_open import Early
 from .errors import CkptconvError
 from .formats import megatron_out
 from .formats.dcp import METADATA_FILE, DcpCheckpoint
@@ -32,11 +33,12 @@ from .hub_push import PushRequest
 from .lora.select import AS_STORED, LoraRequest
 from .lora.source import with_adapter
 from .mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
-from .plan import DcpSavePlan, HfSavePlan, parse_size, plan_dcp_to_hf, plan_hf_to_dcp
+from .plan import DcpSavePlan, HfSavePlan, plan_dcp_to_hf, plan_hf_to_dcp
 from .quant.config import dequantized_config
 from .quant.policy import QuantPolicy
 from .remote import out as remote_out
 from .remote.out import RemoteTarget
+from .sizes import parse_size
 from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
 from .unshard import check_read_pieces
@@ -98,9 +100,11 @@ def dcp_to_hf(
     write_granularity: Granularity = "tensor",
     push: PushRequest | None = None,
     lora: LoraRequest | None = None,
+    early: Early | None = None,
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`, and with `push` upload it to the hub
-    once published. `lora`: what to make of LoRA factors (`lora.select`). Collective."""
+    once published. `lora`: what to make of LoRA factors (`lora.select`). `early`: `src` as opened before
+    torch was imported (`early_open`). Collective."""
     start = time.perf_counter()
     _return_freed_memory()
 
@@ -162,7 +166,7 @@ def dcp_to_hf(
     with gcpause.paused():
         located = sources.for_all(world, lambda: sources.dcp_source(src))
         policy, quant, shard_bytes, bucket, target = everyone(world, check_inputs, located)
-        ckpt = everyone(world, open_dcp_shared, world, located)  # rank 0 reads .metadata, for all
+        ckpt = everyone(world, open_dcp_shared, world, located, early)  # rank 0 reads .metadata, for all
         plan, model_config, described = everyone(world, prepare, ckpt, policy, quant, shard_bytes)
     if described is not None and copy_from is None:
         ui.info(f"copying the model's files from {described} (--copy-from DIR takes them from elsewhere)")

@@ -33,12 +33,13 @@ from .hf_write import follow_config, write_adapter_config, write_files
 from .layout import tiling_problem
 from .lora.select import LoraRequest
 from .mapping import CONFIG_FILE, load_mapping
-from .plan import mapped_tensors, parse_size, plan_dcp_to_hf
+from .plan import mapped_tensors, plan_dcp_to_hf
 from .quant.policy import QuantPolicy
 from .remote import out as remote_out
 from .remote import urls
 from .remote.out import RemoteTarget
 from .schedule import Holding, ShardStep, plan_rounds
+from .sizes import parse_size
 from .specs import ChunkSpec, TensorSpec
 from .stash import StashedItem, json_exact, write_stash
 from .ui import Ui

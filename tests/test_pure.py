@@ -20,7 +20,8 @@ from ckptconv.formats.hf import read_header
 from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter, header_bytes
 from ckptconv.gather import gather_rounds, reader_rank
 from ckptconv.layout import tiling_problem
-from ckptconv.plan import assign_owners, parse_size, plan_dcp_to_hf
+from ckptconv.plan import assign_owners, plan_dcp_to_hf
+from ckptconv.sizes import parse_size
 from ckptconv.specs import ChunkSpec, TensorSpec
 
 

@@ -8,7 +8,8 @@ only built-in values) one tensor at a time into one buffer, sent as it lies in m
 it back into specs without checking them again.
 
 Outside torchrun this is `open_dcp`. A failure on rank 0 reaches every rank as the same error, so all of
-them leave together (no rank waits in a collective the others left).
+them leave together (no rank waits in a collective the others left). The command line has rank 0 (or the only
+process) open the checkpoint before torch is imported (`early_open`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import marshal
 import pickle
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CkptconvError
 from ..specs import TensorSpec, new_chunk
 from ..world import World, from_main
 from .dcp import DcpCheckpoint, open_dcp
+
+if TYPE_CHECKING:
+    from ..early_open import Early
 
 _FORMAT = 2
 _LENGTH = struct.Struct("<Q")
@@ -70,6 +74,10 @@ def unpack(data: bytearray) -> DcpCheckpoint:
     return dataclasses.replace(ckpt, tensors=tensors)
 
 
-def open_dcp_shared(world: World, path: Path) -> DcpCheckpoint:
-    """`open_dcp(path)` on rank 0, its result (or its error) on every rank. Collective (see `from_main`)."""
+def open_dcp_shared(world: World, path: Path, early: Early | None = None) -> DcpCheckpoint:
+    """`open_dcp(path)` on rank 0, its result (or its error) on every rank. Collective (see `from_main`).
+    `early`: rank 0's checkpoint as opened before torch was imported (`early_open`), used when it is
+    `path`'s."""
+    if early is not None and early.path == path:
+        return from_main(world, early.take, pack, unpack, raw=True)
     return from_main(world, lambda: open_dcp(path), pack, unpack, raw=True)

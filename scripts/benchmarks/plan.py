@@ -17,7 +17,8 @@ Then it times, each in a fresh process (wall seconds and the kernel's peak RSS, 
   ckptconv dry-run   `python -m ckptconv dcp-to-hf SRC OUT --dry-run --quiet --json`: the whole plan, 1 rank
   ckptconv inspect   `python -m ckptconv inspect SRC --json`
 
-and, in one more process, the plan at RANKS ranks under each `--write-granularity`: how many ranks write,
+then each rank's planning under torchrun on 2 ranks, from its first line (start-up included), and, in one
+more process, the plan at RANKS ranks under each `--write-granularity`: how many ranks write,
 and the least and most bytes a rank writes (the table in docs/benchmarks.md). Last, `hf-to-dcp --dry-run`
 of a synthetic HF model of HF_FILES safetensors files (real headers, sparse data; see `make_hf`).
 """
@@ -108,6 +109,8 @@ def make(root: Path, scale: float, ranks: int) -> dict:
     storage: dict = {}
     planner: dict = {}
     sizes = [[0] * FILES_PER_RANK for _ in range(ranks)]
+    # one name per file, shared by its entries: torch's writer pickles each file's name once
+    names = [[f"__{rank}_{k}.distcp" for k in range(FILES_PER_RANK)] for rank in range(ranks)]
     count = [0] * ranks
     chunks_total = 0
     for name, shape, how in _layout(layers):
@@ -125,7 +128,7 @@ def make(root: Path, scale: float, ranks: int) -> dict:
                 k = count[rank] % FILES_PER_RANK
                 count[rank] += 1
                 index = MetadataIndex(fqn, torch.Size(offsets), len(chunks) - 1)
-                storage[index] = _StorageInfo(f"__{rank}_{k}.distcp", sizes[rank][k], nbytes)
+                storage[index] = _StorageInfo(names[rank][k], sizes[rank][k], nbytes)
                 sizes[rank][k] += nbytes
             state[fqn] = TensorStorageMetadata(props, torch.Size(shape), chunks)
             planner[fqn] = path
@@ -253,20 +256,22 @@ print(json.dumps(out))
 
 
 SHARED = """
-import json, resource, sys, time
+import time
+started = time.perf_counter()
+import json, resource, sys
 from pathlib import Path
+from ckptconv.early_open import open_early
+early = open_early(Path(sys.argv[1]))  # as the command line does, before torch is imported
 from ckptconv.dtypes import DtypePolicy, parse_dtype_flag
 from ckptconv.formats.dcp_share import open_dcp_shared
 from ckptconv.gcpause import paused
 from ckptconv.plan import plan_dcp_to_hf
 from ckptconv.world import everyone, world_from_env
 with world_from_env() as world, paused():
-    world.barrier()
-    t = time.perf_counter()
-    ckpt = everyone(world, open_dcp_shared, world, Path(sys.argv[1]))
+    ckpt = everyone(world, open_dcp_shared, world, Path(sys.argv[1]), early)
     policy = DtypePolicy(parse_dtype_flag("bf16"))
     plan_dcp_to_hf(ckpt, policy, max_shard_size=5 * 10**9, world_size=world.size)
-    mine = {"rank": world.rank, "seconds": round(time.perf_counter() - t, 2),
+    mine = {"rank": world.rank, "seconds": round(time.perf_counter() - started, 2),
             "peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
     ranks = world.all_gather_object(mine)
     if world.is_main:
@@ -275,7 +280,8 @@ with world_from_env() as world, paused():
 
 
 def _shared(root: Path, nproc: int) -> list[dict]:
-    """Each rank's planning (`open_dcp_shared` + `plan_dcp_to_hf`, after start-up) under torchrun."""
+    """Each rank's planning under torchrun, from its first line, as the command line does it (`open_early`
+    before torch is imported, then start-up, `open_dcp_shared` and `plan_dcp_to_hf`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     proc = subprocess.run(
         [*cmd, "--no-python", sys.executable, "-c", SHARED, str(root)], capture_output=True, text=True

@@ -145,7 +145,8 @@ def dcp_to_hf_cmd(
     push = push_request(push_to_hub, revision, private, commit_message, create_pr)
     lora_req = opt.lora_request(lora, lora_name, lora_alpha, lora_config, lora_rslora, lora_base)
     with _trust(trust_pickle):
-        early = open_early(src)  # before anything imports torch (see early_open)
+        sizes = [(max_shard_size, "--max-shard-size"), (bucket_size, "--bucket-size")]
+        early = open_early(src, None if dry_run else out, overwrite, sizes)  # before torch (see early_open)
         from .convert import dcp_to_hf
 
         with world_from_env() as world:

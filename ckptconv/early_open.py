@@ -10,17 +10,23 @@ rank 0 under torchrun), and the conversion takes that checkpoint instead of read
 `.metadata` (after its checks of the flags and of OUT, and, under torchrun, on every rank); `.metadata` is
 read once either way, so nothing in it is loaded twice (`--trust-pickle`).
 
-Nothing is read early from a URL (the conversion fetches it, once), on the other ranks, or when `SRC` is not
-a DCP checkpoint (the conversion says what it is).
+Nothing is read early from a URL (the conversion fetches it, once), on the other ranks, when `SRC` is not a
+DCP checkpoint (the conversion says what it is), nor when the conversion will refuse OUT or a size flag
+before it reads `.metadata` (it then says so first, as it always did, with nothing read). The flags checked
+later (a dtype, LoRA or quantization flag) are refused after the read.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
+from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint, open_dcp
+from .outcheck import check_out
 from .remote.urls import url_path
+from .sizes import parse_size
 from .sources import dcp_source
 
 
@@ -32,24 +38,43 @@ class Early:
 
     def take(self) -> DcpCheckpoint:
         """The checkpoint (no longer held here), or its error raised."""
-        ckpt, error, self._ckpt, self._error = self._ckpt, self._error, None, None
+        ckpt, error = self._ckpt, self._error
+        self.drop()
         if error is not None:
             raise error
         if ckpt is None:
             raise RuntimeError(f"{self.path}: the early checkpoint was taken already")
         return ckpt
 
+    def drop(self) -> None:
+        """Let go of the checkpoint (the conversion reads another one)."""
+        self._ckpt = self._error = None
 
-def open_early(src: Path) -> Early | None:
+
+def reads_metadata() -> bool:
+    """Whether this process is the one that reads `.metadata`: the only one, or rank 0 under torchrun."""
+    return os.environ.get("WORLD_SIZE", "1").strip() in ("", "1") or os.environ.get("RANK", "0") == "0"
+
+
+def open_early(
+    src: Path, out: Path | None = None, overwrite: bool = False, sizes: Sequence[tuple[str | int, str]] = ()
+) -> Early | None:
     """`open_dcp` of the checkpoint `src` names, where this process is the one that will read it and it is on
-    a file system; None elsewhere."""
-    if os.environ.get("RANK", "0") != "0" or url_path(src) is not None:
+    a file system, and the conversion will not refuse `out` (None: a dry run, nothing is checked) or the size
+    flags `sizes` ((value, flag) pairs) before reading it; None otherwise."""
+    if not reads_metadata() or url_path(src) is not None:
         return None
     try:
+        for value, flag in sizes:
+            parse_size(value, flag)
+        if out is not None and url_path(out) is None:
+            check_out(out, overwrite)
         path = dcp_source(src)
-    except Exception:  # the conversion says what is wrong with SRC where it always did
+    except Exception:  # the conversion says what is wrong, in its order
         return None
     try:
         return Early(path, open_dcp(path), None)
-    except Exception as e:
+    except CkptconvError as e:  # its traceback would keep the loaded records alive
+        return Early(path, None, e.with_traceback(None))
+    except Exception as e:  # a bug: its traceback is the report
         return Early(path, None, e)

@@ -12,7 +12,6 @@ which bytes, never what a file contains.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from .dtypes import DtypePolicy, st_layout_rank
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
 from .formats.hf import HfCheckpoint, StoredTensor
+from .keyorder import natural_key as natural_key
 from .lora.select import ADAPTER_FILE, LoraPlan, LoraRequest
 from .mapping.rules import KeyMapping, Part, Target, map_keys
 from .mapping.rules import whole as _whole
@@ -82,11 +82,6 @@ class HfSavePlan:
     def writes_of(self, rank: int) -> list[Write]:
         """`rank`'s writes, in file order."""
         return [w for w in self.writes if w.rank == rank]
-
-
-def natural_key(key: str) -> tuple[tuple[int, int | str], ...]:
-    """Sort key that puts `layers.2` before `layers.10`: shards then follow the model's layer order."""
-    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", key))
 
 
 def data_order(tensors: Sequence[OutTensor]) -> tuple[OutTensor, ...]:

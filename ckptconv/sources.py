@@ -12,6 +12,7 @@ from .formats.dcp import METADATA_FILE, is_dcp_dir
 from .formats.files import exists, is_directory, is_regular, listdir
 from .formats.hf import is_hf_dir
 from .formats.hf_hub import download, looks_like_repo_id
+from .keyorder import natural_key
 from .outcheck import refuse_partial
 from .remote.files import RemoteFiles
 from .remote.urls import UrlPath, url_path
@@ -121,8 +122,6 @@ def _remote_any(url: UrlPath) -> UrlPath:
 
 def checkpoints_inside(directory: Path) -> list[Path]:
     """The DCP checkpoints one level down (a training run's save directory), sorted naturally by name."""
-    from .plan import natural_key
-
     found = [directory / n for n in listdir(directory) if not n.startswith(".") and is_dcp_dir(directory / n)]
     return sorted(found, key=lambda p: natural_key(p.name))
 

@@ -139,3 +139,22 @@ def test_megatron_plans_after_the_index_are_left_unread(fsdp2_ckpt: Path, tmp_pa
     assert _ours(ckpt) == _torchs(fsdp2_ckpt)
     _, columns = load_dcp_metadata(blob, "x")
     assert len(columns.fqns) == len(columns.key) + 1 and columns.taken == len(columns.offsets) - 1
+
+
+def test_the_columns_are_freed_with_the_collector_off(fsdp2_ckpt: Path) -> None:
+    """The classes made for a load are reference cycles, which only the collector frees, and runs keep it
+    off: once the load is over they must hold nothing of it, or every record would live for the whole run."""
+    import gc
+    import weakref
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        metadata, columns = load_dcp_metadata((fsdp2_ckpt / ".metadata").read_bytes(), "x")
+        assert columns.offsets
+        gone = weakref.ref(columns)
+        del metadata, columns
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()

@@ -42,8 +42,13 @@ def test_the_early_checkpoint_is_open_dcps(fsdp2_ckpt: Path, mesh2d_ckpt: Path) 
 def test_what_is_not_opened_early(fsdp2_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert open_early(tmp_path / "missing") is None  # the conversion says what is wrong, in its order
     assert open_early(Path("s3://bucket/ckpt")) is None  # fetched once, by the conversion
-    monkeypatch.setenv("RANK", "1")  # under torchrun rank 0 reads .metadata for all
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun rank 0 reads .metadata for all
     assert open_early(fsdp2_ckpt) is None
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a RANK with no job around it: this process reads it
+    early = open_early(fsdp2_ckpt)
+    assert early is not None and early.take() == open_dcp(fsdp2_ckpt)
+    monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.setenv("RANK", "0")
     bad = tmp_path / "bad"
     shutil.copytree(fsdp2_ckpt, bad)
@@ -60,6 +65,14 @@ def test_metadata_is_read_once_before_torch(fsdp2_ckpt: Path, tmp_path: Path, np
     proc, opens = _audited(tmp_path, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--fp32", "A_log$", nproc=nproc)
     assert proc.returncode == 0, proc.stderr
     assert opens == ["0 0"]  # rank 0 alone, once, with torch not imported yet
+    run = tmp_path / "run"  # a training run's save directory: the one checkpoint in it is found first
+    shutil.copytree(fsdp2_ckpt, run / "step-10")
+    proc, opens = _audited(
+        tmp_path, "dcp-to-hf", str(run), str(tmp_path / "from-run"), "--fp32", "A_log$", nproc=nproc
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert opens == ["0 0"]
+    assert tree_sha256(tmp_path / "from-run") == tree_sha256(out)
     plain = subprocess.run(
         [
             sys.executable,
@@ -87,11 +100,26 @@ def test_an_early_error_is_raised_in_its_place_and_read_once(fsdp2_ckpt: Path, t
     proc, opens = _audited(tmp_path, "dcp-to-hf", str(bad), str(tmp_path / "out"))
     assert_one_line(proc.returncode, proc.stderr, str(bad / ".metadata"), "not a readable DCP metadata file")
     assert opens == ["0 0"]  # not read again to say so
-    taken = tmp_path / "taken"
-    taken.write_text("a file")  # OUT is checked before .metadata is: its error comes first, as it always did
-    proc, opens = _audited(tmp_path, "dcp-to-hf", str(bad), str(taken))
-    assert_one_line(proc.returncode, proc.stderr, str(taken))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [(["--max-shard-size", "5XB"], ["--max-shard-size"]), (["--bucket-size", "0"], ["--bucket-size"])],
+)
+def test_a_refused_flag_or_out_comes_first_with_nothing_read(
+    fsdp2_ckpt: Path, tmp_path: Path, args: list[str], needles: list[str]
+) -> None:
+    """What the conversion refuses before reading `.metadata` is refused before the early read too."""
+    proc, opens = _audited(tmp_path, "dcp-to-hf", str(fsdp2_ckpt), str(tmp_path / "out"), *args)
+    assert_one_line(proc.returncode, proc.stderr, *needles)
+    assert opens == []
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    proc, opens = _audited(tmp_path, "dcp-to-hf", str(fsdp2_ckpt), str(taken))
+    assert_one_line(proc.returncode, proc.stderr, str(taken), "not a checkpoint")
+    assert opens == [] and (taken / "notes.txt").read_text() == "mine"
 
 
 def test_trusted_metadata_is_loaded_once(fsdp2_ckpt: Path, tmp_path: Path) -> None:

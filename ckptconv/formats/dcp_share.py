@@ -80,4 +80,6 @@ def open_dcp_shared(world: World, path: Path, early: Early | None = None) -> Dcp
     `path`'s."""
     if early is not None and early.path == path:
         return from_main(world, early.take, pack, unpack, raw=True)
+    if early is not None:  # SRC changed in between: not kept for the rest of the run
+        early.drop()
     return from_main(world, lambda: open_dcp(path), pack, unpack, raw=True)

@@ -164,7 +164,7 @@ def dcp_to_hf(
         return plan, model_config, described
 
     with gcpause.paused():
-        located = sources.for_all(world, lambda: sources.dcp_source(src))
+        located = sources.for_all(world, lambda: early.path if early is not None else sources.dcp_source(src))
         policy, quant, shard_bytes, bucket, target = everyone(world, check_inputs, located)
         ckpt = everyone(world, open_dcp_shared, world, located, early)  # rank 0 reads .metadata, for all
         plan, model_config, described = everyone(world, prepare, ckpt, policy, quant, shard_bytes)

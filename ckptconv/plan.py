@@ -23,7 +23,7 @@ from .dtypes import DtypePolicy, st_layout_rank
 from .errors import CkptconvError
 from .formats.dcp import DcpCheckpoint
 from .formats.hf import HfCheckpoint, StoredTensor
-from .keyorder import natural_key as natural_key
+from .keyorder import natural_key
 from .lora.select import ADAPTER_FILE, LoraPlan, LoraRequest
 from .mapping.rules import KeyMapping, Part, Target, map_keys
 from .mapping.rules import whole as _whole

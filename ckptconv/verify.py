@@ -30,9 +30,10 @@ from .formats.dcp_reader import DcpReader
 from .formats.files import exists, is_regular
 from .formats.hf import HfCheckpoint, open_hf
 from .formats.safetensors_io import RowReader
+from .keyorder import natural_key
 from .lora.select import LoraRequest
 from .mapping import VARIANTS, load_config, load_mapping
-from .plan import assign_owners, mapped_tensors, natural_key
+from .plan import assign_owners, mapped_tensors
 from .quant import fp8
 from .remote.urls import is_url
 from .sources import any_source, for_all

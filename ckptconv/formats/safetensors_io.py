@@ -33,6 +33,7 @@ from .dcp_reader import byte_view
 from .dequant import quantized_block
 from .files import check_unchanged, open_regular, pread_exact
 from .hf import StoredTensor
+from .pieces import PIECE_BYTES
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class SafetensorsWriter:
             return
         try:
             while data:
-                n = os.pwrite(self._fd, data, offset)
+                n = os.pwrite(self._fd, data[:PIECE_BYTES], offset)  # see pieces.py
                 data, offset = data[n:], offset + n
                 self.bytes_written += n
         except OSError as e:

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ..crc32 import crc32
+from .pieces import write_pieces
 from .safe_pickle import AllowlistUnpickler
 
 ALIGNMENT = 64
@@ -161,7 +162,7 @@ class _Zip:
         self.entries: list[tuple[bytes, int, int, int, int]] = []  # name, header offset, flags, crc, size
 
     def _write(self, data: bytes | memoryview) -> None:
-        self.out.write(data)
+        write_pieces(self.out, data)
         self.pos += len(data)
 
     def add(self, name: bytes, size: int, chunks: Iterable[bytes | memoryview]) -> None:

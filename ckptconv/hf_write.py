@@ -47,7 +47,7 @@ def write_shards(
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
             pool = None
         else:
-            pool = BufferPool(keep_bytes=bucket)
+            pool = BufferPool.for_bucket(bucket)
             items = direct_tensors(plan, world, reader, bucket, pool)
         written = write_files(plan, items, staging, world, ui, pool)
         return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())

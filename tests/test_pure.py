@@ -446,6 +446,29 @@ def test_buffer_pool_reuses_given_back_memory() -> None:
     assert pool.take((4000,), torch.float32).data_ptr() != big.data_ptr()
 
 
+def test_buffer_pool_for_a_bucket_keeps_a_layers_large_weights() -> None:
+    """Tensors made up to one bucket ahead of the one written (as `unshard.direct_tensors` does), ten layers
+    whose three largest weights each take most of the bucket (an 8 GB Llama's MLP against the default
+    bucket): each size is made new about once, not once a layer."""
+    from collections import deque
+
+    from ckptconv.buffers import BufferPool
+
+    bucket = 128_000
+    layer = [32_000, 8_000, 8_000, 32_000, 92_000, 92_000, 92_000]
+
+    def made(pool: BufferPool) -> int:
+        in_flight: deque[torch.Tensor] = deque()
+        for nbytes in layer * 10:
+            while in_flight and sum(t.numel() for t in in_flight) + nbytes > bucket:
+                pool.give(in_flight.popleft())  # written
+            in_flight.append(pool.take((nbytes,), torch.uint8))
+        return pool.allocated
+
+    assert made(BufferPool.for_bucket(bucket)) <= 2 * sum(layer)  # against 10 * sum(layer) taken
+    assert made(BufferPool(keep_bytes=bucket)) > 5 * sum(layer)  # one bucket kept: made again every layer
+
+
 @given(
     st.lists(st.tuples(st.integers(0, 500), st.integers(1, 60)), min_size=1, max_size=30),
     st.integers(0, 40),

@@ -18,11 +18,12 @@ later (a dtype, LoRA or quantization flag) are refused after the read.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from .env import env_int
 from .errors import CkptconvError
+from .exits import rank
 from .formats.dcp import DcpCheckpoint, open_dcp
 from .outcheck import check_out
 from .remote.urls import url_path
@@ -52,8 +53,13 @@ class Early:
 
 
 def reads_metadata() -> bool:
-    """Whether this process is the one that reads `.metadata`: the only one, or rank 0 under torchrun."""
-    return os.environ.get("WORLD_SIZE", "1").strip() in ("", "1") or os.environ.get("RANK", "0") == "0"
+    """Whether this process is the one that reads `.metadata`: the only one, or rank 0 under torchrun (read
+    as `world_from_env` and `exits` read them). A WORLD_SIZE the run will refuse: no."""
+    try:
+        size = env_int("WORLD_SIZE", 1)
+    except CkptconvError:
+        return False
+    return size <= 1 or rank() == 0
 
 
 def open_early(

@@ -45,6 +45,10 @@ def test_what_is_not_opened_early(fsdp2_ckpt: Path, tmp_path: Path, monkeypatch:
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun rank 0 reads .metadata for all
     assert open_early(fsdp2_ckpt) is None
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "zero")  # refused by the run before it reads anything
+    assert open_early(fsdp2_ckpt) is None
+    monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "1")  # a RANK with no job around it: this process reads it
     early = open_early(fsdp2_ckpt)
     assert early is not None and early.take() == open_dcp(fsdp2_ckpt)

@@ -18,6 +18,7 @@ class CkptconvError(Exception):
         if exit_code is not None:
             self.exit_code = exit_code
         self.agreed = agreed  # every rank raised it together; only rank 0 needs to print it
+        self.said = False  # the command has said it already (`exits.say_agreed`)
 
 
 class VerifyMismatch(CkptconvError):

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
+
+if TYPE_CHECKING:
+    from .errors import CkptconvError
+
+# how the command `call` runs says an error (set while it runs; None in library use)
+_say: Callable[[CkptconvError], None] | None = None
 
 
 def rank() -> int:
@@ -44,6 +51,15 @@ def _usage_line(app: typer.Typer, error: Exception, argv: list[str]) -> str:
 def call(app: typer.Typer, argv: list[str] | None = None) -> None:
     """Run `app` on `argv` (the process's arguments by default) and exit with the outcome's code."""
     args = (sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `ckptconv`: the help, exit 0
+    global _say
+    _say = lambda e: _say_error(e, app, args)  # noqa: E731
+    try:
+        _run(app, args)
+    finally:
+        _say = None
+
+
+def _run(app: typer.Typer, args: list[str]) -> None:
     from .errors import CkptconvError
     from .signals import as_interrupts
 
@@ -66,12 +82,8 @@ def call(app: typer.Typer, argv: list[str] | None = None) -> None:
     except CkptconvError as e:
         if os.environ.get("CKPTCONV_DEBUG"):
             raise
-        line = f"ckptconv: error: {' '.join(str(e).split())}"
-        if e.exit_code != 2:  # a verify mismatch (exit 1): its --json report is out already
-            if not (e.agreed and rank() != 0):
-                sys.stderr.write(line + "\n")
-            sys.exit(e.exit_code)
-        _fail(line, app, args, quiet=e.agreed and rank() != 0)
+        _say_error(e, app, args)
+        sys.exit(e.exit_code)
     except OSError as e:  # an environment problem no check named more precisely (EACCES on a parent, ...)
         if os.environ.get("CKPTCONV_DEBUG"):
             raise
@@ -82,11 +94,42 @@ def call(app: typer.Typer, argv: list[str] | None = None) -> None:
         _fail(_usage_line(app, e, args), app, args)
 
 
-def _fail(line: str, app: typer.Typer, args: list[str], quiet: bool = False) -> NoReturn:
-    """Exit 2 with `line` on stderr (unless `quiet`: another rank says it) and, with `--json`, on rank 0 the
-    report of an error on stdout: {"schema_version", "command", "error": {"message", "exit_code"}}."""
+def say_agreed(error: CkptconvError) -> None:
+    """Say now (rank 0, flushed) an error every rank raised together, so that the ranks can wait for it
+    before any of them ends: torchrun stops a job's other processes (SIGTERM) as soon as one ends with an
+    error, which could kill rank 0 before its report is out. Nothing in library use or with CKPTCONV_DEBUG
+    (the traceback comes later)."""
+    if _say is not None and not os.environ.get("CKPTCONV_DEBUG"):
+        _say(error)
+
+
+def _say_error(e: CkptconvError, app: typer.Typer, args: list[str]) -> None:
+    """`e` as one line on stderr (on rank 0 alone when every rank raised it) and, exit 2 with `--json`, as
+    an error report on stdout; once."""
+    if e.said:
+        return
+    e.said = True
+    line = f"ckptconv: error: {' '.join(str(e).split())}"
+    quiet = e.agreed and rank() != 0
+    if e.exit_code != 2:  # a verify mismatch (exit 1): its --json report is out already
+        if not quiet:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        return
+    _report(line, app, args, quiet)
+
+
+def _fail(line: str, app: typer.Typer, args: list[str]) -> NoReturn:
+    _report(line, app, args)
+    sys.exit(2)
+
+
+def _report(line: str, app: typer.Typer, args: list[str], quiet: bool = False) -> None:
+    """`line` on stderr (unless `quiet`: another rank says it) and, with `--json`, on rank 0 the report of
+    an error on stdout: {"schema_version", "command", "error": {"message", "exit_code"}}; flushed."""
     if not quiet:
         sys.stderr.write(line + "\n")
+        sys.stderr.flush()
     if "--json" in args and rank() == 0 and not quiet:
         import json
 
@@ -96,7 +139,7 @@ def _fail(line: str, app: typer.Typer, args: list[str], quiet: bool = False) -> 
         command = next((a for a in args if a in commands), None)
         error = {"command": command, "error": {"message": line, "exit_code": 2}}
         sys.stdout.write(json.dumps(versioned(error), indent=2) + "\n")
-    sys.exit(2)
+        sys.stdout.flush()
 
 
 def _exit_interrupted() -> NoReturn:

@@ -7,6 +7,7 @@ timeout so that a dead peer turns into an error rather than a hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 from collections.abc import Callable, Iterator
@@ -165,6 +166,19 @@ def collective_failure(error: BaseException, rank: int, timeout_s: int) -> Ckptc
     )
 
 
+def _say_before_parting(error: CkptconvError) -> None:
+    """Rank 0 says an error every rank raised together, then the ranks wait for each other: torchrun stops
+    the others (SIGTERM) as soon as one rank ends with an error, and a rank that ended first would otherwise
+    kill rank 0 before its message and `--json` report are out."""
+    import torch.distributed as dist
+
+    from .exits import say_agreed
+
+    say_agreed(error)
+    with contextlib.suppress(RuntimeError):  # a peer died meanwhile: each rank still ends with the error
+        dist.barrier()
+
+
 @contextmanager
 def world_from_env(timeout_s: int | None = None) -> Iterator[World]:
     """The world torchrun describes in the environment; a process group only when WORLD_SIZE > 1.
@@ -193,6 +207,10 @@ def world_from_env(timeout_s: int | None = None) -> Iterator[World]:
         if failure is None:
             raise
         raise failure from None
+    except CkptconvError as e:
+        if owned and e.agreed:
+            _say_before_parting(e)
+        raise
     finally:
         if owned and dist.is_initialized():
             dist.destroy_process_group()

@@ -10,7 +10,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from conftest import ckptconv
+from conftest import ckptconv, torchrun
 
 from ckptconv.schema import SCHEMA_VERSION, load
 
@@ -87,3 +87,16 @@ def test_one_error_report_under_torchrun(tmp_path: Path) -> None:
     doc = json.loads(proc.stdout)  # one document, not one per rank
     VALIDATOR.validate(doc)
     assert doc["command"] == "dcp-to-hf" and doc["error"]["exit_code"] == 2
+
+
+@pytest.mark.slow
+def test_a_slow_rank_0_still_writes_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun stops every other rank (SIGTERM) once one ends with an error: the ranks wait until rank 0
+    has said the error they all raised (a CI run lost the report when rank 1 ended first)."""
+    monkeypatch.setenv("SLOW_REPORT_S", "2")
+    worker = str(Path(__file__).parent / "workers" / "slow_report_cli.py")
+    proc = torchrun(2, worker, "dcp-to-hf", "/nonexistent", str(tmp_path / "out"), "--json", check=False)
+    assert proc.returncode != 0
+    doc = json.loads(proc.stdout)
+    assert doc["error"]["message"] == "ckptconv: error: /nonexistent: no such file or directory"
+    assert proc.stderr.count("ckptconv: error:") == 1  # rank 0 alone says it

@@ -314,7 +314,9 @@ class TorchCollective:
         if inps and inps[0].device.type != "cpu":  # one flat buffer, one native all-gather (FSDP2's foreach)
             flat = torch.cat(inps)
             gathered = torch.empty(len(group) * flat.numel(), dtype=torch.uint8, device=flat.device)
-            dist.all_gather_single(gathered, flat, group=handle)
+            # torch 2.13 renamed all_gather_into_tensor (kept, deprecated); pyproject admits torch >= 2.6
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(gathered, flat, group=handle)
             member = gathered.view(len(group), flat.numel())
             offset = 0
             for inp, out in zip(inps, outs, strict=True):

@@ -85,8 +85,9 @@ def describe(fqn: str, tensor: torch.Tensor) -> tuple[Described, list[Any]]:
             placements.append(Placement("partial"))
         else:
             raise CkptconvError(f"{fqn!r}: placement {p} is not one ckptconv knows how to undo")
-    steps = shard_steps(placements)
-    handles = [tensor.device_mesh.get_group(s.mesh_dim) for s in steps]
+    mesh = tensor.device_mesh  # a mesh dim of one rank shards nothing: no step (no copy, no collective)
+    steps = tuple(s for s in shard_steps(placements) if mesh.size(s.mesh_dim) > 1)
+    handles = [mesh.get_group(s.mesh_dim) for s in steps]
     groups = tuple(tuple(dist.get_process_group_ranks(h)) for h in handles)
     return Described(fqn, shape, tensor.dtype, block, steps, groups), handles
 
@@ -238,6 +239,7 @@ def run_rounds(
                 yield j, torch.empty(jobs[j].box[1], dtype=jobs[j].dtype)
             else:
                 yield j, value.cpu()
+
 
 
 def _run_batch(

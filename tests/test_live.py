@@ -16,9 +16,16 @@ from ckptconv.errors import CkptconvError
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The same seeded model saved with save_hf by three jobs: FSDP2 on 2 and 3 ranks, FSDP2 x TP on 4."""
+    """The same seeded model saved with save_hf by five jobs: FSDP2 on 1, 2 and 3 ranks, FSDP2 x TP on 2
+    (a dp dim of one rank) and 4."""
     root = tmp_path_factory.mktemp("live")
-    runs = {"fsdp2-2": (2, "fsdp2"), "fsdp2-3": (3, "fsdp2"), "mesh2d-4": (4, "mesh2d")}
+    runs = {
+        "fsdp2-2": (2, "fsdp2"),
+        "fsdp2-1": (1, "fsdp2"),
+        "fsdp2-3": (3, "fsdp2"),
+        "mesh2d-2": (2, "mesh2d"),
+        "mesh2d-4": (4, "mesh2d"),
+    }
     out = {}
     for name, (nproc, layout) in runs.items():
         out[name] = root / name
@@ -31,7 +38,7 @@ def test_save_hf_bytes_are_independent_of_world_size_and_layout(saved: dict[str,
     first = tree_sha256(saved["fsdp2-2"] / "live")
     assert len([n for n in first if n.endswith(".safetensors")]) == 4  # max_shard_size=300: numbered 1..4
     assert "model.safetensors.index.json" in first and "ckptconv_state.json" in first
-    for name in ("fsdp2-3", "mesh2d-4"):
+    for name in ("fsdp2-1", "fsdp2-3", "mesh2d-2", "mesh2d-4"):
         assert tree_sha256(saved[name] / "live") == first, name
 
 
@@ -39,7 +46,7 @@ def test_save_hf_batches_all_gathers_within_the_budget(saved: dict[str, Path]) -
     """save_hf's data moved by the unshard scheduler: several rounds under the 512-byte budget (counted on
     gathered bytes; the largest tensor, 264 bytes, fits), and fewer collectives than shard steps because the
     steps of one (process group, dtype) in a round share one foreach all-gather."""
-    for name in saved:
+    for name in ("fsdp2-2", "fsdp2-3", "mesh2d-4"):
         report = json.loads((saved[name] / "report.json").read_text())
         assert report["rounds"] > 2 and report["max_round_bytes"] <= 512, (name, report)
         assert 0 < report["collectives"] < report["steps"], (name, report)
@@ -48,6 +55,11 @@ def test_save_hf_batches_all_gathers_within_the_budget(saved: dict[str, Path]) -
         assert report["nbytes"] == index["metadata"]["total_size"]
     strided = json.loads((saved["mesh2d-4"] / "report.json").read_text())
     assert strided["steps"] > json.loads((saved["fsdp2-2"] / "report.json").read_text())["steps"]
+    # a mesh dim of one rank shards nothing: no step, no collective, the local data written as it is
+    alone = json.loads((saved["fsdp2-1"] / "report.json").read_text())
+    assert alone["steps"] == alone["collectives"] == 0, alone
+    tp_only = json.loads((saved["mesh2d-2"] / "report.json").read_text())  # dp of 1 x tp of 2: TP's steps
+    assert 0 < tp_only["steps"] < strided["steps"] and tp_only["collectives"] > 0, tp_only
 
 
 def test_save_hf_writes_what_dcp_to_hf_writes(saved: dict[str, Path], tmp_path: Path) -> None:

@@ -7,7 +7,7 @@
   docs/benchmarks/*.json that the benchmarks write with `--out` (`scripts/bench.py NAME --out FILE`; the
   envelope is `write_results` of scripts/benchmarks/runner.py): for the conversions, throughput and peak RSS
   per rank against checkpoint size, per direction and shape; for planning and the LoRA merge, time and peak
-  memory against size; one line per method, ckptconv's and each baseline's.
+  memory against size; one line per method, ckptconv's and each baseline's; save_hf's runs as a table.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ def benchmark_plots() -> str:
         doc = json.loads(path.read_text())
         name = doc["benchmark"]
         machine, versions = doc["machine"], doc["versions"]
+        gpus = f", GPUs: {', '.join(machine['gpus'])}" if machine.get("gpus") else ""
         out += [
             f"### {TITLES.get(name, name)}",
             "",
-            f"`{doc['command']}`, {doc['date']}: {machine['cpus']} CPUs, {machine['memory_gib']} GiB, "
+            f"`{doc['command']}`, {doc['date']}: {machine['cpus']} CPUs{gpus}, {machine['memory_gib']} GiB, "
             f"Python {machine['python']}, torch {versions.get('torch')}, ckptconv {versions.get('ckptconv')} "
             f"(docs/benchmarks/{path.name}).",
             "",
@@ -47,6 +48,7 @@ def benchmark_plots() -> str:
         for heading, xlabel, panels in FIGURES[name](doc["results"]) if name in FIGURES else []:
             out += [f"#### {heading}", ""] if heading else []
             out += [_svg(xlabel, panels), ""]
+        out += [*TABLES[name](doc["results"]), ""] if name in TABLES else []
     return "\n".join(out)
 
 
@@ -105,7 +107,23 @@ def _convert_figures(results: list[dict[str, Any]]) -> list[Figure]:
     return figures
 
 
+def _save_hf_table(results: list[dict[str, Any]]) -> list[str]:
+    """save_hf in a training job: one row per method and run setting (median seconds, extra memory)."""
+    lines = [
+        "| method | device | ranks | GB | seconds | extra RSS per rank (GiB) | extra GPU memory (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        gpu = r.get("extra_gpu_gib")
+        lines.append(
+            f"| {r['method']} | {r.get('device', 'cpu')} | {r['nproc']} | {r['gb']:g} | {r['seconds']:.2f} | "
+            f"{r['extra_rss_rank_gib']:.2f} | {'-' if gpu is None else f'{gpu:.2f}'} |"
+        )
+    return lines
+
+
 FIGURES = {"planning": _plan_figures, "lora-merge": _lora_figures, "convert": _convert_figures}
+TABLES = {"save-hf": _save_hf_table}
 TITLES = {
     "planning": "Planning at scale",
     "lora-merge": "LoRA merge",

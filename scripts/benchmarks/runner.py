@@ -249,11 +249,15 @@ def command_line() -> str:
 
 def machine() -> dict[str, Any]:
     """The machine results were measured on, as every results file records it."""
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
+        **({"gpus": gpus} if gpus else {}),  # a CUDA machine's (scripts/gpu.sh); none on this project's
     }
 
 

@@ -47,17 +47,18 @@ class Tiny(torch.nn.Module):
         return self.head(h)
 
 
-def shard(model: Tiny, layout: str, world: int) -> None:
-    """FSDP2 over all ranks, or (mesh2d) a (world/2, 2) mesh: TP on the MLPs, FSDP2 over dp."""
+def shard(model: Tiny, layout: str, world: int, device: str = "cpu") -> None:
+    """FSDP2 over all ranks, or (mesh2d) a (world/2, 2) mesh: TP on the MLPs, FSDP2 over dp; on `device`'s
+    mesh (the model already there)."""
     if layout == "mesh2d":
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device, (world // 2, 2), mesh_dim_names=("dp", "tp"))
         for b in model.layers:
             parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         for b in model.layers:
             fully_shard(b, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         for b in model.layers:
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -30,6 +30,7 @@ from .formats.dcp import DcpCheckpoint
 from .formats.files import refuse_url
 from .formats.hf import INDEX_FILE, write_index
 from .hf_write import follow_config, write_adapter_config, write_files
+from .host import release_host_memory
 from .layout import tiling_problem
 from .lora.select import LoraRequest
 from .mapping import CONFIG_FILE, load_mapping
@@ -247,11 +248,14 @@ def save_hf(
     def write(staging: Path) -> None:
         write_files(plan, items, staging, world, ui)
 
-    if isinstance(target, RemoteTarget):
-        last = INDEX_FILE if plan.sharded else plan.files[0].name
-        remote_out.publish(world, target, last, write, finish, layout=(plan.files, plan.writes))
-    else:
-        outdir.atomically(world, target, write, finish)
+    try:
+        if isinstance(target, RemoteTarget):
+            last = INDEX_FILE if plan.sharded else plan.files[0].name
+            remote_out.publish(world, target, last, write, finish, layout=(plan.files, plan.writes))
+        else:
+            outdir.atomically(world, target, write, finish)
+    finally:
+        release_host_memory()  # what blocks leaving a GPU went through (none on the CPU)
     return SaveReport(
         [f.name for f in plan.files],
         plan.total_size,

@@ -51,11 +51,13 @@ SLAB_BYTES = 32 * 2**20  # a chunk that must be cast is read and cast this many 
 _staging = threading.local()
 
 
-def _slab(nbytes: int) -> torch.Tensor:
-    """This thread's reusable staging buffer of at least `nbytes` (reused so the allocator does not churn)."""
-    buf = getattr(_staging, "buf", None)
+def _slab(nbytes: int, name: str = "buf") -> torch.Tensor:
+    """This thread's reusable staging buffer `name` of at least `nbytes` (reused so the allocator does not
+    churn: a new 32 MB buffer per slab is a mapping made, faulted in and unmapped each time)."""
+    buf = getattr(_staging, name, None)
     if buf is None or buf.numel() < nbytes:
-        buf = _staging.buf = torch.empty(max(nbytes, SLAB_BYTES), dtype=torch.uint8)
+        buf = torch.empty(max(nbytes, SLAB_BYTES), dtype=torch.uint8)
+        setattr(_staging, name, buf)
     return buf[:nbytes]
 
 
@@ -89,8 +91,9 @@ def assemble(
             for lo, hi in row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
                 box = rows_box(chunk, lo, hi)
                 data = rows(sp.spec, chunk, lo, hi)
-                if sp.lora is not None:  # W's block in fp32 with its update, cast once
-                    data = data.to(torch.float32) + delta_box(sp.lora, *box, read)
+                if sp.lora is not None:  # W's block in fp32 with its update, cast once; copied first:
+                    # the factors' reads may reuse the buffer `data` lies in (`direct_rows(reuse=True)`)
+                    data = data.to(torch.float32, copy=True) + delta_box(sp.lora, *box, read)
                 place(view, sp, box, data, window)
     return out
 
@@ -193,10 +196,12 @@ def place(
     blocks.place(out, sp.part, box, data, window[0] if window else None)
 
 
-def direct_rows(reader: DcpReader) -> RowsFn:
+def direct_rows(reader: DcpReader, reuse: bool = False) -> RowsFn:
     """Rows of a stored chunk read straight from its file (only those rows' bytes). A chunk whose bytes
     cannot be located (a compressed or non-contiguous record) is loaded whole once, then kept while its
-    slabs are read (`loaded`: the last such chunk; each call works on its own reference to it)."""
+    slabs are read (`loaded`: the last such chunk; each call works on its own reference to it).
+    `reuse`: the rows land in this thread's reusable buffer, valid until the thread's next call (for callers
+    that place each result at once, as `assemble` does); otherwise in a tensor of their own."""
     loaded: list[tuple[tuple[str, tuple[int, ...]], torch.Tensor]] = []
 
     def rows(spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> torch.Tensor:
@@ -209,7 +214,11 @@ def direct_rows(reader: DcpReader) -> RowsFn:
                 loaded[:] = [entry]
             whole = entry[1]
             return whole.narrow(0, r0, r1 - r0) if chunk.sizes else whole
-        out = torch.empty((r1 - r0, *chunk.sizes[1:]) if chunk.sizes else (), dtype=spec.dtype)
+        shape = (r1 - r0, *chunk.sizes[1:]) if chunk.sizes else ()
+        if reuse:
+            out = _slab(math.prod(shape) * spec.dtype.itemsize, "rows").view(spec.dtype).view(shape)
+        else:
+            out = torch.empty(shape, dtype=spec.dtype)
         row_bytes = math.prod(chunk.sizes[1:]) * spec.dtype.itemsize
         view = byte_view(out)
         reader.pread(chunk.file, where + r0 * row_bytes, view)
@@ -305,7 +314,7 @@ def direct_tensors(
     announced: deque[Write] = deque()
     in_flight = ahead = 0
     look_ahead = bucket_bytes if reader.remote else 0
-    rows = direct_rows(reader)
+    rows = direct_rows(reader, reuse=True)  # each read thread's rows are placed by its `assemble` at once
     # not `with`: a generator abandoned on an error may be finalized in one of these threads, which cannot
     # join itself; the reads in flight finish on their own, and those not started are cancelled
     threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptconv-read")

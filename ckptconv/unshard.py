@@ -90,10 +90,12 @@ def assemble(
         for chunk, r0, r1 in _part_rows(sp, window):
             for lo, hi in row_slabs(sp.spec, chunk, r0, r1, SLAB_BYTES):
                 box = rows_box(chunk, lo, hi)
+                # a LoRA update is read first: its factors' reads may reuse the buffer W's rows are read
+                # into next (`direct_rows(reuse=True)`), so W's rows are read last and used at once
+                delta = delta_box(sp.lora, *box, read) if sp.lora is not None else None
                 data = rows(sp.spec, chunk, lo, hi)
-                if sp.lora is not None:  # W's block in fp32 with its update, cast once; copied first:
-                    # the factors' reads may reuse the buffer `data` lies in (`direct_rows(reuse=True)`)
-                    data = data.to(torch.float32, copy=True) + delta_box(sp.lora, *box, read)
+                if delta is not None:  # W's block in fp32 with its update, cast once
+                    data = data.to(torch.float32) + delta
                 place(view, sp, box, data, window)
     return out
 

@@ -9,7 +9,6 @@ import gc
 import os
 import sys
 import warnings
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -87,11 +86,11 @@ def _options(
 @app.command("dcp-to-hf")
 def dcp_to_hf_cmd(
     src: Annotated[
-        Path,
+        str,
         typer.Argument(help="DCP checkpoint directory (with .metadata).", show_default=False, metavar="SRC"),
     ],
     out: Annotated[
-        Path, typer.Argument(help="Output Hugging Face directory.", show_default=False, metavar="OUT")
+        str, typer.Argument(help="Output Hugging Face directory.", show_default=False, metavar="OUT")
     ],
     dtype: opt.ReleaseDtypeOpt = None,
     fp32: Fp32Opt = None,
@@ -136,9 +135,11 @@ def dcp_to_hf_cmd(
     from .cli_output import show_dcp_to_hf
     from .early_open import open_early
     from .errors import CkptconvError
+    from .remote.urls import location
     from .ui import Ui
     from .world import world_from_env
 
+    source, target = location(src, "SRC"), location(out, "OUT")  # as strings: a Path makes s3: of s3://
     if read not in ("direct", "gather"):
         raise CkptconvError(f"--read {read!r} is not one of direct, gather")
     use_storage(storage_options, coalesce_gap)
@@ -146,14 +147,14 @@ def dcp_to_hf_cmd(
     lora_req = opt.lora_request(lora, lora_name, lora_alpha, lora_config, lora_rslora, lora_base)
     with _trust(trust_pickle):
         sizes = [(max_shard_size, "--max-shard-size"), (bucket_size, "--bucket-size")]
-        early = open_early(src, None if dry_run else out, overwrite, sizes)  # before torch (see early_open)
+        early = open_early(source, None if dry_run else target, overwrite, sizes)  # before torch (early_open)
         from .convert import dcp_to_hf
 
         with world_from_env() as world:
             ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
             result = dcp_to_hf(
-                src,
-                out,
+                source,
+                target,
                 world=world,
                 ui=ui,
                 dtype=dtype or ("keep" if lora == "adapter" else "bf16"),
@@ -179,7 +180,9 @@ def dcp_to_hf_cmd(
                 lora=lora_req,
                 early=early,
             )
-            show_dcp_to_hf(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
+            show_dcp_to_hf(
+                result, source, target, world, ui, dry_run=dry_run, verify=verify, json_out=json_out
+            )
 
 
 @app.command("hf-to-dcp")
@@ -193,7 +196,7 @@ def hf_to_dcp_cmd(
         ),
     ],
     out: Annotated[
-        Path, typer.Argument(help="Output DCP checkpoint directory.", show_default=False, metavar="OUT")
+        str, typer.Argument(help="Output DCP checkpoint directory.", show_default=False, metavar="OUT")
     ],
     dtype: DtypeOpt = "keep",
     fp32: Fp32Opt = None,
@@ -218,17 +221,17 @@ def hf_to_dcp_cmd(
     """Convert a Hugging Face model to a DCP checkpoint that dcp.load reads at any world size."""
     from .cli_output import show_hf_to_dcp
     from .convert import hf_to_dcp
-    from .remote.urls import url_path
+    from .remote.urls import location
     from .ui import Ui
     from .world import world_from_env
 
     use_storage(storage_options, coalesce_gap)
-    out = url_path(out) or out
+    target = location(out, "OUT")  # as a string: a Path makes s3: of s3://
     with world_from_env() as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         result = hf_to_dcp(
             src,
-            out,
+            target,
             world=world,
             ui=ui,
             dtype=dtype,
@@ -244,7 +247,7 @@ def hf_to_dcp_cmd(
             lora_adapter=lora_adapter,
             lora_name=lora_name,
         )
-        show_hf_to_dcp(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
+        show_hf_to_dcp(result, src, target, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 
 
 @app.command("verify")
@@ -338,13 +341,13 @@ def inspect_cmd(
     from .formats.files import is_directory
     from .formats.hf_hub import download, looks_like_repo_id
     from .mapping import load_config, load_mapping
-    from .remote.urls import url_path
+    from .remote.urls import location
     from .report import inspect, mapped_targets, mapped_view, render_inspect, render_mapped
 
     if explain and not mapping:
         raise typer.BadParameter("needs --mapping", param_hint="--explain")
     use_storage(storage_options, "0")
-    local = download(path, revision) if looks_like_repo_id(path) else (url_path(path) or Path(path))
+    local = download(path, revision) if looks_like_repo_id(path) else location(path, "PATH")
     with _trust(trust_pickle):
         info = inspect(local)
     console = Console(highlight=False, soft_wrap=True)

@@ -38,6 +38,7 @@ from .quant.config import dequantized_config
 from .quant.policy import QuantPolicy
 from .remote import out as remote_out
 from .remote.out import RemoteTarget
+from .remote.urls import location
 from .sizes import parse_size
 from .stash import collect_stash, read_stash, write_stash
 from .ui import Ui
@@ -74,8 +75,8 @@ def _return_freed_memory() -> None:
 
 
 def dcp_to_hf(
-    src: Path,
-    out: Path,
+    src: str | Path,
+    out: str | Path,
     *,
     world: World,
     ui: Ui,
@@ -107,6 +108,7 @@ def dcp_to_hf(
     torch was imported (`early_open`). Collective."""
     start = time.perf_counter()
     _return_freed_memory()
+    src, out = location(src, "SRC"), location(out, "OUT")  # a URL without a bucket: refused before any work
 
     def check_inputs(
         located: Path,
@@ -127,7 +129,8 @@ def dcp_to_hf(
         bucket = parse_size(bucket_size, "--bucket-size")
         if copy_from is not None and not copy_from.is_dir():
             raise CkptconvError(f"--copy-from {copy_from}: not a directory")
-        inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", config), _mapping_file(mapping)]
+        inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", config)]
+        inputs += [outcheck.mapping_input(mapping), ("--lora-config", lora.config if lora else None)]
         target = (
             None if dry_run else outcheck.hf_target(world.is_main, out, overwrite, inputs, push is not None)
         )
@@ -170,7 +173,7 @@ def dcp_to_hf(
         plan, model_config, described = everyone(world, prepare, ckpt, policy, quant, shard_bytes)
     if described is not None and copy_from is None:
         ui.info(f"copying the model's files from {described} (--copy-from DIR takes them from elsewhere)")
-    if ckpt.path != Path(src):
+    if ckpt.path != src:
         ui.info(f"{src}: holds one checkpoint, {ckpt.path}; converting it")
     for note in plan.notes:
         ui.info(note)
@@ -261,15 +264,9 @@ def _finish(
     return copy_non_weights(copy_from, staging) if copy_from is not None else []
 
 
-def _mapping_file(mapping: str | None) -> tuple[str, Path | None]:
-    """A `--mapping` that names a file (not a preset), as an input OUT must keep clear of."""
-    path = Path(mapping) if mapping else None
-    return "--mapping", path if path is not None and path.exists() else None
-
-
 def hf_to_dcp(
     src: str,
-    out: Path,
+    out: str | Path,
     *,
     world: World,
     ui: Ui,
@@ -291,14 +288,17 @@ def hf_to_dcp(
     model's names, the adapter called `lora_name` (`lora.wrap`). Collective."""
     start = time.perf_counter()
     _return_freed_memory()
+    out = location(out, "OUT")  # a URL without a bucket: refused before anything is downloaded
     path = sources.for_all(world, lambda: sources.hf_source(src, revision))  # rank 0 downloads or lists
+    adapter = sources.adapter_source(world, lora_adapter)  # an input too: OUT must keep clear of it
 
     config_file = config or (_first_file(path) if is_directory(path) else None)
 
     def check_inputs() -> tuple[DtypePolicy, outcheck.Target | None]:
         if lora_adapter is not None and mapping:
             raise CkptconvError("--lora-adapter with --mapping is not supported yet; leave --mapping out")
-        inputs = [("SRC", path), ("--config", config), _mapping_file(mapping)]
+        inputs = [("SRC", path), ("--config", config), ("--lora-adapter", adapter)]
+        inputs.append(outcheck.mapping_input(mapping))
         target = None if dry_run else outcheck.hf_target(world.is_main, out, overwrite, inputs, False)
         return DtypePolicy(parse_dtype_flag(dtype), fp32), target
 
@@ -322,7 +322,7 @@ def hf_to_dcp(
 
     with gcpause.paused():
         policy, target = everyone(world, check_inputs)
-        hf = everyone(world, from_main, world, lambda: with_adapter(open_hf(path), lora_adapter, lora_name))
+        hf = everyone(world, from_main, world, lambda: with_adapter(open_hf(path), adapter, lora_name))
         plan, model_config = everyone(world, prepare, hf, policy)
     if plan.same and not dry_run:
         check_copies(world, hf, plan.same)

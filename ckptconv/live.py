@@ -185,8 +185,7 @@ def save_hf(
     release_dtype = dtype or ("keep" if lora == "adapter" else "bf16")  # an adapter keeps its dtype
     if storage_options is not None:
         urls.use_options(storage_options)
-    world, url = _world(), urls.url_path(path)
-    out = url or Path(path)
+    world, out = _world(), urls.location(path, "save_hf")
     tensors: dict[str, torch.Tensor] = {}
     paths: dict[str, tuple[str, ...]] = {}
     others: list[tuple[tuple[str, ...], Any]] = []
@@ -207,7 +206,8 @@ def save_hf(
         policy = DtypePolicy(parse_dtype_flag(release_dtype), fp32)
         if quantize_skip and not quantize:
             raise CkptconvError("save_hf: quantize_skip applies with quantize='fp8'")
-        request = LoraRequest(lora, lora_name, lora_alpha, _path(lora_config, "lora_config"))  # type: ignore[arg-type]
+        lora_file = _path(lora_config, "lora_config")
+        request = LoraRequest(lora, lora_name, lora_alpha, lora_file)  # type: ignore[arg-type]
         request.check()
         plan = plan_dcp_to_hf(
             _live_checkpoint(holding, paths),
@@ -220,7 +220,8 @@ def save_hf(
             write_granularity=remote_out.granularity(out, _granularity(write_granularity), bool(quantize)),
             lora=request,
         )
-        inputs = [("copy_from", _path(copy_from))]
+        inputs = [("copy_from", _path(copy_from)), ("lora_config", lora_file)]
+        inputs.append(outcheck.mapping_input(mapping, "mapping"))
         target = outcheck.hf_target(world.is_main, out, overwrite, inputs, False, "overwrite=True")
         budget = parse_size(bucket_size, "bucket_size")
         jobs, order, needs = live_jobs(plan, holding, budget)

@@ -65,7 +65,7 @@ def load_hf(
     """
     if storage_options is not None:
         urls.use_options(storage_options)
-    hf = with_adapter(open_hf(urls.url_path(path) or Path(path)), lora_adapter, lora_name)
+    hf = with_adapter(open_hf(urls.location(path, "load_hf")), lora_adapter, lora_name)
     forced = parse_dtype_flag(dtype, "dtype") if dtype is not None else None
     plan = plan_hf_to_dcp(
         hf,

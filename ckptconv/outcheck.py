@@ -1,6 +1,11 @@
 """What OUT may be, checked before any work and again under the lock: never an input, never holding one
 or inside one, never a name ckptconv keeps for itself; with `--overwrite`, only a directory that holds a
 checkpoint (or nothing); a symlink at OUT is followed and its target written. Pure checks, no writes.
+
+Inputs are every path the command reads (SRC, each flag's file or directory, a hub snapshot's cache folder),
+compared by identity: local paths by device and inode along every spelling (symlinks, bind mounts, `..`;
+a file's hard links among OUT's entries), URLs by the object they name (`remote.urls.identity`: s3 and s3a
+are one store), a `file://` URL as the local path it names.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from pathlib import Path
 
 from . import outlock
 from .errors import CkptconvError
-from .formats.files import refuse_url
+from .formats.files import exists, refuse_url
 from .remote.out import RemoteTarget
-from .remote.urls import UrlPath, is_url, url_path
+from .remote.urls import UrlPath, identity, location, url_path
 
 PARTIAL_SUFFIX = ".ckptconv-partial"
 OLD_SUFFIX = ".ckptconv-old"
@@ -71,11 +76,22 @@ def target(
     real = _resolve_out(out)
     refuse_reserved(real)
     note = f"{out} is a symlink: writing into its target {real}" if out.is_symlink() else None
-    result = Output(real, overwrite, tuple((label, p) for label, p in inputs if p is not None), flag, note)
+    result = Output(real, overwrite, located(inputs), flag, note)
     if main:
         outlock.peek(real)
     result.check()
     return result
+
+
+def located(inputs: Inputs) -> tuple[tuple[str, Path], ...]:
+    """The inputs that are given, each where it is (`remote.urls.location`: a `file://` URL is a path)."""
+    return tuple((label, location(p, label)) for label, p in inputs if p is not None)
+
+
+def mapping_input(mapping: str | None, flag: str = "--mapping") -> tuple[str, Path | None]:
+    """A mapping that names a file (not a preset), as an input OUT must keep clear of."""
+    path = location(mapping, flag) if mapping else None
+    return flag, path if path is not None and not isinstance(path, UrlPath) and exists(path) else None
 
 
 def absolute(p: Path) -> Path:
@@ -159,9 +175,9 @@ def _model_file(name: str) -> bool:
 
 
 def _check_not_input(out: Path, label: str, path: Path) -> None:
-    """OUT must not be `path`, contain it or be inside it (symlinks and bind mounts followed). An input in
-    object storage is never inside a local OUT."""
-    if is_url(path):
+    """OUT must not be `path`, contain it or be inside it (symlinks and bind mounts followed; a file's hard
+    links among OUT's entries). An input in object storage is never inside a local OUT."""
+    if url_path(path) is not None:
         return
     for what, real in ((label, path), *_linked(label, path)):
         inside, contains = _within(out, real), _within(real, out)
@@ -171,20 +187,42 @@ def _check_not_input(out: Path, label: str, path: Path) -> None:
             raise CkptconvError(f"{out}: contains {what} {real}; choose an OUT that holds no input")
         if inside:
             raise CkptconvError(f"{out}: is inside {what} {real}; choose an OUT outside the inputs")
+    linked = _hard_link_in(out, path)
+    if linked is not None:
+        raise CkptconvError(
+            f"{out}: holds {linked.name}, a hard link of {label} {path}; choose an OUT that holds no input"
+        )
+
+
+def _hard_link_in(out: Path, path: Path) -> Path | None:
+    """The entry of directory `out` that is the file `path` under another name (a hard link), if any."""
+    try:
+        st = os.stat(path)
+        if st.st_nlink < 2 or not os.path.isdir(out):
+            return None
+        with os.scandir(out) as it:
+            for entry in it:
+                with suppress(OSError):
+                    if entry.is_file(follow_symlinks=False) and os.path.samestat(entry.stat(), st):
+                        return Path(entry.path)
+    except OSError:
+        return None
+    return None
 
 
 def _url_not_input(out: UrlPath, label: str, path: Path) -> None:
     """A URL OUT must not be an input in object storage, hold one or lie inside one (--overwrite there
-    would delete the source). A local input is never under a URL."""
+    would delete the source), compared by what they name (s3:// and s3a:// are one store). A local input
+    is never under a URL."""
     src = url_path(path)
-    if src is None or src.protocol != out.protocol:
+    if src is None:
         return
-    a, b = out.key.rstrip("/"), src.key.rstrip("/")
+    a, b = identity(out), identity(src)
     if a == b:
         raise CkptconvError(f"{out}: is {label} {src} itself; OUT must never be an input")
-    if b.startswith(a + "/"):
+    if b[: len(a)] == a:
         raise CkptconvError(f"{out}: holds {label} {src}; choose an OUT prefix that holds no input")
-    if a.startswith(b + "/"):
+    if a[: len(b)] == b:
         raise CkptconvError(f"{out}: is inside {label} {src}; choose an OUT prefix outside the inputs")
 
 
@@ -232,18 +270,17 @@ def hf_target(
 ) -> Target:
     """Where a conversion writes: a checked local OUT, or a prefix in object storage (checked on rank 0),
     where --push-to-hub is refused by name."""
-    url = url_path(out)
-    if url is None:
+    out = location(out, "OUT")
+    if not isinstance(out, UrlPath):
         return target(out, overwrite, inputs, flag, main=main)
     if push:
         raise CkptconvError(
-            f"--push-to-hub with OUT {url}: pushing from object storage is not supported; write OUT to a "
+            f"--push-to-hub with OUT {out}: pushing from object storage is not supported; write OUT to a "
             "local path to push it"
         )
-    for label, path in inputs:
-        if path is not None:
-            _url_not_input(url, label, path)
-    remote = RemoteTarget(url, overwrite)
+    for label, path in located(inputs):
+        _url_not_input(out, label, path)
+    remote = RemoteTarget(out, overwrite)
     if main:
         remote.check()
     return remote

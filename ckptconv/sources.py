@@ -15,7 +15,7 @@ from .formats.hf_hub import download, looks_like_repo_id
 from .keyorder import natural_key
 from .outcheck import refuse_partial
 from .remote.files import RemoteFiles
-from .remote.urls import UrlPath, url_path
+from .remote.urls import UrlPath, file_path, location
 from .world import World, everyone, from_main
 
 T = TypeVar("T")
@@ -34,10 +34,11 @@ def for_all(world: World, find: Callable[[], T]) -> T:
 def dcp_source(src: Path) -> Path:
     """The DCP directory the user means (`src`, or the one checkpoint directly inside it), or a
     CkptconvError saying what `src` is instead. A URL (`s3://bucket/prefix`) is a checkpoint in object
-    storage: a prefix with a `.metadata` object, or with one checkpoint one level down."""
-    url = url_path(src)
-    if url is not None:
-        return _remote_dcp(url)
+    storage: a prefix with a `.metadata` object, or with one checkpoint one level down; a `file://` URL is
+    the local path it names."""
+    src = location(src, "SRC")
+    if isinstance(src, UrlPath):
+        return _remote_dcp(src)
     if not exists(src):
         raise CkptconvError(f"{src}: no such file or directory")
     refuse_partial(src)
@@ -127,7 +128,7 @@ def checkpoints_inside(directory: Path) -> list[Path]:
 
 
 def _local_or_hub(src: str, revision: str | None, check: Callable[[Path], None]) -> Path:
-    path = Path(src)
+    path = location(src)
     if exists(path):
         if revision is not None:
             raise CkptconvError(f"--revision applies to hub repo ids; {src} is a local path")
@@ -139,14 +140,15 @@ def _local_or_hub(src: str, revision: str | None, check: Callable[[Path], None])
     raise CkptconvError(f"{src}: no such file or directory, and not a hub repo id (org/name)")
 
 
-def hf_source(src: str, revision: str | None) -> Path:
+def hf_source(src: str, revision: str | None, flag: str = "SRC") -> Path:
     """The safetensors file or directory `src` names: local, a hub repo id (downloaded if needed), or a URL
-    (object storage: read in place)."""
-    url = url_path(src)
-    if url is not None:
+    (object storage: read in place; a `file://` URL is the local path it names)."""
+    url = location(src, flag)
+    if isinstance(url, UrlPath):
         if revision is not None:
             raise CkptconvError(f"--revision applies to hub repo ids; {src} is a URL")
         return _remote_hf(url)
+    src = str(file_path(src) or src)
 
     def check(path: Path) -> None:
         if is_dcp_dir(path):
@@ -166,12 +168,20 @@ def hf_source(src: str, revision: str | None) -> Path:
     return _local_or_hub(src, revision, check)
 
 
+def adapter_source(world: World, adapter: str | None) -> Path | None:
+    """Where `--lora-adapter` is (a hub repo id is downloaded by rank 0), or None without one."""
+    if adapter is None:
+        return None
+    return for_all(world, lambda: hf_source(adapter, None, "--lora-adapter"))
+
+
 def any_source(src: str, revision: str | None = None) -> Path:
     """A DCP directory, an HF directory or .safetensors file, or a hub repo id (verify's and inspect's
-    inputs); a URL names either kind in object storage."""
-    url = url_path(src)
-    if url is not None:
+    inputs); a URL names either kind in object storage, a `file://` URL the local path it names."""
+    url = location(src)
+    if isinstance(url, UrlPath):
         return _remote_any(url)
+    src = str(file_path(src) or src)
 
     def check(path: Path) -> None:
         if not (is_dcp_dir(path) or is_hf_dir(path) or path.suffix == ".safetensors"):

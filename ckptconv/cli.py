@@ -99,6 +99,7 @@ def dcp_to_hf_cmd(
     prefix: PrefixOpt = None,
     copy_from: CopyFromOpt = None,
     overwrite: OverwriteOpt = False,
+    no_fsync: opt.NoFsyncOpt = False,
     dry_run: DryRunOpt = False,
     bucket_size: BucketOpt = "128MB",
     read: ReadOpt = "direct",
@@ -178,6 +179,7 @@ def dcp_to_hf_cmd(
                 push=push,
                 lora=lora_req,
                 early=early,
+                fsync=not no_fsync,
             )
             show_dcp_to_hf(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 
@@ -205,6 +207,7 @@ def hf_to_dcp_cmd(
     config: ConfigOpt = None,
     allow_unmapped: AllowUnmappedOpt = False,
     overwrite: OverwriteOpt = False,
+    no_fsync: opt.NoFsyncOpt = False,
     dry_run: DryRunOpt = False,
     verify: VerifyOpt = False,
     storage_options: StorageOptionsOpt = None,
@@ -243,6 +246,7 @@ def hf_to_dcp_cmd(
             verify=verify,
             lora_adapter=lora_adapter,
             lora_name=lora_name,
+            fsync=not no_fsync,
         )
         show_hf_to_dcp(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 

@@ -1,11 +1,13 @@
 """Durable publishing (issue #34, item 6): every output file and the directories that publish it are fsynced
 before OUT is renamed into place (the data files on their own thread as each is finished, under torchrun by
 every rank before rank 0 publishes), OUT's parent after; `--no-fsync` / `save_hf(fsync=False)` fsyncs
-nothing; a failed fsync is a one-line error with nothing published."""
+nothing; a failed fsync is a one-line error with nothing published; object storage completes an upload only
+from every acknowledged part, reads each object back once committed, and never commits a discarded one."""
 
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import subprocess
@@ -17,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import _env
+from conftest import _env, s3_options, s3_requests
 from test_bad_input import assert_one_line, run
 
 from ckptconv import outdir
@@ -366,3 +368,110 @@ def test_under_torchrun_every_rank_fsyncs_its_files_before_rank_0_publishes(
     synced |= {Path(e[3]).name for e in ranks["0"] if e[1] == "rename" and Path(e[2]).name in synced}
     assert {p.name for p in out.iterdir()} <= synced and staging.name in synced
     assert any(e[1:3] == ("fsync", str(out.parent)) and e[0] > when for e in ranks["0"])
+
+
+# --- object storage ----------------------------------------------------------------------------------------
+
+
+def _s3(s3_endpoint: str, *argv: str) -> list[str]:
+    return [*argv, "--storage-options", json.dumps(s3_options(s3_endpoint))]
+
+
+@pytest.fixture(scope="module")
+def two_part_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One fp32 tensor of 12 MB: with 5 MiB parts, one file of two parts."""
+    path = tmp_path_factory.mktemp("parts") / "ckpt"
+    weight = torch.randn(1500, 2048, generator=torch.Generator().manual_seed(1))
+    dcp.save({"model": {"w": weight}}, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def test_an_upload_is_completed_only_with_every_part_acknowledged(
+    two_part_ckpt: Path,
+    s3_endpoint: str,
+    s3: Any,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A part whose acknowledgement (its ETag) never reaches rank 0: S3 would complete the object without
+    it, short, and the run exit 0. It is refused instead, and nothing is left."""
+    pytest.importorskip("moto", reason="moto's server is part of the test extras")
+    from ckptconv.remote import multipart, parts
+
+    monkeypatch.setattr(parts, "PART_BYTES", 5 << 20)  # S3's smallest part: a 12 MB file is two
+    real_send = multipart.PartStream._send
+
+    def send(self: Any, number: int, buf: bytearray) -> None:
+        real_send(self, number, buf)
+        if number == 2:
+            self._tags.remove(next(t for t in self._tags if t[0] == 2))  # sent, its ETag lost
+
+    monkeypatch.setattr(multipart.PartStream, "_send", send)
+    url = "s3://ckpts/durable-parts"
+    code, err = run(capsys, *_s3(s3_endpoint, "dcp-to-hf", str(two_part_ckpt), url, "--dtype", "keep", "-q"))
+    assert_one_line(code, err, "model.safetensors", "1 parts acknowledged of 2")
+    s3.invalidate_cache()
+    assert s3.find("ckpts/durable-parts") == [] and list(s3.list_multipart_uploads("ckpts")) == []
+
+
+@pytest.mark.parametrize("command", ["dcp-to-hf", "hf-to-dcp"])
+def test_each_object_is_read_back_once_its_upload_is_committed(
+    command: str, ckpt: Path, hf: Path, s3_endpoint: str, s3: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The store's own word that an object is whole: once its upload is completed (multipart, one-shot PUT
+    or a held upload), a HEAD of it, before the run ends."""
+    pytest.importorskip("moto", reason="moto's server is part of the test extras")
+    key = f"durable-{command}"
+    if command == "dcp-to-hf":
+        argv = ["dcp-to-hf", str(ckpt), f"s3://ckpts/{key}", "--max-shard-size", "100kB", "-q"]
+    else:
+        argv = ["hf-to-dcp", str(hf), f"s3://ckpts/{key}", "-q"]
+    (code, err), seen = s3_requests(s3_endpoint, lambda: run(capsys, *_s3(s3_endpoint, *argv)))
+    assert code == 0, err
+    s3.invalidate_cache()
+    objects = [p.rsplit("/", 1)[1] for p in s3.find(f"ckpts/{key}")]
+    assert len(objects) >= 3, objects
+    for name in objects:
+        path = f"/ckpts/{key}/{name}"
+        mine = [(i, r) for i, r in enumerate(seen) if r["url"].split("?")[0].endswith(path)]
+        commits = [i for i, r in mine if r["method"] == "PUT" and "partNumber" not in r["url"]]
+        commits += [i for i, r in mine if r["method"] == "POST" and "uploadId" in r["url"]]
+        heads = [i for i, r in mine if r["method"] == "HEAD"]
+        assert commits and heads and max(heads) > max(commits), (name, mine)
+
+
+def test_a_discarded_upload_is_never_committed_when_collected(
+    hf: Path,
+    s3_endpoint: str,
+    s3: Any,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """hf-to-dcp to S3 failing while its writer threads stream `.distcp` files: their uploads are aborted,
+    and the abandoned fsspec files, once collected, neither commit what they held nor raise (an
+    "Exception ignored" traceback on stderr)."""
+    pytest.importorskip("moto", reason="moto's server is part of the test extras")
+    from ckptconv.errors import CkptconvError
+    from ckptconv.formats import safetensors_io
+
+    reads = [0]
+    real_pread = safetensors_io.RowReader._pread
+
+    def pread(self: Any, t: Any, start: int, view: memoryview) -> None:
+        reads[0] += 1
+        if reads[0] > 3:
+            raise CkptconvError(f"{t.file}: cannot read (test)")
+        real_pread(self, t, start, view)
+
+    unraisable: list[Any] = []
+    monkeypatch.setattr(safetensors_io.RowReader, "_pread", pread)
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    code, err = run(capsys, *_s3(s3_endpoint, "hf-to-dcp", str(hf), "s3://ckpts/durable-discard", "-q"))
+    assert_one_line(code, err, "cannot read (test)")
+    from ckptconv.remote import out as remote_out
+
+    remote_out._run = remote_out._Run()  # the next run's: the failed run's files are garbage now
+    gc.collect()
+    assert unraisable == []
+    s3.invalidate_cache()
+    assert s3.find("ckpts/durable-discard") == [] and list(s3.list_multipart_uploads("ckpts")) == []

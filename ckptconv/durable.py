@@ -61,6 +61,8 @@ def sync_dir(path: Path) -> None:
 
 def make_dirs(path: Path, fsync: bool) -> None:
     """`mkdir -p path`, each directory it makes fsynced into its parent (when `fsync`)."""
+    if path.exists() and not path.is_dir():
+        raise write_failed(path, OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
     missing = []
     at = path
     while not at.exists() and at != at.parent:
@@ -69,8 +71,10 @@ def make_dirs(path: Path, fsync: bool) -> None:
     for directory in reversed(missing):
         try:
             directory.mkdir()
-        except FileExistsError:
-            continue
+        except FileExistsError as e:
+            if directory.is_dir():
+                continue  # made meanwhile by another run
+            raise write_failed(directory, OSError(e.errno, e.strerror)) from None
         except OSError as e:
             raise write_failed(directory, OSError(e.errno, e.strerror)) from None
         if fsync:

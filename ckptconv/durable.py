@@ -21,7 +21,7 @@ from .outlock import write_failed
 
 SYNC_THREADS = 4  # rank 0's small files (index, config, tokenizer, stash), fsynced at once
 # a directory fsync that the file system does not do (some FUSE and network file systems): nothing to wait for
-_NO_DIR_SYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF)
+_NO_DIR_SYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
 def sync_fd(fd: int, path: object) -> None:

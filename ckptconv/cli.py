@@ -98,6 +98,7 @@ def dcp_to_hf_cmd(
     prefix: PrefixOpt = None,
     copy_from: CopyFromOpt = None,
     overwrite: OverwriteOpt = False,
+    no_fsync: opt.NoFsyncOpt = False,
     dry_run: DryRunOpt = False,
     bucket_size: BucketOpt = "128MB",
     read: ReadOpt = "direct",
@@ -179,6 +180,7 @@ def dcp_to_hf_cmd(
                 push=push,
                 lora=lora_req,
                 early=early,
+                fsync=not no_fsync,
             )
             show_dcp_to_hf(
                 result, source, target, world, ui, dry_run=dry_run, verify=verify, json_out=json_out
@@ -208,6 +210,7 @@ def hf_to_dcp_cmd(
     config: ConfigOpt = None,
     allow_unmapped: AllowUnmappedOpt = False,
     overwrite: OverwriteOpt = False,
+    no_fsync: opt.NoFsyncOpt = False,
     dry_run: DryRunOpt = False,
     verify: VerifyOpt = False,
     storage_options: StorageOptionsOpt = None,
@@ -246,6 +249,7 @@ def hf_to_dcp_cmd(
             verify=verify,
             lora_adapter=lora_adapter,
             lora_name=lora_name,
+            fsync=not no_fsync,
         )
         show_hf_to_dcp(result, src, target, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 

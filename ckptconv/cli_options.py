@@ -58,6 +58,14 @@ OverwriteOpt = Annotated[
         "are refused.",
     ),
 ]
+NoFsyncOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-fsync",
+        help="Scratch work: publish OUT without fsyncing its files and directories first (faster; a power "
+        "loss soon after may leave it with empty or short files).",
+    ),
+]
 DryRunOpt = Annotated[
     bool, typer.Option("--dry-run", help="Print the plan (files, keys, dtypes, bytes, ranks).")
 ]

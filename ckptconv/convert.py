@@ -102,10 +102,11 @@ def dcp_to_hf(
     push: PushRequest | None = None,
     lora: LoraRequest | None = None,
     early: Early | None = None,
+    fsync: bool = True,
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`, and with `push` upload it to the hub
     once published. `lora`: what to make of LoRA factors (`lora.select`). `early`: `src` as opened before
-    torch was imported (`early_open`). Collective."""
+    torch was imported (`early_open`). `fsync=False` (`--no-fsync`): nothing is fsynced. Collective."""
     start = time.perf_counter()
     _return_freed_memory()
     src, out = location(src, "SRC"), location(out, "OUT")  # a URL without a bucket: refused before any work
@@ -209,7 +210,7 @@ def dcp_to_hf(
     mine = [RankBytes(world.rank, 0, 0)]
 
     def write(staging: Path) -> None:
-        read, mine[0] = write_shards(plan, ckpt, staging, world, ui, bucket, read_path)
+        read, mine[0] = write_shards(plan, ckpt, staging, world, ui, bucket, read_path, fsync)
         pieces.extend(read)
 
     def check(staging: Path) -> None:
@@ -229,7 +230,7 @@ def dcp_to_hf(
             layout = (plan.files, plan.writes)
             result.copied = remote_out.publish(world, target, last, write, finish, check, layout) or []
         else:
-            result.copied = outdir.atomically(world, target, write, finish, check, ui.warn) or []
+            result.copied = outdir.atomically(world, target, write, finish, check, ui.warn, fsync) or []
     result.ranks = world.all_gather_object(mine[0])
     result.written = True
     if push is not None:
@@ -282,10 +283,12 @@ def hf_to_dcp(
     verify: bool = False,
     lora_adapter: str | None = None,
     lora_name: str = "default",
+    fsync: bool = True,
 ) -> DcpResult:
     """Convert the HF model `src` (directory, file or hub repo id) to the DCP directory `out`; with
     `lora_adapter` (a PEFT adapter directory or repo id) the base model and the adapter under a PEFT-wrapped
-    model's names, the adapter called `lora_name` (`lora.wrap`). Collective."""
+    model's names, the adapter called `lora_name` (`lora.wrap`). `fsync=False` (`--no-fsync`): nothing is
+    fsynced. Collective."""
     start = time.perf_counter()
     _return_freed_memory()
     out = location(out, "OUT")  # a URL without a bucket: refused before anything is downloaded
@@ -352,7 +355,7 @@ def hf_to_dcp(
     mine = [RankBytes(world.rank, 0, 0)]
 
     def write(staging: Path) -> None:
-        mine[0] = save_dcp(plan, staging, world, ui)
+        mine[0] = save_dcp(plan, staging, world, ui, fsync)
 
     def finish(staging: Path) -> None:
         _finish_dcp(staging, plan, config_file if mapping else None)
@@ -362,7 +365,7 @@ def hf_to_dcp(
         if isinstance(target, RemoteTarget):
             remote_out.publish(world, target, METADATA_FILE, write, finish, check)
         else:
-            outdir.atomically(world, target, write, finish, check, ui.warn)
+            outdir.atomically(world, target, write, finish, check, ui.warn, fsync)
     result.ranks = world.all_gather_object(mine[0])
     result.seconds = time.perf_counter() - start
     result.written = True

@@ -20,9 +20,9 @@ from .world import World
 from .writes import RankBytes
 
 
-def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> RankBytes:
-    """This rank's rows of every tensor into `staging` (collective); returns the bytes it read and the
-    bytes of the data files it wrote."""
+def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui, fsync: bool = True) -> RankBytes:
+    """This rank's rows of every tensor into `staging` (collective), each file fsynced as it is written
+    unless not `fsync`; returns the bytes it read and the bytes of the data files it wrote."""
     from .formats.dcp_writer import write_dcp  # torch.distributed.checkpoint: about 1 s to import
 
     state_dict, raw_items, scalars = _dcp_state_dict(plan, world)
@@ -44,7 +44,7 @@ def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui) -> RankByte
     mine = plan.nbytes_of(world.rank)
     with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
         try:
-            write_dcp(staging, state_dict, read_rows, raw_items, progress.advance)
+            write_dcp(staging, state_dict, read_rows, raw_items, progress.advance, fsync=fsync)
         finally:
             reader.close()
     if isinstance(staging, UrlPath):

@@ -14,6 +14,7 @@ import torch
 from . import outdir
 from .buffers import BufferPool
 from .config_edit import edit_config, release_dtype
+from .durable import Syncer
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece
 from .formats.files import read_regular
@@ -39,9 +40,10 @@ def write_shards(
     ui: Ui,
     bucket: int,
     read_path: ReadPath,
+    fsync: bool = True,
 ) -> tuple[list[RowPiece], RankBytes]:
-    """This rank's writes into `staging`; returns the chunks' pieces it read (some rows of a chunk) and the
-    bytes it read and wrote."""
+    """This rank's writes into `staging`, each file fsynced once this rank has written it (unless not
+    `fsync`); returns the chunks' pieces it read (some rows of a chunk) and the bytes it read and wrote."""
     with DcpReader(ckpt, cache_bytes=bucket) as reader:
         if read_path == "gather":
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
@@ -49,7 +51,7 @@ def write_shards(
         else:
             pool = BufferPool.for_bucket(bucket)
             items = direct_tensors(plan, world, reader, bucket, pool)
-        written = write_files(plan, items, staging, world, ui, pool)
+        written = write_files(plan, items, staging, world, ui, pool, fsync)
         return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
 
 
@@ -60,22 +62,28 @@ def write_files(
     world: World,
     ui: Ui,
     pool: BufferPool | None = None,
+    fsync: bool = True,
 ) -> int:
     """Write this rank's byte ranges of the plan's files (`plan.writes_of`) from `items` (its writes with
     their data, in order, as unshard yields them), each in place; returns the bytes written. Tensors made
-    in `pool` go back to it once written."""
+    in `pool` go back to it once written. With `fsync`, each file is fsynced as soon as this rank's writes to
+    it are done, on a thread of its own while the next file is written, and all before this returns."""
     mine = plan.writes_of(world.rank)
     files = len({w.file.name for w in mine})
     nbytes = bytes_per_rank(plan.writes, plan.world_size)[world.rank]
     written = done = 0
-    with ui.bytes_progress(f"writing {files} of {len(plan.files)} files", nbytes) as progress:
+    with (
+        ui.bytes_progress(f"writing {files} of {len(plan.files)} files", nbytes) as progress,
+        Syncer(fsync) as syncer,
+    ):
         writer: SafetensorsWriter | None = None
         try:
             for w, tensor in items:
                 if writer is None or writer.path.name != w.file.name:
                     if writer is not None:
-                        writer.close()
-                        written += writer.bytes_written
+                        finished, writer = writer, None  # its file is the syncer's to close now
+                        finished.close(syncer)
+                        written += finished.bytes_written
                     entries = [Entry(x.hf_key, x.dtype, x.shape) for x in w.file.tensors]
                     # a rank's writes to a file are one run, so the write with the header opens it
                     writer = SafetensorsWriter(staging / w.file.name, entries, header=w.header)
@@ -89,8 +97,10 @@ def write_files(
                     pool.give(tensor)  # written: its memory makes a later tensor
                 del tensor  # not held while the next tensor is assembled
             if writer is not None:
-                writer.close()
-                written += writer.bytes_written
+                finished, writer = writer, None
+                finished.close(syncer)
+                written += finished.bytes_written
+            syncer.wait()  # every file this rank wrote is on the device before it says it is done
         except BaseException:
             if writer is not None:
                 writer.abort()

@@ -166,6 +166,7 @@ def save_hf(
     lora_name: str | None = None,
     lora_alpha: float | None = None,
     lora_config: str | Path | None = None,
+    fsync: bool = True,
 ) -> SaveReport:
     """Collective (call on every rank): write `state_dict` as HF safetensors into the directory `path`.
 
@@ -180,7 +181,8 @@ def save_hf(
     as its `--lora-*` flags.
     `path` may be a URL (`s3://bucket/step-1000`): each file is streamed by one rank as a multipart upload and
     the index (or the single file) completes it last, as dcp-to-hf writes a URL OUT; `storage_options` go
-    to the backend's file system.
+    to the backend's file system. A local `path` is fsynced (its files and directories) before it is
+    published; `fsync=False` skips that, for scratch saves (as dcp-to-hf's `--no-fsync`).
     """
     release_dtype = dtype or ("keep" if lora == "adapter" else "bf16")  # an adapter keeps its dtype
     if storage_options is not None:
@@ -247,14 +249,14 @@ def save_hf(
     items = emit(order, needs, world.rank, results, jobs)
 
     def write(staging: Path) -> None:
-        write_files(plan, items, staging, world, ui)
+        write_files(plan, items, staging, world, ui, fsync=fsync)
 
     try:
         if isinstance(target, RemoteTarget):
             last = INDEX_FILE if plan.sharded else plan.files[0].name
             remote_out.publish(world, target, last, write, finish, layout=(plan.files, plan.writes))
         else:
-            outdir.atomically(world, target, write, finish)
+            outdir.atomically(world, target, write, finish, fsync=fsync)
     finally:
         release_host_memory()  # what blocks leaving a GPU went through (none on the CPU)
     return SaveReport(

@@ -3,7 +3,8 @@
 While a conversion runs nothing at OUT changes, so OUT never looks finished before it is; an interrupted run
 leaves only `.OUT.ckptconv-partial` beside it, which the next run replaces. One run writes an OUT at a time
 (`outlock`); what OUT may be is `outcheck`'s. Rank 0 owns every step here; the other ranks only write files
-inside the staging directory.
+inside the staging directory. Unless `fsync=False` (`--no-fsync`), what is published is on the device first
+(`durable`): every file and directory of the staging tree before the rename, OUT's parent after it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from . import outlock
+from . import durable, outlock
 from .errors import CkptconvError
 from .outcheck import OLD_SUFFIX, PARTIAL_SUFFIX, Output, absolute
 from .outlock import write_failed
@@ -72,12 +73,14 @@ def prepare(out: Path) -> Path:
     return staging
 
 
-def publish(staging: Path, out: Path) -> None:
+def publish(staging: Path, out: Path, fsync: bool = True) -> None:
     """Rank 0, holding the lock: move the finished `staging` to `out`, replacing what was there.
 
     An existing OUT is swapped with the staging directory in one step (renameat2 RENAME_EXCHANGE), so OUT
     is always one complete result; where the file system cannot swap, OUT is moved aside and the result
-    moved in, with signals held in between (a failure puts OUT back). The previous OUT is removed after."""
+    moved in, with signals held in between (a failure puts OUT back). With `fsync`, OUT's parent is
+    fsynced once the result is in place: the rename itself survives a power loss. The previous OUT is
+    removed after."""
     previous: Path | None = None
     try:
         with outlock.signals_held():
@@ -91,6 +94,8 @@ def publish(staging: Path, out: Path) -> None:
         raise CkptconvError(
             f"{out}: cannot move the result into place ({e.strerror}); check permissions"
         ) from None
+    if fsync:
+        durable.sync_dir(out.parent)
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
 
@@ -200,20 +205,20 @@ def atomically(
     finish: Callable[[Path], T],
     check: Callable[[Path], None] | None = None,
     say: Callable[[str], None] = lambda message: None,
+    fsync: bool = True,
 ) -> T | None:
     """Collective: rank 0 locks OUT, checks it again and makes the staging directory; every rank `write`s
     into it, rank 0 `finish`es it (index, stash, copied files), every rank `check`s it (verify), then rank 0
     renames it into place and lets the lock go. On any rank's failure (an interrupt too) or a failed check,
     rank 0 removes the staging directory and every rank raises: OUT is either the complete, checked result
-    or untouched."""
+    or untouched. With `fsync`, `write` fsyncs each file it writes before it returns (so before the ranks
+    agree it is done), rank 0 fsyncs what `finish` wrote and every directory of the staging tree after it,
+    and OUT's parent after the rename: after this returns, the result survives a power loss."""
     lock: outlock.OutLock | None = None
 
     def begin() -> None:
         nonlocal lock
-        try:
-            out.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise write_failed(out.path.parent, e) from None
+        durable.make_dirs(out.path.parent, fsync)
         with outlock.signals_held():  # an interrupt comes after `lock` is set, so it is let go
             lock = outlock.take(out.path)
         note = lock.note()
@@ -223,14 +228,21 @@ def atomically(
         out.check()  # again, now that no other run can change OUT
         prepare(out.path)
 
+    def finish_durably(staging: Path) -> T:
+        written = durable.tree(staging)[0] if fsync else set()  # the ranks' files, each fsynced already
+        result = finish(staging)
+        if fsync:
+            durable.seal(staging, written)  # what `finish` wrote, and the directories
+        return result
+
     staging = staging_dir(out.path)
     try:
         on_main(world, begin)
         everyone(world, writing(write), staging)
-        result = on_main(world, writing(finish), staging)
+        result = on_main(world, writing(finish_durably), staging)
         if check is not None:
             check(staging)  # collective, agrees by itself
-        on_main(world, publish, staging, out.path)
+        on_main(world, publish, staging, out.path, fsync)
         return world.all_gather_object(result)[0]
     except BaseException:
         if lock is not None:

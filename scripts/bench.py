@@ -10,6 +10,7 @@ usage (from the repository root):
   .venv/bin/python scripts/bench.py lora --gb 4 --runs 3
   .venv/bin/python scripts/bench.py s3 --size-gb 1 --nproc 2
   .venv/bin/python scripts/bench.py save-hf --gb 1 --runs 3
+  .venv/bin/python scripts/bench.py durable --shapes dense --sizes 1 --runs 1
 """
 
 from __future__ import annotations
@@ -18,9 +19,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from benchmarks import convert, lora, memory, plan, s3, save_hf
+from benchmarks import convert, durable, lora, memory, plan, s3, save_hf
 
-BENCHMARKS = {"convert": convert, "memory": memory, "plan": plan, "lora": lora, "s3": s3, "save-hf": save_hf}
+BENCHMARKS = {
+    "convert": convert,
+    "memory": memory,
+    "durable": durable,
+    "plan": plan,
+    "lora": lora,
+    "s3": s3,
+    "save-hf": save_hf,
+}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -42,7 +42,7 @@ def write_dcp(
     read_rows: ReadRows,
     raw_items: dict[str, bytes],
     on_bytes: Callable[[int], None] = lambda n: None,
-    fsync: bool = False,
+    fsync: bool = True,
 ) -> None:
     """Collective: `dcp.save` the `state_dict` of meta tensors / meta-backed DTensors into `directory`.
 
@@ -51,8 +51,9 @@ def write_dcp(
     tensor of its own; the result is used before the next call. Non-tensor items are torch.save'd by DCP,
     except those in `raw_items`, whose original torch.save bytes are written verbatim.
     CKPTCONV_WRITE_THREADS (default 2) files per rank are written at once.
-    `fsync` flushes each file to the device before `dcp.save` writes `.metadata` (torch's default; off by
-    default here, like dcp-to-hf and `cp`: the page cache keeps what a killed process wrote).
+    `fsync` (torch's default, and ckptconv's): each writer thread fsyncs each data file as soon as it is
+    written, before `dcp.save` gathers the results and writes `.metadata` (which torch fsyncs too); the
+    directory entries are `outdir`'s to fsync. `--no-fsync` turns it off for scratch work.
     """
     threads = env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
     single = not (dist.is_available() and dist.is_initialized())

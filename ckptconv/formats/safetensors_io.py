@@ -6,7 +6,8 @@ no process ever holds a whole output file, and several processes can write one f
 Call order: `SafetensorsWriter(path, entries, header=...)` opens the file (creating it, never truncating it:
 other ranks may be writing it too) and, with `header=True` (one writer per file), writes the header;
 `write(key, tensor, start)` per range of an entry's bytes (a quantized weight and its scale are written
-together, though safetensors lays the fp32 scales out before the fp8 weights); `close()`. Every byte of the
+together, though safetensors lays the fp32 scales out before the fp8 weights); `close()`, which fsyncs what
+this writer wrote (or `close(syncer)`: `durable.Syncer` does, or not, on its own thread). Every byte of the
 file is written by exactly one writer (`writes.plan_writes`), so the file is complete once all have closed.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from ..dtypes import st_name
+from ..durable import Syncer, sync_fd
 from ..errors import CkptconvError
 from ..remote.files import RemoteFiles
 from ..remote.urls import UrlPath
@@ -117,14 +119,23 @@ class SafetensorsWriter:
     def _error(self, e: OSError) -> CkptconvError:
         return CkptconvError(f"{self.path}: cannot write ({e.strerror}); check free space and permissions")
 
-    def close(self) -> None:
+    def close(self, syncer: Syncer | None = None) -> None:
+        """Done writing: the file is closed by `syncer` (fsynced there first, while the caller writes on, or
+        not, as it says), or without one fsynced and closed here. A URL's upload is completed or handed on
+        (`remote.out`)."""
         if self._stream is not None:
             self._stream.close()
             return
+        if syncer is not None:
+            syncer.close(self._fd, self.path)
+            return
         try:
-            os.close(self._fd)
-        except OSError as e:
-            raise self._error(e) from None
+            sync_fd(self._fd, self.path)
+        finally:
+            try:
+                os.close(self._fd)
+            except OSError as e:
+                raise self._error(e) from None
 
     def abort(self) -> None:
         if self._stream is not None:

@@ -2,8 +2,10 @@
 
 Rank 0 `start`s one upload per file and shares the ids; every rank writes its piece through a `PartStream`,
 which sends each part as soon as all of its bytes are written (in any order: a quantized weight's scale comes
-after the weight but lies before it) and keeps the ETags; rank 0 `complete`s each upload with every rank's
-ETags, or `abort`s it. A store without S3's multipart API (gcs, azure, ...) is written one rank a file.
+after the weight but lies before it) and keeps the ETags the store acknowledged it with; rank 0 checks that
+every part of a file was acknowledged (`check_parts`: S3 would otherwise complete an object without the parts
+left out), `complete`s each upload with every rank's ETags and reads its size back (`confirm`), or `abort`s
+it. A store without S3's multipart API (gcs, azure, ...) is written one rank a file.
 """
 
 from __future__ import annotations
@@ -42,6 +44,26 @@ def start(url: UrlPath, names: list[str], ids: dict[str, str]) -> dict[str, str]
         ids.clear()
         raise
     return dict(ids)
+
+
+def totals(pieces: list[Piece]) -> dict[str, tuple[int, int]]:
+    """{file: (its bytes, its number of parts)} from every rank's pieces."""
+    out: dict[str, tuple[int, int]] = {}
+    for p in pieces:
+        size, parts = out.get(p.file, (0, 0))
+        out[p.file] = (max(size, p.end), parts + len(p.part_sizes()))
+    return out
+
+
+def check_parts(url: UrlPath, tags: list[tuple[int, str]], parts: int) -> None:
+    """Rank 0, before completing `url`: parts 1 to `parts`, each acknowledged once."""
+    numbers = sorted(n for n, _ in tags)
+    if numbers != list(range(1, parts + 1)):
+        missing = sorted(set(range(1, parts + 1)) - set(numbers))
+        raise CkptconvError(
+            f"{url}: {len(numbers)} parts acknowledged of {parts} (missing {missing[:5]}); not completing "
+            "it (internal error)"
+        )
 
 
 def complete(url: UrlPath, upload_id: str, tags: list[tuple[int, str]]) -> None:
@@ -90,7 +112,7 @@ class PartStream:
             self.written += n
 
     def _send(self, number: int, buf: bytearray) -> None:
-        from .out import write_error
+        from .confirm import write_error
 
         try:
             reply = _call(

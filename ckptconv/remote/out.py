@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -36,7 +37,8 @@ from ..errors import CkptconvError
 from ..signals import deferred
 from ..world import World, everyone, from_main, on_main
 from . import multipart
-from .files import RemoteFiles, denied, forget
+from .confirm import confirm, write_error
+from .files import RemoteFiles, forget
 from .lock import NAME as LOCK_NAME
 from .lock import RemoteLock
 from .lock import peek as peek_lock
@@ -113,12 +115,6 @@ def granularity(out: str | Path, asked: Granularity, quantize: bool) -> Granular
     return "parts" if asked == "tensor" and not quantize and multipart.supported(url) else "file"
 
 
-def _entry(name: str) -> tuple[str, str, bool]:
-    """An object's name as a directory entry: one under a deeper prefix is that prefix, a subdirectory."""
-    head, sub, _ = name.partition("/")
-    return head, head + sub, not sub
-
-
 def listing(url: UrlPath) -> dict[str, int]:
     """{name: size} of the objects under `url`, listed afresh (no cached listing)."""
     forget(url)
@@ -174,6 +170,7 @@ class Stream:
             self.commit()
 
     def commit(self) -> None:
+        """Complete the upload: done once the store has it whole (`confirm`: its size read back)."""
         try:
             with deferred():
                 self._file.close()
@@ -181,6 +178,7 @@ class Stream:
         except Exception as e:
             raise write_error(self.url, e) from None
         _run.held = [s for s in _run.held if s is not self]
+        confirm(self.url, self.pos)
 
     def discard(self) -> None:
         try:
@@ -188,6 +186,8 @@ class Stream:
                 self._file.discard()  # aborts the multipart upload
         except Exception:
             _run.left.append(f"{self.url} (an unfinished multipart upload)")
+        with suppress(AttributeError):  # fsspec's file would otherwise commit what it holds when collected
+            self._file.closed = True
 
 
 class _Run:
@@ -204,6 +204,7 @@ class _Run:
         self.owned: dict[str, str] = {}  # rank 0: those uploads it has not completed yet
         self.out: UrlPath | None = None
         self.pieces: dict[str, Piece] = {}  # this rank's piece of each file
+        self.sizes: dict[str, tuple[int, int]] = {}  # rank 0: {file: (its bytes, its parts)}
         self.tags: multipart.Tags = {}  # this rank's parts sent
         self.last_tags: list[tuple[int, str]] | None = None  # rank 0: the completing file's, once gathered
 
@@ -227,16 +228,6 @@ def whole(url: UrlPath) -> Stream:
     if s.hold:
         _run.held.append(s)
     return s
-
-
-def write_error(url: object, e: BaseException) -> CkptconvError:
-    if isinstance(e, CkptconvError):
-        return e
-    if denied(e):
-        cause = "access denied; check the credentials and the bucket's permissions"
-    else:
-        cause = f"{type(e).__name__}: {e}".strip()
-    return CkptconvError(redact(f"{url}: cannot write ({cause})"))
 
 
 def publish(
@@ -306,6 +297,7 @@ def _start_parts(world: World, url: UrlPath, files: Sequence[OutFile], writes: S
     _run.out = url
     _run.uploads = from_main(world, lambda: multipart.start(url, [f.name for f in files], _run.owned))
     _run.pieces = {p.file: p for p in pieces if p.rank == world.rank}
+    _run.sizes = multipart.totals(pieces)
 
 
 def _complete_parts(url: UrlPath, gathered: list[multipart.Tags]) -> None:
@@ -322,6 +314,8 @@ def _complete_parts(url: UrlPath, gathered: list[multipart.Tags]) -> None:
 
 
 def _complete_upload(url: UrlPath, upload_id: str, tags: list[tuple[int, str]]) -> None:
+    size, parts = _run.sizes[url.name]
+    multipart.check_parts(url, tags, parts)  # never an object short of a part
     try:
         with deferred():
             multipart.complete(url, upload_id, tags)
@@ -329,6 +323,7 @@ def _complete_upload(url: UrlPath, upload_id: str, tags: list[tuple[int, str]]) 
             del _run.owned[url.name]
     except Exception as e:
         raise write_error(url, e) from None
+    confirm(url, size)
 
 
 def local_dir() -> Path:
@@ -353,6 +348,7 @@ def _upload_small(url: UrlPath, tmp: Path) -> None:
                     _run.completed.append(url / path.name)
             except Exception as e:
                 raise write_error(url / path.name, e) from None
+            confirm(url / path.name, path.stat().st_size)
 
 
 def _complete(url: UrlPath, tmp: Path) -> None:
@@ -369,6 +365,7 @@ def _complete(url: UrlPath, tmp: Path) -> None:
                 _run.completed.append(url / last.name)
         except Exception as e:
             raise write_error(url / last.name, e) from None
+        confirm(url / last.name, last.stat().st_size)
 
 
 def _remove_ours() -> list[str]:

@@ -3,6 +3,8 @@
   convert   dcp-to-hf and hf-to-dcp against `cp -r`, the start-up floors and plain PyTorch recipes
             (dense and MoE-shaped checkpoints made by a real FSDP2 job; time, GB/s, peak RSS per rank)
   memory    peak RSS per rank of `verify`, `dcp-to-hf --verify` and `--read gather` against their bounds
+  durable   what fsync costs: both directions with and without `--no-fsync`, against torch's default paths
+            (dcp.save fsyncs, save_torch_state_dict does not) and the same paths made durable
   plan      planning at scale without the data: a synthetic 0.85 TB, 512-rank checkpoint's `.metadata`
   lora      `dcp-to-hf --lora merge` against PEFT's merge_and_unload + save_pretrained
   s3        dcp-to-hf from and to object storage (a local moto server) against get, convert, put

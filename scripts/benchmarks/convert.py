@@ -47,7 +47,9 @@ The checkpoints are written once by a real FSDP2 job (2 ranks, gloo, CPU; worker
 work directory and reused by later invocations. The page cache is warm: the checkpoint was just written and
 is read over and over, so the numbers measure the converters, not the disk. Outputs are deleted and `sync` is
 called between runs, outside the timed region, so no run pays for an earlier run's write-back; nothing is
-fsynced inside a run beyond what each tool does itself.
+fsynced inside a run beyond what each tool does itself: ckptconv fsyncs its output (its default since issue
+#34), as `dcp.save` does (the hf-to-dcp baselines); `save_torch_state_dict`, `save_file` and `cp -r` do not.
+The `durable` benchmark measures each with and without.
 
 usage (from the repository root):
   .venv/bin/python scripts/bench.py convert                  # 1 and 4 GB, dense and moe, 3 runs: ~25 minutes

@@ -1,11 +1,14 @@
 """Baselines of the convert benchmark, DCP -> safetensors and back: the obvious one-process recipes.
 
-usage: python baseline.py {format_utils,dcp_load,dcp_load_fp8,hf_storage_writer,load_file_dcp_save} SRC OUT
+usage: python baseline.py MODE SRC OUT, MODE one of format_utils, dcp_load, dcp_load_fsync, dcp_load_fp8,
+       hf_storage_writer, load_file_dcp_save, load_file_dcp_save_nofsync
 
 format_utils: `dcp_to_torch_save(CKPT, OUT/tmp.pt)`, `torch.load(weights_only=True)`, take the "model" group,
               cast floating tensors to bf16, `safetensors.torch.save_file(OUT/model.safetensors)`.
 dcp_load:     preallocate the full tensors from `FileSystemReader(CKPT).read_metadata()`,
               `dcp.load(no_dist=True)` into them, cast to bf16, `huggingface_hub.save_torch_state_dict(OUT)`.
+dcp_load_fsync: as dcp_load (which fsyncs nothing, as save_torch_state_dict and save_file do), then every file
+              written, OUT and OUT's parent fsynced one after the other: the same path made durable.
 dcp_load_fp8: as dcp_load, then every 2-D `*.weight` but embeddings, norms, router gates and lm_head block-FP8
               quantized with torch ops, the whole tensor at once (DeepSeek-V3's math, as `--quantize fp8`:
               fp32 copy, 128x128 amax / 448, divide, clamp, cast; `weight_scale_inv` beside).
@@ -14,7 +17,9 @@ hf_storage_writer (under torchrun): every rank `dcp.load`s its `Shard(0)` rows o
               (save_distributed=True, enable_consolidation=True): per-rank shards, then torch's consolidation
               into OUT/*.safetensors.
 load_file_dcp_save (hf-to-dcp): `safetensors.torch.load_file` of every shard of the HF directory SRC into one
-              state dict, then `dcp.save(sd, checkpoint_id=OUT, no_dist=True)`.
+              state dict, then `dcp.save(sd, checkpoint_id=OUT, no_dist=True)`: torch's default writer, which
+              fsyncs each file it writes (`FileSystemWriter(sync_files=True)`).
+load_file_dcp_save_nofsync: the same with `FileSystemWriter(OUT, sync_files=False)`.
 
 MoE-shaped checkpoints (torchtitan's stacked experts, `..._EFD` / `..._EDF` [E, ...]): format_utils and
 dcp_load write one tensor per expert, as the HF layout has it (`w[e]` cast to bf16; the keys keep their stored
@@ -100,6 +105,21 @@ def dcp_load(ckpt: Path, out: Path) -> None:
     save_torch_state_dict(to_bf16(split_experts(load_model(ckpt))), out)
 
 
+def dcp_load_fsync(ckpt: Path, out: Path) -> None:
+    import os
+
+    dcp_load(ckpt, out)
+    for path in sorted(out.rglob("*")):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    for directory in (out, out.parent):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(fd)
+        os.close(fd)
+
+
 def quantize_fp8(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
@@ -168,14 +188,22 @@ def hf_storage_writer(ckpt: Path, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def load_file_dcp_save(hf_dir: Path, out: Path) -> None:
+def load_file_dcp_save(hf_dir: Path, out: Path, sync_files: bool = True) -> None:
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemWriter
 
     sd: dict[str, torch.Tensor] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         sd.update(load_file(shard))
     sd = stack_experts(sd)
-    dcp.save(sd, checkpoint_id=out, no_dist=True)
+    if sync_files:
+        dcp.save(sd, checkpoint_id=out, no_dist=True)  # torch's default writer: sync_files=True
+    else:
+        dcp.save(sd, storage_writer=FileSystemWriter(out, sync_files=False), no_dist=True)
+
+
+def load_file_dcp_save_nofsync(hf_dir: Path, out: Path) -> None:
+    load_file_dcp_save(hf_dir, out, sync_files=False)
 
 
 def main() -> None:
@@ -184,9 +212,11 @@ def main() -> None:
     modes = {
         "format_utils": format_utils,
         "dcp_load": dcp_load,
+        "dcp_load_fsync": dcp_load_fsync,
         "dcp_load_fp8": dcp_load_fp8,
         "hf_storage_writer": hf_storage_writer,
         "load_file_dcp_save": load_file_dcp_save,
+        "load_file_dcp_save_nofsync": load_file_dcp_save_nofsync,
     }
     modes[mode](ckpt, out)
 

@@ -33,7 +33,7 @@ ReleaseDtypeOpt = Annotated[  # dcp-to-hf: an adapter keeps its trained dtype un
 Fp32Opt = Annotated[
     list[str] | None,
     typer.Option(
-        "--fp32", help="Regex (re.search on the output key) of tensors kept fp32; repeatable; beats --dtype."
+        "--fp32", help="Regex (RE2) searched in the output key: tensors kept fp32; repeatable; beats --dtype."
     ),
 ]
 MaxShardOpt = Annotated[

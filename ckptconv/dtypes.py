@@ -6,7 +6,6 @@ tensors keep their dtype and bytes whatever the flags say.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +13,7 @@ import torch
 
 from .dtype_names import NAME_TO_ST
 from .errors import CkptconvError
+from .user_regex import UserRegex
 
 DTYPE_NAMES: dict[str, torch.dtype | None] = {
     "bf16": torch.bfloat16,
@@ -76,16 +76,13 @@ class DtypePolicy:
 
     target: torch.dtype | None = torch.bfloat16
     fp32: Sequence[str] = ()
-    _compiled: list[re.Pattern[str]] = field(init=False, repr=False)
+    _compiled: list[UserRegex] = field(init=False, repr=False)
     _matched: set[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._compiled = []
         for pattern in self.fp32:
-            try:
-                self._compiled.append(re.compile(pattern))
-            except re.error as e:
-                raise CkptconvError(f"--fp32 {pattern!r} is not a valid regular expression ({e})") from None
+            self._compiled.append(UserRegex(pattern, "--fp32"))
         self._matched = set()
 
     def resolve(self, hf_key: str, dtype: torch.dtype) -> torch.dtype:

@@ -3,7 +3,6 @@ the state dict's blocks); each rank reads only the rows of its own block from th
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -101,7 +100,7 @@ def load_hf(
                 raise CkptconvError(
                     f"load_hf: {key!r} is {list(src.shape)} in {path}, {list(spec.shape)} in the state dict"
                 )
-            if forced is not None or any(re.search(pattern, key) for pattern in fp32):
+            if forced is not None or policy.forces_fp32(key):
                 want = policy.resolve(key, src.dtype)
             else:
                 want = torch.promote_types(src.dtype, spec.dtype)

@@ -27,6 +27,7 @@ from .files import mode_of, read_regular
 from .hf import StoredTensor
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size, the default of torch's quantized reader
+MAX_FP8_BLOCK = 2**31  # past every real weight's dims (a larger block is the same one block): refused
 MXFP4_GROUP = 32  # values per E8M0 scale byte (16 bytes of two FP4 codes)
 SCALE_SUFFIX = "_scale_inv"
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
@@ -128,12 +129,14 @@ def _fp8_block(config: Mapping[str, Any], scale: StoredTensor) -> int:
     if (
         not isinstance(size, list)
         or len(size) != 2
-        or not all(type(s) is int and s > 0 for s in size)
+        or not all(type(s) is int and 0 < s <= MAX_FP8_BLOCK for s in size)
         or size[0] != size[1]
     ):
+        shown = json.dumps(size)
+        shown = shown if len(shown) <= 60 else shown[:50] + " ..."
         raise CkptconvError(
-            f"{scale.file}: {scale.key!r}: weight_block_size {size!r} in config.json is not supported "
-            "(square blocks [n, n] only)"
+            f"{scale.file}: {scale.key!r}: weight_block_size {shown} in config.json is not supported "
+            f"(square blocks [n, n] only, 1 <= n <= {MAX_FP8_BLOCK})"
         )
     return int(size[0])
 

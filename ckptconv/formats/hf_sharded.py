@@ -66,11 +66,12 @@ def _shards(path: Path) -> list[str]:
 def _check_ranks(path: Path, names: list[str]) -> None:
     """torch numbers the shard files by rank from 1: a gap means a rank's file is missing. (A missing last
     rank leaves no gap; its absence shows only where its blocks leave a hole inside a tensor.)"""
-    ranks = {int(m.group(1)) for m in map(_NAME.fullmatch, names) if m}
-    missing = sorted(set(range(1, max(ranks, default=0) + 1)) - ranks)
-    if missing:
+    ranks = sorted({int(m.group(1)) for m in map(_NAME.fullmatch, names) if m} - {0})
+    # the first rank from 1 with no file: found among the names, never by counting up to the largest number
+    missing = next((want for want, rank in enumerate(ranks, 1) if rank != want), None)
+    if missing is not None:
         raise CkptconvError(
-            f"{path}: no shard file of rank {missing[0]} (shard-{missing[0]:05d}-model-*.safetensors); "
+            f"{path}: no shard file of rank {missing} (shard-{missing:05d}-model-*.safetensors); "
             "the checkpoint is incomplete, re-copy it"
         )
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptconvError
+from ..user_regex import UserRegex
 from .keys import Factors
 
 CONFIG_FILE = "adapter_config.json"
@@ -41,18 +42,20 @@ class LoraSettings:
     source: str = "flags"  # where they came from, for messages
 
     def rank(self, module: str) -> int:
-        return int(_pattern(self.rank_pattern, module, self.r))
+        return int(_pattern(self.rank_pattern, module, self.r, f"{self.source}: rank_pattern key"))
 
     def scaling(self, module: str) -> float:
         """PEFT's `scaling[adapter]` of `module` (a Python float, as PEFT multiplies by it)."""
-        r, alpha = self.rank(module), _pattern(self.alpha_pattern, module, self.alpha)
+        where = f"{self.source}: alpha_pattern key"
+        r, alpha = self.rank(module), _pattern(self.alpha_pattern, module, self.alpha, where)
         return alpha / math.sqrt(r) if self.rslora else alpha / r
 
 
-def _pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's pattern lookup: the first key that matches the end of the module's dotted name."""
+def _pattern(patterns: dict[str, Any], module: str, default: Any, what: str) -> Any:
+    """PEFT's pattern lookup: the first key that matches the end of the module's dotted name (PEFT's
+    `re.match(rf"(.*\\.)?({key})$", module)`, here by RE2: linear in the name, whatever the key)."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if UserRegex(rf"(.*\.)?({key})$", what, shown=key).match(module):
             return value
     return default
 

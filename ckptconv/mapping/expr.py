@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import CkptconvError
 
 MAX_EXPR_CHARS = 200
+MAX_SIZE = 2**63 - 1  # no tensor dim is larger (torch's sizes are int64): a size beyond it is refused
 
 
 class MissingKey(CkptconvError):
@@ -41,7 +42,7 @@ def size(
     if isinstance(value, bool):
         raise CkptconvError(f"{where}: {value!r} is not a size")
     if isinstance(value, int):
-        return value
+        return _bounded(value, where, "an integer size")
     if not isinstance(value, str) or not value.strip() or len(value) > MAX_EXPR_CHARS:
         raise CkptconvError(f"{where}: {value!r} is not a size (an integer or an expression of config keys)")
     try:
@@ -82,25 +83,33 @@ class _Keys:
         return self.defaults.get(dotted) if value is None else value
 
 
+def _bounded(value: int, where: str, what: str) -> int:
+    """`value`, if no larger in magnitude than any tensor dim can be (every step of an expression is checked,
+    so no intermediate grows either); else a CkptconvError saying `what` it is (never the value's digits)."""
+    if -MAX_SIZE <= value <= MAX_SIZE:
+        return value
+    raise CkptconvError(f"{where}: {what} is larger than any tensor dim can be (2**63 - 1); fix the value")
+
+
 def _eval(node: ast.AST, config: _Keys, where: str, text: str) -> int:
     if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
+        return _bounded(node.value, where, f"size {text!r}")
     if isinstance(node, ast.Name | ast.Attribute):
         key = _dotted(node)
         value = config.get(key) if key else None
         if type(value) is not int:
             raise MissingKey(f"{where}: size {key!r} is not an integer in config.json; pass --config")
-        return value
+        return _bounded(value, where, f"config key {key!r}")
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_eval(node.operand, config, where, text)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub | ast.Mult | ast.Div):
         a, b = _eval(node.left, config, where, text), _eval(node.right, config, where, text)
         if isinstance(node.op, ast.Add):
-            return a + b
+            return _bounded(a + b, where, f"size {text!r}")
         if isinstance(node.op, ast.Sub):
-            return a - b
+            return _bounded(a - b, where, f"size {text!r}")
         if isinstance(node.op, ast.Mult):
-            return a * b
+            return _bounded(a * b, where, f"size {text!r}")
         if b == 0 or a % b:
             raise CkptconvError(f"{where}: size {text!r} divides {a} by {b}, which is not exact")
         return a // b

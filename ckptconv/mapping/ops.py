@@ -19,9 +19,12 @@ F' it is made of and where each lands in L; `rules.py` turns them into `Part`s i
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from ..errors import CkptconvError
+
+MAX_EMPTY_ELEMENTS = 2**16  # blocks an empty tensor may be cut into (stacked elements times groups)
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,10 @@ def pieces(fused: tuple[int, ...], g: Geometry, where: str) -> list[Piece]:
     _check_dims(fused, g, where)
     whole = Block((0,) * len(fused), fused, (1,) * len(fused))
     if g.narrow is not None:
-        if g.narrow > fused[g.dim]:
+        if not 0 <= g.narrow <= fused[g.dim]:
             raise CkptconvError(f"{where}: narrow keeps {g.narrow} of dim {g.dim}, which has {fused[g.dim]}")
         whole = whole.at(g.dim, 0, g.narrow)
+    _check_empty(whole, g, where)
     elements: list[tuple[tuple[int, ...] | None, Block]] = [(None, whole)]
     if g.stack_dims:
         elements = [(e, _element(whole, g.stack_dims, e)) for e in _elements(fused, g.stack_dims)]
@@ -98,6 +102,20 @@ def pieces(fused: tuple[int, ...], g: Geometry, where: str) -> list[Piece]:
 def _elements(fused: tuple[int, ...], dims: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Every element of the stacked dims, row-major: (0, 0), (0, 1), ..., (1, 0), ..."""
     return list(itertools.product(*(range(fused[d]) for d in dims)))
+
+
+def _check_empty(whole: Block, g: Geometry, where: str) -> None:
+    """Refuse cutting an empty tensor into more than `MAX_EMPTY_ELEMENTS` blocks (stacked elements times
+    groups): no data backs the sizes of an empty tensor's dims, and each block is a part, each element a
+    tensor, of its own. (A tensor with data has more elements than blocks, in bytes that exist.)"""
+    count = math.prod(whole.sizes[d] for d in g.stack_dims)
+    if g.split == "grouped" and g.groups > 0:
+        count *= g.groups
+    if count > MAX_EMPTY_ELEMENTS and not math.prod(whole.sizes):
+        raise CkptconvError(
+            f"{where}: a tensor of shape {list(whole.sizes)} holds no data, yet the rule cuts it into "
+            f"{count} blocks (at most {MAX_EMPTY_ELEMENTS} of an empty tensor); fix its shape or the rule"
+        )
 
 
 def _element(whole: Block, dims: tuple[int, ...], element: tuple[int, ...]) -> Block:
@@ -121,9 +139,9 @@ def _check_dims(fused: tuple[int, ...], g: Geometry, where: str) -> None:
 def _split(block: Block, g: Geometry, where: str) -> list[list[tuple[Block, tuple[int, ...]]]]:
     """For each L: its blocks of F' and their offsets in L (before the stacked dim is dropped)."""
     origin = (0,) * len(block.sizes)
-    total = block.sizes[g.dim]
     if g.split is None:
         return [[(block, origin)]]
+    total = block.sizes[g.dim]
     if g.split == "interleave":
         if total % g.count:
             raise CkptconvError(f"{where}: dim {g.dim} of {total} does not interleave {g.count} ways")
@@ -132,7 +150,7 @@ def _split(block: Block, g: Geometry, where: str) -> list[list[tuple[Block, tupl
         sizes = _sizes(g.sizes, total, g.count, where, f"dim {g.dim} of {total}")
         starts = [sum(sizes[:i]) for i in range(g.count)]
         return [[(block.at(g.dim, s, n), origin)] for s, n in zip(starts, sizes, strict=True)]
-    if total % g.groups:
+    if g.groups <= 0 or total % g.groups:
         raise CkptconvError(f"{where}: dim {g.dim} of {total} does not split into {g.groups} groups")
     per = total // g.groups
     sizes = _sizes(g.sizes, per, g.count, where, f"a group of {per} (dim {g.dim} of {total} / {g.groups})")

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import CkptconvError
 from . import expr
 
-_SLOT = re.compile(r"\{\s*([a-z_][a-z0-9_]*)\s*(?:([+-])\s*([^{}\s][^{}]*?)\s*)?\}")
+_SLOT = re.compile(r"\{\s*([a-z_][a-z0-9_]*)\s*(?:([+-])\s*([^{}\s](?:[^{}]*[^{}\s])?)\s*)?\}")  # linear
 _NUMBER = "(0|[1-9][0-9]*)"
 
 

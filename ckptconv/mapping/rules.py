@@ -28,7 +28,7 @@ from .ops import Geometry, fused_shape, pieces, squeeze, transposed
 from .parts import Part
 from .patterns import Pattern, Scope
 from .sizes import padded_size, reshaped, unreshaped
-from .types import Direction, KeyMapping, Mapped, Rule, Target, inverse, rope_perm, whole
+from .types import Direction, KeyMapping, Mapped, Rule, Target, inverse, rope_perm, rope_rows, whole
 
 
 class _Ctx:
@@ -201,7 +201,7 @@ def _from_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
         shape = ctx.shapes[key]
         axes = _axes(rule.transpose, len(shape))
         for piece in pieces(transposed(shape, rule.transpose), g, f"{ctx.where}: {key!r}"):
-            perm = rope_perm(piece.shape[0], ctx.heads(rule)) if rule.permute else None
+            perm = rope_rows(piece.shape, ctx.heads(rule), f"{ctx.where}: {key!r}") if rule.permute else None
             parts = []
             for block, offsets in piece.blocks:
                 src = _in_fused(block.offsets, block.sizes, block.steps, rule.transpose)
@@ -238,7 +238,8 @@ def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
                     f"{ctx.where}: cannot combine {keys[0][0]!r} {list(shapes[0])} and {key!r} "
                     f"{list(ctx.shapes[key])} into one tensor"
                 )
-            perm = inverse(rope_perm(piece.shape[0], ctx.heads(rule))) if rule.permute else None
+            at = f"{ctx.where}: {key!r}"
+            perm = rope_rows(piece.shape, ctx.heads(rule), at, back=True) if rule.permute else None
             for block, offsets in piece.blocks:
                 dst = _in_fused(block.offsets, block.sizes, block.steps, rule.transpose)
                 sizes = squeeze(block.sizes, g.stack_dims)

@@ -7,14 +7,19 @@ import math
 from collections.abc import Sequence
 
 from ..errors import CkptconvError
+from .expr import MAX_SIZE
 from .ops import squeeze, unsqueeze
 from .patterns import Scope
 from .types import Rule
+
+MAX_PAD_ELEMENTS = 2**24  # zeros a padding may add when that is more than the tensor's own elements
 
 
 def padded_size(scope: Scope, rule: Rule, shape: tuple[int, ...]) -> int:
     """The runtime size along `dim` of a narrowed tensor read back: `padded`, or rounded up to `multiple`
     (Megatron: `"make_vocab_size_divisible_by * tensor_model_parallel_size"`)."""
+    if not 0 <= rule.dim < len(shape):
+        raise CkptconvError(f"{scope.where} rule {rule.number}: dim {rule.dim} is not a dim of {list(shape)}")
     kept = shape[rule.dim]
     if rule.padded is not None:
         size = scope.size(rule.padded)
@@ -29,6 +34,15 @@ def padded_size(scope: Scope, rule: Rule, shape: tuple[int, ...]) -> int:
         )
     if size < kept:
         raise CkptconvError(f"{scope.where} rule {rule.number}: padded size {size} is less than {kept}")
+    if size > MAX_SIZE:
+        raise CkptconvError(f"{scope.where} rule {rule.number}: padded size {size} is over 2**63 - 1")
+    zeros = (size - kept) * math.prod(shape[: rule.dim] + shape[rule.dim + 1 :])
+    if zeros > max(math.prod(shape), MAX_PAD_ELEMENTS):
+        raise CkptconvError(
+            f"{scope.where} rule {rule.number}: padding {list(shape)} to {size} along dim {rule.dim} adds "
+            f"{zeros} zeros, more than the tensor's own {math.prod(shape)} elements (or {MAX_PAD_ELEMENTS}); "
+            "check `padded` / `multiple` and config.json"
+        )
     return size
 
 

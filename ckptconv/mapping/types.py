@@ -116,7 +116,23 @@ def rope_perm(rows: int, heads: int) -> tuple[int, ...]:
     if heads <= 0 or rows % (2 * heads):
         raise CkptconvError(f"rope permutation: {rows} rows do not split into {heads} heads of even size")
     half = rows // heads // 2
+    if not half:  # no rows: nothing to count through, however many heads
+        return ()
     return tuple(h * 2 * half + 2 * i + j for h in range(heads) for j in range(2) for i in range(half))
+
+
+def rope_rows(shape: tuple[int, ...], heads: int, where: str, back: bool = False) -> tuple[int, ...] | None:
+    """The rows of a tensor of `shape` under a `permute` rule: `rope_perm` (`inverse` of it, `back`), checked
+    against the heads; None for a tensor with no elements, whose rows hold nothing to move (and whose number
+    of rows no data backs: a permutation as long as it is never made)."""
+    if not shape:
+        raise CkptconvError(f"{where}: a rope permutation moves rows, and a 0-d tensor has none")
+    if heads <= 0 or shape[0] % (2 * heads):
+        raise CkptconvError(f"{where}: {shape[0]} rows do not split into {heads} heads of even size")
+    if not math.prod(shape):
+        return None
+    perm = rope_perm(shape[0], heads)
+    return inverse(perm) if back else perm
 
 
 def inverse(perm: Sequence[int]) -> tuple[int, ...]:

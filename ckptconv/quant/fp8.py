@@ -63,7 +63,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: 
     """Rows of a weight (fp8 [r, C], starting at a multiple of `block`) and their scale rows
     [ceil(r/block), ceil(C/block)] (any float dtype) -> [r, C] in `dtype`."""
     rows, cols = q.shape
-    s = scale.to(torch.float32).repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    # a block larger than the rows (columns) has one scale row (column) for them: repeated only as often as
+    # there are rows (columns), so the temporaries are the weight's size whatever the block
+    s = scale.to(torch.float32).repeat_interleave(min(block, rows), 0)[:rows]
+    s = s.repeat_interleave(min(block, cols), 1)[:, :cols]
     return (q.to(torch.float32) * s).to(dtype)
 
 

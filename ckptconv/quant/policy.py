@@ -17,7 +17,6 @@ list, it adds no defaults of its own), so every 2-D weight left unquantized name
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ import torch
 
 from ..dtypes import CASTABLE
 from ..errors import CkptconvError
+from ..user_regex import UserRegex
 from . import fp8
 
 SCHEMES = ("fp8",)
@@ -45,20 +45,13 @@ class QuantPolicy:
 
     scheme: str = "fp8"
     skip: Sequence[str] = ()
-    _compiled: list[re.Pattern[str]] = field(init=False, repr=False)
+    _compiled: list[UserRegex] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise CkptconvError(f"--quantize {self.scheme!r} is not one of {', '.join(SCHEMES)}")
-        self._compiled = []
-        for pattern in self.skip:
-            try:
-                self._compiled.append(re.compile(pattern))
-            except re.error as e:
-                raise CkptconvError(
-                    f"--quantize-skip {pattern!r} is not a valid regular expression ({e})"
-                ) from None
-        self._compiled += [re.compile(p) for p in DEFAULT_SKIP]
+        self._compiled = [UserRegex(pattern, "--quantize-skip") for pattern in self.skip]
+        self._compiled += [UserRegex(p, "quantize's default skip") for p in DEFAULT_SKIP]
 
     def selects(self, key: str, shape: tuple[int, ...], source: torch.dtype, fp32: bool) -> bool:
         """Whether the output tensor `key` ([R, C], stored as `source`; `fp32`: an --fp32 pattern matches it)

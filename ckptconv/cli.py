@@ -343,6 +343,7 @@ def inspect_cmd(
     from rich.console import Console
 
     from .formats.files import is_directory
+    from .formats.hf import checkpoint_root
     from .formats.hf_hub import download, looks_like_repo_id
     from .mapping import load_config, load_mapping
     from .remote.urls import location
@@ -357,7 +358,8 @@ def inspect_cmd(
     console = Console(highlight=False, soft_wrap=True)
     if mapping:
         key_mapping = load_mapping(mapping)
-        model_config = load_config(config or (local / "config.json" if is_directory(local) else None))
+        beside = (local / "config.json", checkpoint_root(local)) if is_directory(local) else (None, None)
+        model_config = load_config(config) if config else load_config(*beside)
         targets = mapped_targets(info, key_mapping, model_config, allow_unmapped).targets
         info["mapped"] = mapped_view(targets)
         if explain:

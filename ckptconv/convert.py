@@ -16,7 +16,7 @@ from . import gcpause, hub_push, outcheck, outdir, sources
 from . import verify as verify_mod
 from .compose import dequantized_note
 from .copies import check_copies
-from .copy_from import copy_non_weights
+from .copy_from import check_copy, copy_non_weights
 from .dcp_save import save_dcp
 from .dtypes import DtypePolicy, parse_dtype_flag
 from .early_open import Early
@@ -26,8 +26,8 @@ from .formats.dcp import METADATA_FILE, DcpCheckpoint
 from .formats.dcp_reader import RowPiece
 from .formats.dcp_share import open_dcp_shared
 from .formats.files import exists, is_directory, read_regular
-from .formats.hf import INDEX_FILE, HfCheckpoint, open_hf, write_index
-from .formats.hf_sharded import HF_METADATA_DIR
+from .formats.hf import INDEX_FILE, HfCheckpoint, checkpoint_root, open_hf, write_index
+from .formats.hf_sharded import metadata_dir
 from .hf_write import ReadPath, follow_config, write_adapter_config, write_shards
 from .hub_push import PushRequest
 from .lora.select import AS_STORED, LoraRequest
@@ -139,17 +139,23 @@ def dcp_to_hf(
 
     def prepare(
         ckpt: DcpCheckpoint, policy: DtypePolicy, quant: QuantPolicy | None, shard_bytes: int
-    ) -> tuple[HfSavePlan, dict[str, Any], Path | None]:
+    ) -> tuple[HfSavePlan, dict[str, Any], tuple[Path, Path] | None]:
         located = ckpt.path
-        meta = located / HF_METADATA_DIR  # NeMo Automodel's config.json etc. beside the shards
-        described = copy_from or (meta if ckpt.file_split is not None and is_directory(meta) else None)
+        # the model's files: --copy-from's, else NeMo Automodel's .hf_metadata beside the shards (each with
+        # the root its files must resolve inside)
+        meta = None if copy_from or ckpt.file_split is None else metadata_dir(located)
+        described = (
+            (copy_from, checkpoint_root(copy_from)) if copy_from else ((meta, located) if meta else None)
+        )
+        if described is not None and world.is_main:
+            check_copy(*described)  # what the copy would refuse, refused before the weights are written
         if keep_file_split and ckpt.file_split is None:
             raise CkptconvError(
                 f"--keep-file-split: {located} records no file split (only the shards of torch's distributed "
                 "HF writer do); leave the flag out to split by --max-shard-size"
             )
         key_mapping = load_mapping(mapping, hf_experts) if mapping else None
-        model_config = load_config(config or _first_file(described, located))
+        model_config = load_config(*_config_file(config, described, (located, located)))
         plan = plan_dcp_to_hf(
             ckpt,
             policy,
@@ -173,7 +179,7 @@ def dcp_to_hf(
         ckpt = everyone(world, open_dcp_shared, world, located, early)  # rank 0 reads .metadata, for all
         plan, model_config, described = everyone(world, prepare, ckpt, policy, quant, shard_bytes)
     if described is not None and copy_from is None:
-        ui.info(f"copying the model's files from {described} (--copy-from DIR takes them from elsewhere)")
+        ui.info(f"copying the model's files from {described[0]} (--copy-from DIR takes them from elsewhere)")
     if ckpt.path != src:
         ui.info(f"{src}: holds one checkpoint, {ckpt.path}; converting it")
     for note in plan.notes:
@@ -253,7 +259,7 @@ def _check(
 
 
 def _finish(
-    plan: HfSavePlan, ckpt: DcpCheckpoint, staging: Path, copy_from: Path | None, ui: Ui
+    plan: HfSavePlan, ckpt: DcpCheckpoint, staging: Path, copy_from: tuple[Path, Path] | None, ui: Ui
 ) -> list[str]:
     """Rank 0, after every shard is written: index, stash, copied files."""
     if plan.sharded:
@@ -262,7 +268,7 @@ def _finish(
     if plan.stashed:
         write_stash(staging, collect_stash(plan, ckpt, ui.warn))
     write_adapter_config(staging, plan)
-    return copy_non_weights(copy_from, staging) if copy_from is not None else []
+    return copy_non_weights(copy_from[0], staging, copy_from[1]) if copy_from is not None else []
 
 
 def hf_to_dcp(
@@ -295,7 +301,7 @@ def hf_to_dcp(
     path = sources.for_all(world, lambda: sources.hf_source(src, revision))  # rank 0 downloads or lists
     adapter = sources.adapter_source(world, lora_adapter)  # an input too: OUT must keep clear of it
 
-    config_file = config or (_first_file(path) if is_directory(path) else None)
+    config_file = _config_file(config, (path, checkpoint_root(path)) if is_directory(path) else None)
 
     def check_inputs() -> tuple[DtypePolicy, outcheck.Target | None]:
         if lora_adapter is not None and mapping:
@@ -308,7 +314,7 @@ def hf_to_dcp(
     def prepare(hf: HfCheckpoint, policy: DtypePolicy) -> tuple[DcpSavePlan, dict[str, Any]]:
         stash = read_stash(path) if is_directory(path) else []
         key_mapping = load_mapping(mapping) if mapping else None
-        model_config = load_config(config_file)
+        model_config = load_config(*config_file)
         plan = plan_hf_to_dcp(
             hf,
             policy,
@@ -358,7 +364,7 @@ def hf_to_dcp(
         mine[0] = save_dcp(plan, staging, world, ui, fsync)
 
     def finish(staging: Path) -> None:
-        _finish_dcp(staging, plan, config_file if mapping else None)
+        _finish_dcp(staging, plan, config_file if mapping else (None, None))
 
     with gcpause.paused():
         check = (lambda staging: _check(world, ui, source, lambda a: output(staging, a))) if verify else None
@@ -372,25 +378,34 @@ def hf_to_dcp(
     return result
 
 
-def _first_file(*directories: Path | None) -> Path | None:
-    """The config.json of the first of `directories` that has one (--copy-from's, then the DCP's own)."""
-    found = (d / CONFIG_FILE for d in directories if d is not None)
-    return next((p for p in found if exists(p)), None)
+ConfigFile = tuple[Path | None, Path | None]  # config.json, the root it must resolve inside (None: a flag's)
 
 
-def _finish_dcp(staging: Path, plan: DcpSavePlan, config_file: Path | None) -> None:
+def _config_file(config: Path | None, *places: tuple[Path, Path] | None) -> ConfigFile:
+    """`--config`, else the config.json of the first of `places` (a directory, and the root its files must
+    resolve inside) that has one: --copy-from's (or .hf_metadata), then the checkpoint's own."""
+    if config is not None:
+        return config, None
+    for place in places:
+        if place is not None and exists(place[0] / CONFIG_FILE):
+            return place[0] / CONFIG_FILE, place[1]
+    return None, None
+
+
+def _finish_dcp(staging: Path, plan: DcpSavePlan, config_file: ConfigFile) -> None:
     """Rank 0, hf-to-dcp: the config a mapping read, and Megatron's side files for a megatron mapping."""
     _keep_config(staging, config_file)
     if any(megatron_out.is_extra_state(item.key) for item in plan.stash):  # with_extra_state added them
         megatron_out.write_side_files(staging, megatron_out.iteration_of(plan.stash))
 
 
-def _keep_config(staging: Path, config_file: Path | None) -> None:
+def _keep_config(staging: Path, config_file: ConfigFile) -> None:
     """Rank 0, hf-to-dcp with a mapping: the config.json the mapping read, kept beside `.metadata` (where
     dcp.load ignores it), so dcp-to-hf, verify and inspect of this checkpoint map it back without --config."""
-    if config_file is None or not exists(config_file):
+    path, root = config_file
+    if path is None or not exists(path):
         return
-    raw = dequantized_config(read_regular(config_file, limit=MAX_CONFIG_BYTES))
+    raw = dequantized_config(read_regular(path, root, limit=MAX_CONFIG_BYTES))
     with outdir.naming(staging / CONFIG_FILE):
         (staging / CONFIG_FILE).write_bytes(raw)
 

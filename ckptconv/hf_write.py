@@ -17,7 +17,7 @@ from .config_edit import edit_config, release_dtype
 from .durable import Syncer
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece
-from .formats.files import read_regular
+from .formats.files import CONFIG_BYTES, read_regular
 from .formats.safetensors_io import Entry, SafetensorsWriter
 from .gather import gather_tensors
 from .lora.settings import CONFIG_FILE as LORA_CONFIG_FILE
@@ -127,7 +127,7 @@ def follow_config(path: Path, plan: HfSavePlan, target: torch.dtype | None) -> l
         name = release_dtype(
             (str(t.dtype).removeprefix("torch."), t.nbytes) for f in plan.files for t in f.tensors
         )
-    raw, edits = edit_config(read_regular(path), name, plan.quantization)
+    raw, edits = edit_config(read_regular(path, limit=CONFIG_BYTES), name, plan.quantization)
     if edits:
         with outdir.naming(path):
             path.write_bytes(raw)

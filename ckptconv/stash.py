@@ -81,13 +81,13 @@ def write_stash(directory: Path, items: list[StashedItem]) -> None:
 
 def read_stash(directory: Path) -> list[StashedItem]:
     """The items stashed in `directory`, [] when there is no stash file."""
-    from .formats.files import exists, read_regular
+    from .formats.files import STASH_BYTES, exists, read_regular
     from .formats.hf import checkpoint_root
 
     path = directory / STASH_FILE
     if not exists(path) and not path.is_symlink():
         return []
-    raw = read_regular(path, checkpoint_root(directory))  # a FIFO or a link out of the checkpoint: refused
+    raw = read_regular(path, checkpoint_root(directory), STASH_BYTES)  # a FIFO, a link out: refused
     try:
         doc = json.loads(raw)
         if doc.get("format") != STASH_FORMAT or doc.get("version") != STASH_VERSION:

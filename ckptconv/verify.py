@@ -27,8 +27,8 @@ from .dtypes import DtypePolicy
 from .errors import CkptconvError, VerifyMismatch
 from .formats.dcp import is_dcp_dir, open_dcp
 from .formats.dcp_reader import DcpReader
-from .formats.files import exists, is_regular
-from .formats.hf import HfCheckpoint, open_hf
+from .formats.files import exists
+from .formats.hf import HfCheckpoint, checkpoint_root, open_hf
 from .formats.safetensors_io import RowReader
 from .keyorder import natural_key
 from .lora.select import LoraRequest
@@ -295,15 +295,16 @@ def verify(
     path_a, path_b = for_all(world, lambda: (where(a), where(b)))
 
     def prepare() -> tuple[Side, Side]:
-        found = config or next(
-            (p / "config.json" for p in (path_a, path_b) if is_regular(p / "config.json")), None
+        beside = (
+            (p / "config.json", checkpoint_root(p)) for p in (path_a, path_b) if exists(p / "config.json")
         )
+        found = (config, None) if config else next(beside, (None, None))
         return open_sides(
             path_a,
             path_b,
             prefix=prefix,
             mapping=mapping,
-            config=load_config(found),
+            config=load_config(*found),
             allow_unmapped=allow_unmapped,
             lora=lora,
         )

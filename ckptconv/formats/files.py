@@ -10,6 +10,11 @@ Every file ckptconv reads from a checkpoint goes through `open_regular` (or `rea
 - any OSError (EACCES, EIO, ELOOP, ...) becomes a `CkptconvError` naming the file and the cause.
 
 `pread_exact` reads at an offset and turns a short read (a file that shrank) into an error as well.
+
+Files beside a checkpoint (config.json, adapter_config.json, `.hf_metadata/`, the stash, what `--copy-from`
+copies) and files named by a flag (`--config`, `--mapping`, `--lora-config`) are opened the same way, by
+`open_bounded` / `read_regular` with one of the limits below: the size of the open file is checked before a
+byte of it is read, so a huge (or sparse) file is refused by name instead of filling memory or OUT.
 """
 
 from __future__ import annotations
@@ -26,6 +31,14 @@ from ..errors import CkptconvError
 from ..remote.urls import UrlPath
 
 Stamp = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) of a file when it was first read
+
+# The most a file beside a checkpoint (or named by a flag) may hold, checked before it is read or copied:
+CONFIG_BYTES = 16 * 2**20  # read whole: config.json, adapter_config.json, --config, --lora-config, --mapping
+KEY_MAP_BYTES = 64 * 2**20  # read whole: .hf_metadata/fqn_to_file_index_mapping.json (a file number per key)
+STASH_BYTES = 2**30  # read whole: ckptconv_state.json (non-tensor items, torch.save bytes in base64)
+COPIED_FILE_BYTES = 2**30  # streamed: each file --copy-from or .hf_metadata copies (tokenizer.json, ...)
+COPIED_TOTAL_BYTES = 4 * 2**30  # streamed: all the files of one --copy-from or .hf_metadata together
+COPIED_DEPTH = 32  # directories nested inside a --copy-from or .hf_metadata directory
 
 _KINDS = {
     stat.S_IFDIR: "a directory",
@@ -208,6 +221,31 @@ def pread_exact(fd: int, path: object, offset: int, view: memoryview, shrank: bo
         done += n
 
 
+def too_large(path: object, size: int, limit: int) -> CkptconvError:
+    """The error for a file of `size` bytes where one of its kind holds at most `limit`."""
+    return CkptconvError(
+        f"{path}: {size} bytes, more than the {limit} a file of its kind may have; refusing to read it "
+        "(is it the right file? a sparse or runaway file can be this large)"
+    )
+
+
+def open_bounded(path: Path, root: Path | None, limit: int | None) -> tuple[int, int]:
+    """A descriptor of the regular file `path` (inside `root` if given: symlinks followed only within it) and
+    its size, which must be at most `limit`: checked on the open descriptor, before any byte is read."""
+    fd = open_regular(path, root)
+    try:
+        size = os.fstat(fd).st_size
+        if limit is not None and size > limit:
+            raise too_large(path, size, limit)
+    except OSError as e:
+        os.close(fd)
+        raise read_error(path, e) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
 def read_regular(path: Path, root: Path | None = None, limit: int | None = None) -> bytes:
     """The whole content of the regular file `path` (inside `root` if given), at most `limit` bytes."""
     if isinstance(path, UrlPath):
@@ -216,11 +254,8 @@ def read_regular(path: Path, root: Path | None = None, limit: int | None = None)
         if root is not None:
             inside(path, root)
         return tree.read_small(path, limit)
-    fd = open_regular(path, root)
+    fd, size = open_bounded(path, root, limit)
     try:
-        size = os.fstat(fd).st_size
-        if limit is not None and size > limit:
-            raise CkptconvError(f"{path}: {size} bytes, more than the {limit} a file of its kind may have")
         buf = bytearray(size)
         pread_exact(fd, path, 0, memoryview(buf))
         return bytes(buf)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..dtype_names import ITEMSIZE
 from ..errors import CkptconvError
-from .files import mode_of, read_regular
+from .files import CONFIG_BYTES, mode_of, read_regular
 from .hf import StoredTensor
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size, the default of torch's quantized reader
@@ -35,7 +35,7 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 SCALE_DTYPES = ("float32", "bfloat16", "float16", "float8_e8m0fnu")
 NOMINAL_DTYPES = ("bfloat16", "float16", "float32")
 CONFIG_FILE = "config.json"
-MAX_CONFIG_BYTES = 64 * 2**20
+MAX_CONFIG_BYTES = CONFIG_BYTES  # files.py holds the limits of every file read beside a checkpoint
 
 
 @dataclass(frozen=True)

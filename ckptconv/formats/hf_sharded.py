@@ -24,7 +24,7 @@ from ..errors import CkptconvError
 from ..layout import tiling_problem
 from ..specs import ChunkSpec, TensorSpec
 from .dcp import DcpCheckpoint
-from .files import listdir, mode_of, read_regular
+from .files import KEY_MAP_BYTES, inside, is_directory, listdir, mode_of, read_regular
 from .hf import SHARDING_KEY, read_header
 
 MAX_SHARDING_CHARS = 64 * 2**20
@@ -144,12 +144,13 @@ def open_sharded(path: Path) -> DcpCheckpoint:
 
 
 def _split_file(path: Path) -> dict[str, int] | None:
-    """`.hf_metadata/fqn_to_file_index_mapping.json` ({key: 1-based file index}), None when absent."""
+    """`.hf_metadata/fqn_to_file_index_mapping.json` ({key: 1-based file index}), None when absent; like every
+    file of `.hf_metadata/`, it must resolve inside the checkpoint `path`."""
     file = path / HF_METADATA_DIR / SPLIT_FILE
     if mode_of(file) is None:
         return None
     try:
-        doc = json.loads(read_regular(file, path, limit=MAX_SHARDING_CHARS))
+        doc = json.loads(read_regular(file, path, limit=KEY_MAP_BYTES))
         if not isinstance(doc, dict) or not all(
             isinstance(k, str) and type(v) is int and v >= 1 for k, v in doc.items()
         ):
@@ -157,3 +158,14 @@ def _split_file(path: Path) -> dict[str, int] | None:
     except (ValueError, RecursionError) as e:
         raise CkptconvError(f"{file}: unreadable ({str(e)[:120]}); fix or remove it") from None
     return dict(doc)
+
+
+def metadata_dir(path: Path) -> Path | None:
+    """NeMo Automodel's `.hf_metadata/` in the checkpoint `path` (config.json, generation_config.json, ...
+    that dcp-to-hf copies), None without one. One resolving out of the checkpoint (a symlink to another
+    directory) is refused: its files are read and copied only from inside `path`."""
+    meta = path / HF_METADATA_DIR
+    if not is_directory(meta):
+        return None
+    inside(meta, path)
+    return meta

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptconvError
+from ..formats.files import exists
+from ..formats.hf import checkpoint_root
 from .keys import find_lora
 from .settings import CONFIG_FILE, read_config
 
@@ -21,9 +23,10 @@ def describe(keys: list[str], shapes: dict[str, tuple[int, ...]], src: Path | No
     if found is None:
         return []
     config: dict[str, Any] | None = None
-    if src is not None and (src / CONFIG_FILE).is_file():
-        try:
-            config = read_config(src / CONFIG_FILE)
+    if src is not None:
+        try:  # a file that is not the checkpoint's own (a FIFO, a link out of it) is not read
+            if exists(src / CONFIG_FILE):
+                config = read_config(src / CONFIG_FILE, checkpoint_root(src))
         except CkptconvError:
             config = None
     out = []

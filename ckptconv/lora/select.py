@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import CkptconvError
+from ..formats.files import exists
 from .keys import EMBEDDING_NAMES, Factors, find_lora, peft_key
 from .params import resolve, swapped
 from .settings import CONFIG_FILE, LoraSettings, adapter_config, read_config, settings
@@ -135,9 +136,9 @@ def _trainer_config(
 ) -> tuple[dict[str, Any] | None, str]:
     """The trainer's adapter_config.json (`--lora-config`, else one beside the checkpoint), and where from."""
     path = request.config
-    if path is None and read_trainer_config and (src / CONFIG_FILE).is_file():
+    if path is None and read_trainer_config and exists(src / CONFIG_FILE):
         path = src / CONFIG_FILE
-    config = read_config(path) if path is not None else None
+    config = read_config(path, None if request.config else src) if path is not None else None
     if config is not None and request.alpha is not None:
         raise CkptconvError(f"--lora-alpha: the alpha comes from {path}; give one of the two")
     return config, f"--lora-config {path}" if request.config is not None else str(path)

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptconvError
+from ..formats.files import CONFIG_BYTES, read_regular
 from ..user_regex import UserRegex
 from .keys import Factors
 
 CONFIG_FILE = "adapter_config.json"
-MAX_CONFIG_BYTES = 10 * 2**20
+MAX_CONFIG_BYTES = CONFIG_BYTES  # formats/files.py holds the limits of every file read beside a checkpoint
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,10 @@ def _pattern(patterns: dict[str, Any], module: str, default: Any, what: str) -> 
     return default
 
 
-def read_config(path: Path) -> dict[str, Any]:
-    """A PEFT LoRA `adapter_config.json`; anything else is a CkptconvError naming the file."""
-    try:
-        raw = path.read_bytes()[: MAX_CONFIG_BYTES + 1]
-    except OSError as e:
-        raise CkptconvError(f"--lora-config {path}: cannot read it ({e.strerror or e})") from None
+def read_config(path: Path, root: Path | None = None) -> dict[str, Any]:
+    """A PEFT LoRA `adapter_config.json` (one beside a checkpoint must resolve inside its `root`); anything
+    else is a CkptconvError naming the file."""
+    raw = read_regular(path, root, MAX_CONFIG_BYTES)  # a regular file (never a FIFO), size checked first
     try:
         config = json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
     except ValueError as e:

@@ -23,20 +23,22 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptconvError
+from ..formats.files import CONFIG_BYTES
 from .parse import VARIANTS, parse
 from .types import KeyMapping
 
-MAX_CONFIG_BYTES = 64 * 2**20
+MAX_CONFIG_BYTES = CONFIG_BYTES  # formats/files.py holds the limits of every file read beside a checkpoint
 CONFIG_FILE = "config.json"  # beside an HF model's weights, and beside `.metadata` of a DCP hf-to-dcp mapped
 
 
-def load_config(path: Path | None) -> dict[str, Any]:
-    """config.json as a dict ({} when there is none); mapping rules read sizes and flags from it."""
+def load_config(path: Path | None, root: Path | None = None) -> dict[str, Any]:
+    """config.json as a dict ({} when there is none); mapping rules read sizes and flags from it. One beside a
+    checkpoint must resolve inside its `root` (`--config` names any file: no root)."""
     from ..formats.files import exists, read_regular
 
     if path is None or not exists(path):
         return {}
-    raw = read_regular(path, limit=MAX_CONFIG_BYTES)  # a regular file only: a FIFO would block the read
+    raw = read_regular(path, root, limit=MAX_CONFIG_BYTES)  # a regular file only: a FIFO would block the read
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:

@@ -123,8 +123,13 @@ def select_tensors(ckpt: DcpCheckpoint, prefix: str | None, keep_trainer_state: 
             notes.append(f"not converting the {', '.join(repr(g) for g in dropped)} state")
     keys = tuple((fqn[len(strip) :], fqn) for fqn in chosen)
     for hf_key, fqn in keys:
-        if not hf_key:
+        if not hf_key and prefix is not None:
             raise CkptconvError(f"--prefix {prefix!r} leaves the key {fqn!r} empty; use a shorter prefix")
+        if not hf_key:  # an HF file cannot name a tensor with nothing (nor could a model load it)
+            raise CkptconvError(
+                f"{ckpt.path}: holds a tensor with an empty name ({fqn!r}); ckptconv converts named tensors "
+                "only: re-save the checkpoint with a name for it"
+            )
     left_out: dict[str, int] = {}
 
     def kept(fqn: str, group: str | None) -> bool:

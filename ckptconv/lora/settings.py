@@ -13,7 +13,6 @@ with r and alpha taken from `rank_pattern` / `alpha_pattern` when a pattern matc
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
@@ -21,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import jsonkeys
 from ..errors import CkptconvError
+from .checks import check_alpha, check_config
 from .keys import Factors
 
 CONFIG_FILE = "adapter_config.json"
@@ -64,7 +65,7 @@ def read_config(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise CkptconvError(f"--lora-config {path}: cannot read it ({e.strerror or e})") from None
     try:
-        config = json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+        config = jsonkeys.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
     except ValueError as e:
         raise CkptconvError(f"--lora-config {path}: not JSON ({e})") from None
     if not isinstance(config, dict):
@@ -90,8 +91,7 @@ def settings(
     ranks = {f.module: shapes[f.a][0] // f.experts for f in factors.values()}
     dora = any(f.magnitude for f in factors.values())
     if config is not None:
-        if not isinstance(config.get("r"), int) or not isinstance(config.get("lora_alpha"), int | float):
-            raise CkptconvError(f"{source}: needs integer 'r' and numeric 'lora_alpha'")
+        check_config(config, source)
         out = LoraSettings(
             r=config["r"],
             alpha=config["lora_alpha"],
@@ -120,8 +120,7 @@ def settings(
             "the LoRA alpha is in no tensor: give --lora-alpha N, or --lora-config FILE (the trainer's PEFT "
             f"adapter_config.json; one named {CONFIG_FILE} in the checkpoint directory is read by itself)"
         )
-    if alpha <= 0:
-        raise CkptconvError(f"--lora-alpha {alpha:g}: must be positive")
+    check_alpha(alpha)
     alpha = int(alpha) if float(alpha).is_integer() else alpha  # written as PEFT writes it (lora_alpha: 8)
     r = Counter(ranks.values()).most_common(1)[0][0]
     pattern = {module: rank for module, rank in ranks.items() if rank != r}

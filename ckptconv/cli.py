@@ -106,6 +106,7 @@ def dcp_to_hf_cmd(
     mapping: MappingOpt = None,
     config: ConfigOpt = None,
     allow_unmapped: AllowUnmappedOpt = False,
+    drop_untied_head: opt.DropUntiedHeadOpt = False,
     hf_experts: Annotated[
         str | None, typer.Option("--hf-experts", help="per_expert or fused: how MoE experts are written.")
     ] = None,
@@ -178,6 +179,7 @@ def dcp_to_hf_cmd(
                 push=push,
                 lora=lora_req,
                 early=early,
+                drop_untied_head=drop_untied_head,
             )
             show_dcp_to_hf(result, src, out, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 

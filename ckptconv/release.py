@@ -27,6 +27,7 @@ from .stash import StashedItem
 
 if TYPE_CHECKING:
     from .lora.select import LoraPlan
+    from .outs import TiedHead
 
 MODEL_GROUP = "model"
 OPTIMIZER_GROUPS = frozenset({"optim", "optimizer", "optimizers", "optim_state", "optimizer_state"})
@@ -63,6 +64,7 @@ class Selection:
     common: tuple[StashedItem, ...] = ()  # Megatron's common.pt values, already read
     warnings: tuple[str, ...] = ()
     lora: LoraPlan | None = None  # what `--lora` made of the keys (`outs.mapped_tensors`)
+    tied: tuple[TiedHead, ...] = ()  # heads a tied embedding leaves out (`outs.mapped_tensors`)
 
 
 def group_of(ckpt: DcpCheckpoint, fqn: str) -> str | None:

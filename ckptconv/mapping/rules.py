@@ -228,9 +228,10 @@ def _from_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
         if key in ctx.consumed:
             continue
         ctx.consumed.add(key)
-        shape = ctx.shapes[key]
+        shape, where = ctx.shapes[key], f"{ctx.where}: {key!r}"
+        fused_t = transposed(shape, rule.transpose, where)
         axes = _axes(rule.transpose, len(shape))
-        for piece in pieces(transposed(shape, rule.transpose), g, f"{ctx.where}: {key!r}"):
+        for piece in pieces(fused_t, g, where):
             perm = rope_perm(piece.shape[0], ctx.heads(rule)) if rule.permute else None
             parts = []
             for block, offsets in piece.blocks:
@@ -256,7 +257,9 @@ def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
     for binding, counts, keys in _groups(ctx, rule, others):
         shapes = [ctx.shapes[k[0]] for k in keys]
         padded = padded_size(ctx.scope, rule, shapes[0]) if rule.narrow is not None else None
-        fp = fused_shape(shapes, g, counts, padded)  # F' (for a reshape: laid out like the HF tensors)
+        where = f"{ctx.where}: {keys[0][0]!r}"
+        fp = fused_shape(shapes, g, counts, padded, where)  # F' (for a reshape: laid out like the HF tensors)
+        transposed(fp, rule.transpose, where)  # a dim it lacks: refused here
         lmap = [d for d in range(len(fp)) if d not in g.stack_dims]
         axes = _axes(rule.transpose, len(fp))
         l_axes = None if axes is None else tuple(sorted(range(len(lmap)), key=lambda i: axes[lmap[i]]))

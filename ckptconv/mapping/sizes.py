@@ -15,6 +15,10 @@ from .types import Rule
 def padded_size(scope: Scope, rule: Rule, shape: tuple[int, ...]) -> int:
     """The runtime size along `dim` of a narrowed tensor read back: `padded`, or rounded up to `multiple`
     (Megatron: `"make_vocab_size_divisible_by * tensor_model_parallel_size"`)."""
+    if rule.dim >= len(shape):
+        raise CkptconvError(
+            f"{scope.where} rule {rule.number}: dim {rule.dim} is not a dim of shape {list(shape)}"
+        )
     kept = shape[rule.dim]
     if rule.padded is not None:
         size = scope.size(rule.padded)

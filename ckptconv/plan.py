@@ -268,6 +268,10 @@ def plan_hf_to_dcp(
 ) -> DcpSavePlan:
     if prefix is not None and (not prefix.strip(".") or ".." in prefix):
         raise CkptconvError(f"--prefix {prefix!r}: use dotted names such as 'model.'")
+    if "" in hf.tensors:  # safetensors allows it (inspect shows it); no model loads it, nor dcp.load's dict
+        raise CkptconvError(
+            f"{hf.tensors[''].file}: holds a tensor with an empty name; re-save it with a name"
+        )
     nesting = tuple(prefix.strip(".").split(".")) if prefix else ()
     lead = "".join(part + "." for part in nesting)
     shapes = {key: stored.shape for key, stored in hf.tensors.items()}

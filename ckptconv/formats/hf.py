@@ -292,10 +292,7 @@ def open_hf(path: Path) -> HfCheckpoint:
     if mode is None:
         raise CkptconvError(f"{path}: no such file or directory")
     if not stat.S_ISDIR(mode):
-        found = _unsharded(path, *read_header(path))
-        if "" in found:
-            raise _empty_name(path)
-        return HfCheckpoint(path, _dequantized(found, None, None), (path,))
+        return HfCheckpoint(path, _dequantized(_unsharded(path, *read_header(path)), None, None), (path,))
     root = checkpoint_root(path)
     index_path = path / INDEX_FILE
     weight_map = _weight_map(index_path, root) if mode_of(index_path) is not None else None
@@ -313,8 +310,6 @@ def open_hf(path: Path) -> HfCheckpoint:
             raise CkptconvError(f"{index_path}: names {name}, which is missing; re-download the model")
         files.append(file)
         for key, stored in _unsharded(file, *read_header(file, root)).items():
-            if not key:
-                raise _empty_name(file)
             if key in tensors:
                 raise CkptconvError(f"{path}: key {key!r} is in both {tensors[key].file.name} and {name}")
             if weight_map is not None and weight_map.get(key) != name:
@@ -327,10 +322,6 @@ def open_hf(path: Path) -> HfCheckpoint:
                 f"{index_path}: lists {missing[0]!r} in {weight_map[missing[0]]}, which does not hold it"
             )
     return HfCheckpoint(path, _dequantized(tensors, path, root), tuple(files))
-
-
-def _empty_name(file: Path) -> CkptconvError:
-    return CkptconvError(f"{file}: holds a tensor with an empty name; no model loads it, re-save it")
 
 
 def _dequantized(

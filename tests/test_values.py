@@ -65,9 +65,9 @@ def ok(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def peft(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A PEFT LoRA model of a tiny Llama (B not zero): its state dict and the adapter_config.json PEFT's
-    `save_pretrained` writes for it."""
+def peft(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict[str, Any], Path]:
+    """A PEFT LoRA model of a tiny Llama (B not zero): its state dict, the adapter_config.json PEFT's
+    `save_pretrained` writes for it, and where the base model (`base/`) and that adapter (`adapter/`) are."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -79,7 +79,7 @@ def peft(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tens
     peft_model = get_peft_model(model, config)
     peft_model.save_pretrained(root / "adapter")
     state = {k: v.detach().clone() for k, v in peft_model.state_dict().items()}
-    return state, json.loads((root / "adapter" / "adapter_config.json").read_text())
+    return state, json.loads((root / "adapter" / "adapter_config.json").read_text()), root
 
 
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
@@ -207,6 +207,28 @@ def test_a_merge_that_overflows_is_refused_and_an_inf_of_w_is_kept(peft, tmp_pat
     ok(capsys, "dcp-to-hf", str(src), str(tmp_path / "out2"), "--lora", "merge", "--lora-alpha", "8", "-q")
     merged = load_file(tmp_path / "out2" / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
     assert merged[3, 5] == math.inf and int(torch.isinf(merged).sum()) == 1
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (4, 33)], ids=["rank 0", "A wider than W"])
+def test_a_published_adapter_that_does_not_fit_the_base_is_refused(
+    peft, tmp_path: Path, capsys, shape
+) -> None:
+    """hf-to-dcp --lora-adapter: today written into the DCP under the wrapped names with exit 0."""
+    shutil.copytree(peft[2] / "adapter", tmp_path / "adapter")
+    file = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(file)
+    tensors[f"{Q}.lora_A.weight"] = torch.ones(shape)
+    save_file(tensors, file)
+    code, err = run(
+        capsys,
+        "hf-to-dcp",
+        str(peft[2] / "base"),
+        str(tmp_path / "out"),
+        "--lora-adapter",
+        str(tmp_path / "adapter"),
+    )
+    assert_one_line(code, err, "--lora-adapter", f"{Q}.lora_A.default.weight", "do not fit")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_weight_twice_once_unwrapped_is_refused(peft, tmp_path: Path, capsys) -> None:

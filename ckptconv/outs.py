@@ -180,13 +180,14 @@ def _adapter_mapped(
         names.extend(t.key for t in targets)
         return factor_targets(targets, plan.factors, shapes)
 
-    mapped, unmapped, tied = _out_tensors(ckpt, base, policy, mapping, config, allow_unmapped, derive, fqn_of)
+    # an adapter holds no base weight: a head tie_word_embeddings leaves out is nothing it would lose
+    mapped, unmapped, _ = _out_tensors(ckpt, base, policy, mapping, config, allow_unmapped, derive, fqn_of)
     a = ".lora_A.weight"
     ranks = {o.hf_key[len(PEFT_PREFIX) : -len(a)]: o.shape[0] for o in mapped if o.hf_key.endswith(a)}
     modules = {k.removesuffix(".weight") for k in names if k.endswith(".weight")}
     assert plan.config is not None
     plan = dataclasses.replace(plan, config=mapped_config(plan.config, ranks, modules))
-    return dataclasses.replace(selection, lora=plan, tied=tied), mapped, unmapped
+    return dataclasses.replace(selection, lora=plan), mapped, unmapped
 
 
 def _with_lora(ckpt: DcpCheckpoint, selection: Selection, request: LoraRequest | None) -> Selection:

@@ -106,6 +106,7 @@ def dcp_to_hf_cmd(
     mapping: MappingOpt = None,
     config: ConfigOpt = None,
     allow_unmapped: AllowUnmappedOpt = False,
+    drop_untied_head: opt.DropUntiedHeadOpt = False,
     hf_experts: Annotated[
         str | None, typer.Option("--hf-experts", help="per_expert or fused: how MoE experts are written.")
     ] = None,
@@ -181,6 +182,7 @@ def dcp_to_hf_cmd(
                 lora=lora_req,
                 early=early,
                 fsync=not no_fsync,
+                drop_untied_head=drop_untied_head,
             )
             show_dcp_to_hf(
                 result, source, target, world, ui, dry_run=dry_run, verify=verify, json_out=json_out

@@ -177,6 +177,14 @@ QuantizeSkipOpt = Annotated[
         "router gates and lm_head).",
     ),
 ]
+DropUntiedHeadOpt = Annotated[
+    bool,
+    typer.Option(
+        "--drop-untied-head",
+        help="With tie_word_embeddings true in config.json, leave out an output head that differs from the "
+        "embedding (refused otherwise; --verify says it was left out).",
+    ),
+]
 AllowUnmappedOpt = Annotated[
     bool, typer.Option("--allow-unmapped", help="Pass keys no mapping rule covers through unchanged.")
 ]

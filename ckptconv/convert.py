@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gcpause, hub_push, outcheck, outdir, sources
+from . import gcpause, hub_push, outcheck, outdir, sources, tied
 from . import verify as verify_mod
 from .compose import dequantized_note
 from .copies import check_copies
@@ -103,10 +103,13 @@ def dcp_to_hf(
     lora: LoraRequest | None = None,
     early: Early | None = None,
     fsync: bool = True,
+    drop_untied_head: bool = False,
 ) -> Result:
     """Convert the DCP checkpoint `src` into the HF directory `out`, and with `push` upload it to the hub
     once published. `lora`: what to make of LoRA factors (`lora.select`). `early`: `src` as opened before
-    torch was imported (`early_open`). `fsync=False` (`--no-fsync`): nothing is fsynced. Collective."""
+    torch was imported (`early_open`). `fsync=False` (`--no-fsync`): nothing is fsynced.
+    `drop_untied_head`: leave out an output head that differs from the embedding config.json ties it to
+    (refused otherwise; `tied`). Collective."""
     start = time.perf_counter()
     _return_freed_memory()
     src, out = location(src, "SRC"), location(out, "OUT")  # a URL without a bucket: refused before any work
@@ -178,6 +181,8 @@ def dcp_to_hf(
         policy, quant, shard_bytes, bucket, target = everyone(world, check_inputs, located)
         ckpt = everyone(world, open_dcp_shared, world, located, early)  # rank 0 reads .metadata, for all
         plan, model_config, described = everyone(world, prepare, ckpt, policy, quant, shard_bytes)
+        if plan.tied and not dry_run:
+            plan = tied.checked(world, ckpt, plan, drop_untied_head)
     if described is not None and copy_from is None:
         ui.info(f"copying the model's files from {described[0]} (--copy-from DIR takes them from elsewhere)")
     if ckpt.path != src:
@@ -210,6 +215,7 @@ def dcp_to_hf(
             hf_experts,
             quantized=quantized,
             lora=lora,
+            drop_untied_head=drop_untied_head,
         )
 
     pieces: list[RowPiece] = []

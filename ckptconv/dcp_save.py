@@ -11,6 +11,7 @@ import torch
 
 from .compose import source_rows, target_rows
 from .dtype_names import torch_dtype
+from .dtypes import check_range
 from .formats.safetensors_io import RowReader
 from .plan import DcpOutTensor, DcpSavePlan
 from .remote import out as remote_out
@@ -32,7 +33,10 @@ def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui, fsync: bool
     def read_rows(fqn: str, lo: int, hi: int, scratch: torch.Tensor | None) -> torch.Tensor:
         if fqn in scalars:
             return scalars[fqn]
-        return target_rows(by_key[fqn], lo, hi, reader, scratch)
+        t = by_key[fqn]
+        rows = target_rows(t, lo, hi, reader, scratch)
+        check_range(fqn, t.src.dtype, rows)  # --dtype fp16 of values beyond its range: refused, not inf
+        return rows
 
     for (
         t

@@ -106,3 +106,17 @@ class DtypePolicy:
     def warnings(self) -> Iterable[str]:
         for pattern in self.unmatched():
             yield f"--fp32 {pattern!r} matched no floating-point tensor"
+
+
+def check_range(key: str, source: torch.dtype, data: torch.Tensor) -> None:
+    """`data`, tensor `key` cast to fp16 from a wider-ranged `source` dtype: a value beyond fp16's +-65504
+    became inf, which is refused with one line rather than written. (Other casts are not checked: bf16
+    overflows only fp32 values within 0.2% of fp32's own maximum, and a check of every bf16 release would
+    cost a pass over it.)"""
+    if data.dtype != torch.float16 or source not in (torch.float32, torch.float64, torch.bfloat16):
+        return
+    if bool(torch.isinf(data).any()):
+        raise CkptconvError(
+            f"{key!r}: holds values beyond float16's range (+-65504), or infinities, which --dtype fp16 "
+            "would write as inf; keep it wider with an --fp32 pattern matching it, or --dtype bf16"
+        )

@@ -15,8 +15,9 @@ VARIABLES = {
     "CKPTCONV_TIMEOUT_S": "seconds a collective waits for a peer before the job fails (default 600)",
     "CKPTCONV_WRITE_THREADS": "files each rank writes at once in hf-to-dcp (default 2)",
     "CKPTCONV_LOG_EVERY_S": "seconds between progress log lines when stderr is not a terminal (default 10)",
-    "CKPTCONV_DEBUG": "set to 1 to get a traceback instead of the one-line error",
+    "CKPTCONV_DEBUG": "1 or true: a traceback instead of the one-line error (0, false or empty: off)",
 }
+_FLAGS = {"": False, "0": False, "false": False, "1": True, "true": True}
 
 
 def env_int(name: str, default: int, minimum: int = 1, maximum: int = 10**9) -> int:
@@ -46,6 +47,20 @@ def _number(
     return value
 
 
+def env_flag(name: str) -> bool:
+    """On or off: 1 or true, 0 or false (any case), unset or empty being off."""
+    raw = os.environ.get(name, "")
+    if raw.strip().lower() not in _FLAGS:
+        raise CkptconvError(f"{name}={raw!r}: must be 1 or true (on), 0 or false (off); fix or unset it")
+    return _FLAGS[raw.strip().lower()]
+
+
+def debug() -> bool:
+    """Whether CKPTCONV_DEBUG is on; never raises (it is read while an error is being reported: a bad value
+    is off here, and `check_all` refuses it before any work)."""
+    return _FLAGS.get(os.environ.get("CKPTCONV_DEBUG", "").strip().lower(), False)
+
+
 def _show(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
@@ -55,3 +70,4 @@ def check_all() -> None:
     env_int("CKPTCONV_TIMEOUT_S", 600, maximum=10**7)
     env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
     env_float("CKPTCONV_LOG_EVERY_S", 10.0)
+    env_flag("CKPTCONV_DEBUG")

@@ -1,7 +1,8 @@
 """Where a command's outcome becomes an exit code: usage errors, ckptconv's errors, interrupts.
 
 Exit codes: 0 success, 1 verify mismatch, 2 bad input or usage (one line on stderr, no traceback; set
-CKPTCONV_DEBUG=1 for one), 128 + the signal when interrupted (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP).
+CKPTCONV_DEBUG=1 for one), 128 + the signal when interrupted (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP). A closed
+stdout or stderr (`| head`) changes none of them: what no reader is left to read is dropped (`pipes`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 import typer
+
+from .env import debug
+from .pipes import closed_pipes_dropped
 
 if TYPE_CHECKING:
     from .errors import CkptconvError
@@ -54,7 +58,8 @@ def call(app: typer.Typer, argv: list[str] | None = None) -> None:
     global _say
     _say = lambda e: _say_error(e, app, args)  # noqa: E731
     try:
-        _run(app, args)
+        with closed_pipes_dropped():
+            _run(app, args)
     finally:
         _say = None
 
@@ -80,12 +85,12 @@ def _run(app: typer.Typer, args: list[str]) -> None:
     except (KeyboardInterrupt, typer.Abort):
         _exit_interrupted()
     except CkptconvError as e:
-        if os.environ.get("CKPTCONV_DEBUG"):
+        if debug():
             raise
         _say_error(e, app, args)
         sys.exit(e.exit_code)
     except OSError as e:  # an environment problem no check named more precisely (EACCES on a parent, ...)
-        if os.environ.get("CKPTCONV_DEBUG"):
+        if debug():
             raise
         where = f"{os.fsdecode(e.filename)}: " if e.filename is not None else ""
         cause = e.strerror or type(e).__name__
@@ -99,7 +104,7 @@ def say_agreed(error: CkptconvError) -> None:
     before any of them ends: torchrun stops a job's other processes (SIGTERM) as soon as one ends with an
     error, which could kill rank 0 before its report is out. Nothing in library use or with CKPTCONV_DEBUG
     (the traceback comes later)."""
-    if _say is not None and not os.environ.get("CKPTCONV_DEBUG"):
+    if _say is not None and not debug():
         _say(error)
 
 

@@ -14,6 +14,7 @@ import torch
 from . import outdir
 from .buffers import BufferPool
 from .config_edit import edit_config, release_dtype
+from .dtypes import check_range
 from .durable import Syncer
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece
@@ -90,6 +91,7 @@ def write_files(
                 if w.tensor.quant:
                     progress.advance(_write_quantized(writer, w.tensor, tensor))
                 else:
+                    check_range(w.tensor.hf_key, w.tensor.src.dtype, tensor)
                     writer.write(w.tensor.hf_key, tensor, w.start)
                     progress.advance(w.nbytes)
                 done += 1

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from . import outcheck, outdir
+from . import outcheck, outdir, tied
 from .allgather import TorchCollective, describe, emit, group_handles, holdings, live_jobs, run_rounds
 from .copy_from import copy_non_weights
 from .dtype_names import short_name
@@ -167,6 +167,7 @@ def save_hf(
     lora_alpha: float | None = None,
     lora_config: str | Path | None = None,
     fsync: bool = True,
+    drop_untied_head: bool = False,
 ) -> SaveReport:
     """Collective (call on every rank): write `state_dict` as HF safetensors into the directory `path`.
 
@@ -178,7 +179,8 @@ def save_hf(
     as dcp-to-hf's `--write-granularity`. A PEFT-wrapped model's state dict (LoRA factors) needs `lora`:
     "adapter", "merge" or "drop", as dcp-to-hf's `--lora`, with `lora_name`, `lora_alpha` and `lora_config`
     (the adapter_config.json PEFT's `save_pretrained` writes, or `peft_model.peft_config[name]` saved so)
-    as its `--lora-*` flags.
+    as its `--lora-*` flags. With a mapping and `tie_word_embeddings` in `config`, an output head that differs
+    from the embedding is refused unless `drop_untied_head` (dcp-to-hf's `--drop-untied-head`).
     `path` may be a URL (`s3://bucket/step-1000`): each file is streamed by one rank as a multipart upload and
     the index (or the single file) completes it last, as dcp-to-hf writes a URL OUT; `storage_options` go
     to the backend's file system. A local `path` is fsynced (its files and directories) before it is
@@ -230,6 +232,13 @@ def save_hf(
         return plan, jobs, order, needs, plan_rounds(jobs, budget), target
 
     plan, jobs, order, needs, rounds, target = everyone(world, prepare)
+    if plan.tied:
+        outs = {t.hf_key: t for f in plan.files for t in f.tensors}
+        for head in tied.live_differing(world, plan.tied, outs, tensors):
+            if not drop_untied_head:
+                why = tied.refusal(head, outs, "drop_untied_head=True", "config=")
+                raise CkptconvError(f"save_hf: {why}", agreed=world.distributed)
+            ui.warn(tied.dropped(head, outs))
     handles = group_handles(described)
 
     def local(fqn: str) -> torch.Tensor:

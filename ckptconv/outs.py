@@ -82,6 +82,17 @@ class OutTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class TiedHead:
+    """An output head `tie_word_embeddings` leaves out of the release (`mapping.rules`): as its rule would
+    write it untied (None when the rule cannot map it), and the HF key it is tied to. Dropping it loses
+    nothing only when it holds what that key holds (`tied.differing`)."""
+
+    head: OutTensor | None
+    source: str  # its key in the checkpoint (as selected)
+    embedding: str  # the HF key it is tied to
+
+
 def _out_tensors(
     ckpt: DcpCheckpoint,
     selection: Selection,
@@ -91,11 +102,13 @@ def _out_tensors(
     allow_unmapped: bool,
     derive: Callable[[list[Target]], list[Target]] | None = None,
     sources: dict[str, str] | None = None,
-) -> tuple[list[OutTensor], list[str]]:
+) -> tuple[list[OutTensor], list[str], tuple[TiedHead, ...]]:
     """Output tensors (HF keys, parts) for the selected checkpoint tensors, mapped when a mapping is given;
-    `derive` makes other targets of the mapped ones (an adapter's factors), whose parts read `sources`."""
+    `derive` makes other targets of the mapped ones (an adapter's factors), whose parts read `sources`; and
+    the heads a tied embedding drops."""
     fqn_of = dict(selection.keys) | (sources or {})
     shapes = {key: ckpt.tensors[fqn].shape for key, fqn in selection.keys}
+    tied: list[tuple[Target | None, str, str]] = []
     if mapping is None:
         targets = [
             Target(k, s, (Part(k, (0,) * len(s), s, (0,) * len(s), s),), "rename") for k, s in shapes.items()
@@ -103,20 +116,20 @@ def _out_tensors(
         unmapped: list[str] = []
     else:
         mapped = map_keys(mapping, "to_hf", shapes, config, allow_unmapped=allow_unmapped)
-        targets, unmapped = mapped.targets, mapped.unmapped
+        targets, unmapped, tied = mapped.targets, mapped.unmapped, mapped.tied
     if derive is not None:
         targets = derive(targets)
-    outs = []
-    for target in targets:
+
+    def out(target: Target) -> OutTensor:
         parts = tuple(SourcePart(ckpt.tensors[fqn_of[p.src]], p) for p in target.parts)
         dtypes = {sp.spec.dtype for sp in parts}
         if len(dtypes) > 1:
             raise CkptconvError(f"{target.key!r} would combine tensors of dtypes {sorted(map(str, dtypes))}")
         dtype = policy.resolve(target.key, parts[0].spec.dtype)
-        outs.append(
-            OutTensor(target.key, target.shape, dtype, parts, target.op, target.layout, target.padded)
-        )
-    return outs, unmapped
+        return OutTensor(target.key, target.shape, dtype, parts, target.op, target.layout, target.padded)
+
+    heads = tuple(TiedHead(None if t is None else out(t), src, key) for t, src, key in tied)
+    return [out(target) for target in targets], unmapped, heads
 
 
 def mapped_tensors(
@@ -138,10 +151,13 @@ def mapped_tensors(
     plan = selection.lora
     if plan is not None and plan.mode == "adapter" and mapping is not None:
         return _adapter_mapped(ckpt, selection, plan, policy, mapping, config or {}, allow_unmapped)
-    mapped, unmapped = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
+    mapped, unmapped, tied = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
     if selection.lora is not None and selection.lora.merges:
-        mapped = _with_merges(mapped, selection.lora.merges, ckpt, dict(selection.lora.sources))
-    return selection, mapped, unmapped
+        heads = [h.head for h in tied if h.head is not None]
+        merged = _with_merges(mapped + heads, selection.lora.merges, ckpt, dict(selection.lora.sources))
+        mapped, with_lora = merged[: len(mapped)], iter(merged[len(mapped) :])
+        tied = tuple(h if h.head is None else dataclasses.replace(h, head=next(with_lora)) for h in tied)
+    return dataclasses.replace(selection, tied=tied), mapped, unmapped
 
 
 def _adapter_mapped(
@@ -164,7 +180,8 @@ def _adapter_mapped(
         names.extend(t.key for t in targets)
         return factor_targets(targets, plan.factors, shapes)
 
-    mapped, unmapped = _out_tensors(ckpt, base, policy, mapping, config, allow_unmapped, derive, fqn_of)
+    # an adapter holds no base weight: a head tie_word_embeddings leaves out is nothing it would lose
+    mapped, unmapped, _ = _out_tensors(ckpt, base, policy, mapping, config, allow_unmapped, derive, fqn_of)
     a = ".lora_A.weight"
     ranks = {o.hf_key[len(PEFT_PREFIX) : -len(a)]: o.shape[0] for o in mapped if o.hf_key.endswith(a)}
     modules = {k.removesuffix(".weight") for k in names if k.endswith(".weight")}

@@ -29,6 +29,7 @@ from .mapping.rules import KeyMapping, Part, Target, map_keys
 from .mapping.rules import whole as _whole
 from .outs import OutTensor as OutTensor
 from .outs import SourcePart as SourcePart
+from .outs import TiedHead as TiedHead
 from .outs import mapped_tensors as mapped_tensors
 from .quant.policy import QuantPolicy
 from .specs import NonTensorItem, TensorSpec
@@ -61,6 +62,7 @@ class HfSavePlan:
     quantization: dict[str, Any] | None = None  # --quantize: the release's config.json quantization_config
     writes: tuple[Write, ...] = ()  # every byte range of the files' data and the rank that writes it
     lora: LoraPlan | None = None  # what --lora made of the checkpoint's LoRA factors
+    tied: tuple[TiedHead, ...] = ()  # heads tie_word_embeddings leaves out, checked before writing (`tied`)
 
     @property
     def total_size(self) -> int:
@@ -173,6 +175,7 @@ def plan_dcp_to_hf(
         quantization,
         plan_writes(files, world_size, write_granularity),
         selection.lora,
+        selection.tied,
     )
 
 
@@ -265,6 +268,10 @@ def plan_hf_to_dcp(
 ) -> DcpSavePlan:
     if prefix is not None and (not prefix.strip(".") or ".." in prefix):
         raise CkptconvError(f"--prefix {prefix!r}: use dotted names such as 'model.'")
+    if "" in hf.tensors:  # safetensors allows it (inspect shows it); no model loads it, nor dcp.load's dict
+        raise CkptconvError(
+            f"{hf.tensors[''].file}: holds a tensor with an empty name; re-save it with a name"
+        )
     nesting = tuple(prefix.strip(".").split(".")) if prefix else ()
     lead = "".join(part + "." for part in nesting)
     shapes = {key: stored.shape for key, stored in hf.tensors.items()}

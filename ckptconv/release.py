@@ -27,6 +27,7 @@ from .stash import StashedItem
 
 if TYPE_CHECKING:
     from .lora.select import LoraPlan
+    from .outs import TiedHead
 
 MODEL_GROUP = "model"
 OPTIMIZER_GROUPS = frozenset({"optim", "optimizer", "optimizers", "optim_state", "optimizer_state"})
@@ -63,6 +64,7 @@ class Selection:
     common: tuple[StashedItem, ...] = ()  # Megatron's common.pt values, already read
     warnings: tuple[str, ...] = ()
     lora: LoraPlan | None = None  # what `--lora` made of the keys (`outs.mapped_tensors`)
+    tied: tuple[TiedHead, ...] = ()  # heads a tied embedding leaves out (`outs.mapped_tensors`)
 
 
 def group_of(ckpt: DcpCheckpoint, fqn: str) -> str | None:
@@ -123,8 +125,13 @@ def select_tensors(ckpt: DcpCheckpoint, prefix: str | None, keep_trainer_state: 
             notes.append(f"not converting the {', '.join(repr(g) for g in dropped)} state")
     keys = tuple((fqn[len(strip) :], fqn) for fqn in chosen)
     for hf_key, fqn in keys:
-        if not hf_key:
+        if not hf_key and prefix is not None:
             raise CkptconvError(f"--prefix {prefix!r} leaves the key {fqn!r} empty; use a shorter prefix")
+        if not hf_key:  # an HF file cannot name a tensor with nothing (nor could a model load it)
+            raise CkptconvError(
+                f"{ckpt.path}: holds a tensor with an empty name ({fqn!r}); ckptconv converts named tensors "
+                "only: re-save the checkpoint with a name for it"
+            )
     left_out: dict[str, int] = {}
 
     def kept(fqn: str, group: str | None) -> bool:

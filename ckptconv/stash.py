@@ -10,6 +10,7 @@ as an int32 tensor) is kept as its number with `"tensor": "<dtype>"`, and restor
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import jsonkeys
 from .errors import CkptconvError
 from .outlock import write_failed
 
@@ -80,7 +82,8 @@ def write_stash(directory: Path, items: list[StashedItem]) -> None:
 
 
 def read_stash(directory: Path) -> list[StashedItem]:
-    """The items stashed in `directory`, [] when there is no stash file."""
+    """The items stashed in `directory`, [] when there is no stash file. Every item is checked as dcp-to-hf
+    writes it (`_item`); a file that breaks any rule is refused, naming the item."""
     from .formats.files import STASH_BYTES, exists, read_regular
     from .formats.hf import checkpoint_root
 
@@ -89,34 +92,132 @@ def read_stash(directory: Path) -> list[StashedItem]:
         return []
     raw = read_regular(path, checkpoint_root(directory), STASH_BYTES)  # a FIFO, a link out: refused
     try:
-        doc = json.loads(raw)
-        if doc.get("format") != STASH_FORMAT or doc.get("version") != STASH_VERSION:
-            raise ValueError("unknown format or version")
-        return [
-            StashedItem(
-                key=str(e["key"]),
-                path=tuple(e["path"]),
-                raw=base64.b64decode(e.get("torch_save_b64", "")),
-                value=e.get("value"),
-                has_value="value" in e,
-                note=e.get("not_loaded"),
-                tensor=_tensor_dtype(e.get("tensor")),
-                readable=e.get("readable"),
-            )
-            for e in doc["items"]
-        ]
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        doc = jsonkeys.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
         raise CkptconvError(f"{path}: not a readable ckptconv stash ({e}); delete or fix it") from None
+    if not isinstance(doc, dict) or doc.get("format") != STASH_FORMAT or doc.get("version") != STASH_VERSION:
+        raise CkptconvError(f"{path}: not a ckptconv stash (unknown format or version); delete or fix it")
+    entries = doc.get("items")
+    if not isinstance(entries, list):
+        raise CkptconvError(f"{path}: its 'items' is not a list; delete or fix it")
+    items = [_item(path, i, e) for i, e in enumerate(entries)]
+    _check_keys(path, items)
+    return items
 
 
-def _tensor_dtype(name: Any) -> str | None:
-    from .dtype_names import ITEMSIZE
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (dcp-to-hf keeps such values as torch.save bytes)")
 
-    if name is None:
-        return None
-    if name not in ITEMSIZE:
-        raise ValueError(f"unknown tensor dtype {name!r}")
-    return str(name)
+
+def _item(path: Path, i: int, e: Any) -> StashedItem:
+    """Entry `i` of the stash at `path`, checked: a non-empty `key` naming its `path` (DCP's dotted name of
+    it), and either a `value` (with `tensor`: a number of that dtype, in its range) or `torch_save_b64`
+    bytes that are a torch.save archive."""
+
+    def bad(why: str) -> CkptconvError:
+        name = f" ({e['key']!r})" if isinstance(e, dict) and isinstance(e.get("key"), str) else ""
+        return CkptconvError(f"{path}: item {i}{name}: {why}; delete or fix it")
+
+    if not isinstance(e, dict):
+        raise bad("not an object")
+    key, where = e.get("key"), e.get("path")
+    if not isinstance(key, str) or not key:
+        raise bad("'key' must be a non-empty string")
+    if not isinstance(where, list) or not where or not all(_part(p) for p in where):
+        raise bad("'path' must be a non-empty list of non-empty names and indexes")
+    if ".".join(map(str, where)) != key:
+        raise bad(f"'key' is not the dotted 'path' {where!r}")
+    note, has_value = e.get("not_loaded"), "value" in e
+    if note is not None and not isinstance(note, str):
+        raise bad("'not_loaded' must be a string")
+    tensor = e.get("tensor")
+    if tensor is not None:
+        if not has_value:
+            raise bad("'tensor' goes with a 'value'")
+        why = _tensor_value(tensor, e["value"])
+        if why:
+            raise bad(why)
+    raw = b""
+    if not has_value:
+        raw = _bytes(e.get("torch_save_b64"))
+        if not raw:
+            raise bad("no 'value', and 'torch_save_b64' is not the base64 of a torch.save archive")
+    return StashedItem(
+        key=key,
+        path=tuple(where),
+        raw=raw,
+        value=e.get("value"),
+        has_value=has_value,
+        note=note,
+        tensor=tensor,
+        readable=e.get("readable"),
+    )
+
+
+def _part(p: Any) -> bool:
+    return (isinstance(p, str) and p != "") or (type(p) is int and p >= 0)
+
+
+def _bytes(text: Any) -> bytes:
+    """The torch.save bytes in `text` (strict base64 of a zip archive with a data.pkl), b"" otherwise."""
+    import binascii
+    import io
+    import zipfile
+
+    if not isinstance(text, str):
+        return b""
+    try:
+        raw = base64.b64decode(text, validate=True)
+        names = zipfile.ZipFile(io.BytesIO(raw)).namelist()
+    except (binascii.Error, ValueError, zipfile.BadZipFile, OSError):
+        return b""
+    return raw if any(n.endswith("data.pkl") for n in names) else b""
+
+
+def _tensor_value(name: Any, value: Any) -> str | None:
+    """Why `value` cannot be a 0-d tensor of dtype `name`, or None."""
+    import torch
+
+    from .dtype_names import ITEMSIZE, torch_dtype
+
+    if not isinstance(name, str) or name not in ITEMSIZE:
+        return f"unknown tensor dtype {name!r}"
+    dtype = torch_dtype(name)
+    if dtype == torch.bool:
+        ok = isinstance(value, bool)
+    elif dtype.is_floating_point:
+        number = _float(value) if type(value) in (int, float) else math.nan
+        ok = math.isfinite(number) and bool(torch.tensor(number, dtype=dtype).isfinite())  # rounded: in range
+    elif not dtype.is_complex and name in _INTS:
+        bits = 8 * ITEMSIZE[name]
+        low, high = (0, 2**bits - 1) if name.startswith("u") else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        ok = type(value) is int and low <= value <= high
+    else:
+        return f"a 0-d {name} tensor is not kept as a JSON value"
+    return None if ok else f"{value!r} is not a {name} value"
+
+
+def _float(value: float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond any float
+        return math.inf
+
+
+_INTS = frozenset({"int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8"})
+
+
+def _check_keys(path: Path, items: list[StashedItem]) -> None:
+    """No key twice, and none the path of another's parent (`args` beside `args.lr`): DCP could not nest
+    both."""
+    paths = sorted(tuple(map(str, item.path)) for item in items)
+    for a, b in itertools.pairwise(paths):
+        if a == b:
+            raise CkptconvError(f"{path}: the item {'.'.join(a)!r} appears twice; delete or fix it")
+        if b[: len(a)] == a:
+            raise CkptconvError(
+                f"{path}: the item {'.'.join(a)!r} holds {'.'.join(b)!r}, another item; delete or fix it"
+            )
 
 
 def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], None]) -> list[StashedItem]:

@@ -26,7 +26,7 @@ from .crc32 import crc32
 from .formats.dcp import DcpCheckpoint
 from .formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
 from .layout import Box, intersect
-from .lora.merge import ReadFn, delta_box, merge_rows
+from .lora.merge import ReadFn, check_finite, delta_box, merge_rows
 from .mapping.parts import src_rows
 from .mapping.types import whole as _whole
 from .plan import HfSavePlan, OutTensor, SourcePart
@@ -95,7 +95,10 @@ def assemble(
                 delta = delta_box(sp.lora, *box, read) if sp.lora is not None else None
                 data = rows(sp.spec, chunk, lo, hi)
                 if delta is not None:  # W's block in fp32 with its update, cast once
-                    data = data.to(torch.float32) + delta
+                    merged = data.to(torch.float32) + delta
+                    written = merged.to(view.dtype)
+                    check_finite(sp.spec.fqn, box[0][0] if box[0] else 0, merged, written, data)
+                    data = written
                 place(view, sp, box, data, window)
     return out
 
@@ -106,9 +109,11 @@ def _merged(
     """`t` (its rows `window`) with its LoRA merged in: W's rows in fp32 plus the factors' product."""
     assert t.lora is not None
     plain = dataclasses.replace(t, lora=None, dtype=torch.float32)
-    w = assemble(plain, rows, reader, window)
-    merged = merge_rows(w, window[0] if window else 0, t.lora, _factors(rows))
-    return merged if t.quant else merged.to(t.dtype)  # a weight to quantize is quantized from fp32
+    lo = window[0] if window else 0
+    merged = merge_rows(assemble(plain, rows, reader, window), lo, t.lora, _factors(rows))
+    out = merged if t.quant else merged.to(t.dtype)  # a weight to quantize is quantized from fp32
+    check_finite(t.hf_key, lo, merged, out, lambda: assemble(plain, rows, reader, window))
+    return out
 
 
 def _factors(rows: RowsFn) -> ReadFn:

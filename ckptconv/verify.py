@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import tied
 from .compare import Finding, Tolerance, compare, describe
 from .dtypes import DtypePolicy
 from .errors import CkptconvError, VerifyMismatch
@@ -52,6 +53,7 @@ class Report:
     tolerance: Tolerance | None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    untied: list[str] = field(default_factory=list)  # of `notes`: tied output heads left out (`tied`)
 
     @property
     def match(self) -> bool:
@@ -84,6 +86,9 @@ class Side:
     check_pieces: Callable[[World], None] = lambda world: None  # collective, after every read
     dequantized: frozenset[str] = frozenset()  # quantized weights: read in the other side's dtype (`follow`)
     expect: Callable[[str], None] = lambda key: None  # this key will be read soon (object storage: coalesce)
+    # collective, before comparing: a DCP side's output heads tie_word_embeddings leaves out that differ from
+    # their embedding become keys of its own (the other side must hold them), or, dropped, notes
+    untied: Callable[[World], list[str]] = lambda world: []
 
 
 def hf_side(
@@ -146,21 +151,25 @@ def dcp_side(
     like: Side | None = None,
     quantized: frozenset[str] = frozenset(),
     lora: LoraRequest | None = None,
+    drop_untied_head: bool = False,
 ) -> Side:
     """A DCP directory seen as dcp-to-hf would write it, dtypes kept. With a mapping and no `variant`, in the
     expert form (per expert or fused) that shares the most keys with the HF side `like`. The `quantized` keys
     (`dcp-to-hf --quantize fp8 --verify`) read as their block-FP8 round trip, dequantize(quantize(w)) in w's
-    dtype: what the FP8 output holds, read in this side's dtype, iff its bytes and scales are right."""
+    dtype: what the FP8 output holds, read in this side's dtype, iff its bytes and scales are right. An
+    output head tie_word_embeddings leaves out is a key of this side when it differs from its embedding
+    (`tied`), unless `drop_untied_head` (then a note says it was left out)."""
     ckpt = open_dcp(path)
     forms = VARIANTS if mapping and variant is None and like is not None else (variant,)
     candidates = []
     for form in forms:
         key_mapping = load_mapping(mapping, form) if mapping else None
-        _, mapped, _ = mapped_tensors(
+        selection, mapped, _ = mapped_tensors(
             ckpt, DtypePolicy(None), prefix, key_mapping, config, allow_unmapped, lora=lora
         )
-        candidates.append({t.hf_key: t for t in mapped})
-    outs = max(candidates, key=lambda o: len(o.keys() & like.shapes.keys())) if like else candidates[0]
+        candidates.append(({t.hf_key: t for t in mapped}, selection.tied))
+    pick = (lambda c: len(c[0].keys() & like.shapes.keys())) if like else (lambda c: 0)
+    outs, heads = max(candidates, key=pick)
     reader = DcpReader(ckpt)
     rows = direct_rows(reader)
 
@@ -182,6 +191,18 @@ def dcp_side(
         quantized,
         lambda key: expect_rows(reader, outs[key]),
     )
+
+    def untied(world: World) -> list[str]:
+        notes = []
+        for head in tied.differing(world, ckpt, heads, outs):
+            if drop_untied_head or head.head is None:
+                notes.append(f"{label}: {tied.dropped(head, outs)}")
+            else:  # the release must hold it as a key of its own
+                outs[head.head.hf_key] = head.head
+                shapes[head.head.hf_key] = (head.head.shape, head.head.dtype)
+        return notes
+
+    side.untied = untied
     if like is not None:
         follow(like, side)
     return side
@@ -221,6 +242,7 @@ def verify_sides(a: Side, b: Side, world: World, ui: Ui, tolerance: Tolerance | 
     """Collective: compare every key (this rank's share, with a progress display); the same `Report` on every
     rank."""
     start = time.perf_counter()
+    untied = a.untied(world) + b.untied(world)
     keys = sorted(a.shapes.keys() | b.shapes.keys(), key=natural_key)
     findings = [
         Finding(k, "only_in_a" if k in a.shapes else "only_in_b", _side(a, k), _side(b, k))
@@ -257,8 +279,9 @@ def verify_sides(a: Side, b: Side, world: World, ui: Ui, tolerance: Tolerance | 
     order = {k: i for i, k in enumerate(keys)}
     findings.sort(key=lambda f: order[f.key])
     seconds = time.perf_counter() - start
-    notes = dequantized_notes(a, b)
-    return Report(str(a.path), str(b.path), len(common), sum(sizes), findings, tolerance, seconds, notes)
+    notes = dequantized_notes(a, b) + untied
+    nbytes = sum(sizes)
+    return Report(str(a.path), str(b.path), len(common), nbytes, findings, tolerance, seconds, notes, untied)
 
 
 def _side(side: Side, key: str) -> dict[str, Any] | None:
@@ -335,4 +358,5 @@ def check_output(source: Side, output: Side, world: World, ui: Ui) -> None:
     ui.info(
         f"verified: {report.compared} tensors match the source bit for bit"
         + (quantized if source.dequantized else "")
+        + "".join(f"; {note}" for note in report.untied)
     )

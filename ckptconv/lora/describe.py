@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import CkptconvError
 from ..formats.files import exists
 from ..formats.hf import checkpoint_root
+from .checks import check_config
 from .keys import find_lora
 from .settings import CONFIG_FILE, read_config
 
@@ -27,13 +28,14 @@ def describe(keys: list[str], shapes: dict[str, tuple[int, ...]], src: Path | No
         try:  # a file that is not the checkpoint's own (a FIFO, a link out of it) is not read
             if exists(src / CONFIG_FILE):
                 config = read_config(src / CONFIG_FILE, checkpoint_root(src))
-        except CkptconvError:
+                check_config(config, str(src / CONFIG_FILE))
+        except CkptconvError:  # a config dcp-to-hf would refuse says nothing here
             config = None
     out = []
     selected = dict(found.base)
-    experts = {m: shapes[selected[f"{m}.{params[0]}"]][0] for m, params in found.wrapped.items() if params}
+    experts = {m: _rows(shapes[selected[f"{m}.{ps[0]}"]]) for m, ps in found.wrapped.items() if ps}
     for name, factors in found.adapters.items():
-        ranks = Counter(shapes[f.a][0] // max(1, experts.get(f.module, 1)) for f in factors.values())
+        ranks = Counter(_rows(shapes[f.a]) // max(1, experts.get(f.module, 1)) for f in factors.values())
         out.append(
             {
                 "name": name,
@@ -46,6 +48,11 @@ def describe(keys: list[str], shapes: dict[str, tuple[int, ...]], src: Path | No
             }
         )
     return out
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    """A factor's (or a stacked parameter's) first dim; 0 for a 0-d tensor, which dcp-to-hf refuses."""
+    return shape[0] if shape else 0
 
 
 def line(adapter: dict[str, Any]) -> str:

@@ -146,7 +146,13 @@ def find_lora(keys: Iterable[str]) -> LoraKeys | None:
         return None
     prefixed = all(k.startswith(PEFT_PREFIX) for k in keys)
     renamed = [(_unwrapped(k, prefixed), key) for k, key in base]
-    plain = {k for k, key in renamed}
+    plain: dict[str, str] = {}
+    for k, key in renamed:
+        if plain.setdefault(k, key) != key:  # `M.base_layer.weight` beside `M.weight`
+            raise CkptconvError(
+                f"{plain[k]!r} and {key!r} are both {k!r} once PEFT's wrappers are taken off; the checkpoint "
+                "holds two weights for one parameter"
+            )
     depths: dict[str, set[int]] = {}  # module -> the depths of its wrappers (any adapter)
     for mods in found.values():
         for wrapper in mods:

@@ -65,6 +65,38 @@ class LoraParts:
             )
 
 
+def check_finite(
+    key: str,
+    lo: int,
+    merged: torch.Tensor,
+    written: torch.Tensor,
+    base: torch.Tensor | Callable[[], torch.Tensor],
+) -> None:
+    """A CkptconvError unless the merged rows from `lo` of `key` are finite wherever W's are: `merged` in
+    fp32, `written` in the dtype written, `base` W's rows (or a function reading them again, called only
+    when something is not finite). A finite W never becomes inf or NaN without a word: an alpha or factors
+    that large overflow fp32, or the written dtype (bf16, fp16); an inf or NaN that W holds is kept, as a
+    plain conversion keeps it."""
+    if bool(torch.isfinite(written).all()):
+        return
+    w = base if isinstance(base, torch.Tensor) else base()
+    introduced = ~torch.isfinite(written) & torch.isfinite(w)
+    if not bool(introduced.any()):
+        return
+    row = lo + int(introduced.nonzero()[0][0])
+    if bool(torch.isfinite(merged).all()):
+        peak = float(merged.abs().max())
+        raise CkptconvError(
+            f"--lora merge: {key!r} row {row}: the merged weight (|w| up to {peak:.3g}) overflows "
+            f"{str(written.dtype).removeprefix('torch.')}; write it with --dtype fp32, or check the "
+            "LoRA alpha and factors"
+        )
+    raise CkptconvError(
+        f"--lora merge: {key!r} row {row}: W + scaling * B @ A is not finite where W is; the LoRA alpha "
+        "(lora_alpha, --lora-alpha) or the factors are too large"
+    )
+
+
 def merge_rows(w: torch.Tensor, lo: int, lora: LoraParts, read: ReadFn) -> torch.Tensor:
     """Rows [lo, lo + len(w)) of the merged weight, from those rows of W (`w`, fp32; overwritten)."""
     hi = lo + w.shape[0]

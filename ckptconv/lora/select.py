@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from ..errors import CkptconvError
 from ..formats.files import exists
+from .checks import check_alpha, check_config, check_factors
 from .keys import EMBEDDING_NAMES, Factors, find_lora, peft_key
 from .params import resolve, swapped
 from .settings import CONFIG_FILE, LoraSettings, adapter_config, read_config, settings
@@ -44,6 +45,8 @@ class LoraRequest:
         given = [flag for flag, value in self._flags() if value]
         if self.mode is None and given:
             raise CkptconvError(f"{given[0]} applies with --lora {'|'.join(MODES)}")
+        if self.alpha is not None:
+            check_alpha(self.alpha)
 
     def _flags(self) -> list[tuple[str, Any]]:
         return [
@@ -118,6 +121,7 @@ def lora_plan(
         return LoraPlan(mode, name, base, note=note + "; dropped, writing the base model")
     config, source = _trainer_config(request, src, read_trainer_config)
     factors = resolve(found, factors, shapes, config)
+    check_factors(factors, shapes, dict(found.base))
     s = settings(factors, shapes, config, request.alpha, request.rslora, source)
     if mode == "merge":
         if s.fan_in_fan_out:
@@ -141,7 +145,10 @@ def _trainer_config(
     config = read_config(path, None if request.config else src) if path is not None else None
     if config is not None and request.alpha is not None:
         raise CkptconvError(f"--lora-alpha: the alpha comes from {path}; give one of the two")
-    return config, f"--lora-config {path}" if request.config is not None else str(path)
+    source = f"--lora-config {path}" if request.config is not None else str(path)
+    if config is not None:
+        check_config(config, source)
+    return config, source
 
 
 def _merge(

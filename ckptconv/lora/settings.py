@@ -13,7 +13,6 @@ with r and alpha taken from `rank_pattern` / `alpha_pattern` when a pattern matc
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
@@ -21,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import jsonkeys
 from ..errors import CkptconvError
 from ..formats.files import CONFIG_BYTES, read_regular
 from ..user_regex import UserRegex
+from .checks import check_alpha, check_config
 from .keys import Factors
 
 CONFIG_FILE = "adapter_config.json"
@@ -66,7 +67,7 @@ def read_config(path: Path, root: Path | None = None) -> dict[str, Any]:
     else is a CkptconvError naming the file."""
     raw = read_regular(path, root, MAX_CONFIG_BYTES)  # a regular file (never a FIFO), size checked first
     try:
-        config = json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+        config = jsonkeys.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
     except ValueError as e:
         raise CkptconvError(f"--lora-config {path}: not JSON ({e})") from None
     if not isinstance(config, dict):
@@ -92,8 +93,7 @@ def settings(
     ranks = {f.module: shapes[f.a][0] // f.experts for f in factors.values()}
     dora = any(f.magnitude for f in factors.values())
     if config is not None:
-        if not isinstance(config.get("r"), int) or not isinstance(config.get("lora_alpha"), int | float):
-            raise CkptconvError(f"{source}: needs integer 'r' and numeric 'lora_alpha'")
+        check_config(config, source)
         out = LoraSettings(
             r=config["r"],
             alpha=config["lora_alpha"],
@@ -122,8 +122,7 @@ def settings(
             "the LoRA alpha is in no tensor: give --lora-alpha N, or --lora-config FILE (the trainer's PEFT "
             f"adapter_config.json; one named {CONFIG_FILE} in the checkpoint directory is read by itself)"
         )
-    if alpha <= 0:
-        raise CkptconvError(f"--lora-alpha {alpha:g}: must be positive")
+    check_alpha(alpha)
     alpha = int(alpha) if float(alpha).is_integer() else alpha  # written as PEFT writes it (lora_alpha: 8)
     r = Counter(ranks.values()).most_common(1)[0][0]
     pattern = {module: rank for module, rank in ranks.items() if rank != r}

@@ -28,6 +28,28 @@ _SAVED = re.compile(
 T = TypeVar("T")
 
 
+def _check_fit(factors: dict[str, T], weight: T, where: str) -> None:
+    """A module's factors fit its weight W and each other (`lora.checks`' rules): linear A [r, in], B [out, r]
+    of W [out, in], embedding A [r, vocab], B [dim, r] of W [vocab, dim], r >= 1, DoRA's magnitude [out]."""
+    w = tuple(getattr(weight, "shape", ()))
+    shapes = {key: tuple(getattr(value, "shape", ())) for key, value in factors.items()}
+    a = next((k for k in shapes if ".lora_A." in k or ".lora_embedding_A." in k), None)
+    b = next((k for k in shapes if ".lora_B." in k or ".lora_embedding_B." in k), None)
+    if a is None or b is None:
+        missing = "A" if a is None else "B"
+        raise CkptconvError(f"{where}: {next(iter(shapes))!r}: its LoRA {missing} factor is missing")
+    out_in = (w[1], w[0]) if ".lora_embedding_" in a and len(w) == 2 else w
+    ra = shapes[a][0] if shapes[a] else 0
+    fits = len(w) == 2 and ra >= 1 and shapes[a] == (ra, out_in[1]) and shapes[b] == (out_in[0], ra)
+    if ".lora_embedding_" not in a:  # DoRA's magnitude of a linear layer: one per output row
+        fits &= all(shape == w[:1] for key, shape in shapes.items() if ".lora_magnitude_vector." in key)
+    if not fits:
+        raise CkptconvError(
+            f"{where}: its LoRA factors {a!r} {list(shapes[a])} and {b!r} {list(shapes[b])} do not fit the "
+            f"weight {list(w)} (A [r, in], B [out, r], r >= 1); is it an adapter of this model?"
+        )
+
+
 def wrap(base: dict[str, T], adapter: dict[str, T], name: str, where: str) -> dict[str, T]:
     """`base` (HF key -> stored tensor) and `adapter` (PEFT's saved keys -> stored tensor) as one dict keyed
     by the PEFT-wrapped model's names (each value is kept as it is: it is read where it is stored). `where`
@@ -66,6 +88,8 @@ def wrap(base: dict[str, T], adapter: dict[str, T], name: str, where: str) -> di
     for key in replaced:
         if key not in base:
             raise CkptconvError(f"{where}: holds {key!r}, which the base model does not have")
+    for module in sorted(targeted):
+        _check_fit(factors[module], replaced.get(f"{module}.weight", base[f"{module}.weight"]), where)
     out: dict[str, T] = {}
     for key, value in base.items():
         module, _, param = key.rpartition(".")

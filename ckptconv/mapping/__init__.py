@@ -16,12 +16,12 @@ Presets are the TOML files in `presets/`, named by their file stem (`torchtitan-
 
 from __future__ import annotations
 
-import json
 import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .. import jsonkeys
 from ..errors import CkptconvError
 from ..formats.files import CONFIG_BYTES
 from .parse import VARIANTS, parse
@@ -40,7 +40,7 @@ def load_config(path: Path | None, root: Path | None = None) -> dict[str, Any]:
         return {}
     raw = read_regular(path, root, limit=MAX_CONFIG_BYTES)  # a regular file only: a FIFO would block the read
     try:
-        doc = json.loads(raw)
+        doc = jsonkeys.loads(raw)
     except (ValueError, RecursionError) as e:
         why = str(e)[:200] or "too deeply nested"
         raise CkptconvError(f"{path}: not a readable JSON config ({why})") from None

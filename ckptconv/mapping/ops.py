@@ -69,10 +69,15 @@ class Geometry:
     groups: int = 1
 
 
-def transposed(shape: tuple[int, ...], pair: tuple[int, int] | None) -> tuple[int, ...]:
+def transposed(shape: tuple[int, ...], pair: tuple[int, int] | None, where: str = "") -> tuple[int, ...]:
+    """`shape` with the dims of `pair` swapped; a dim it does not have is a CkptconvError (`where`)."""
     if pair is None:
         return shape
     a, b = pair
+    if not (0 <= a < len(shape) and 0 <= b < len(shape)):
+        raise CkptconvError(
+            f"{where}: transpose {list(pair)} names a dim a tensor of shape {list(shape)} lacks"
+        )
     out = list(shape)
     out[a], out[b] = out[b], out[a]
     return tuple(out)
@@ -126,7 +131,7 @@ def _element(whole: Block, dims: tuple[int, ...], element: tuple[int, ...]) -> B
 
 
 def _check_dims(fused: tuple[int, ...], g: Geometry, where: str) -> None:
-    used = [("dim", g.dim)] if g.split or g.narrow is not None else []
+    used = [("dim", g.dim)] if g.split or g.narrow is not None or g.dim else []  # a dim given must exist
     used += [("stack_dim", d) for d in g.stack_dims]
     used += [("transpose", d) for d in g.transpose or ()]
     for name, d in used:
@@ -150,7 +155,7 @@ def _split(block: Block, g: Geometry, where: str) -> list[list[tuple[Block, tupl
         sizes = _sizes(g.sizes, total, g.count, where, f"dim {g.dim} of {total}")
         starts = [sum(sizes[:i]) for i in range(g.count)]
         return [[(block.at(g.dim, s, n), origin)] for s, n in zip(starts, sizes, strict=True)]
-    if g.groups <= 0 or total % g.groups:
+    if g.groups < 1 or total % g.groups:
         raise CkptconvError(f"{where}: dim {g.dim} of {total} does not split into {g.groups} groups")
     per = total // g.groups
     sizes = _sizes(g.sizes, per, g.count, where, f"a group of {per} (dim {g.dim} of {total} / {g.groups})")
@@ -203,13 +208,19 @@ def unsqueeze(t: tuple[int, ...], dims: tuple[int, ...], values: tuple[int, ...]
 
 
 def fused_shape(
-    shapes: list[tuple[int, ...]], g: Geometry, elements: tuple[int, ...], padded: int | None
+    shapes: list[tuple[int, ...]],
+    g: Geometry,
+    elements: tuple[int, ...],
+    padded: int | None,
+    where: str = "",
 ) -> tuple[int, ...]:
     """F' from the shapes of the other side's tensors (one per index; all elements alike) and the number of
     elements along each stacked dim: the inverse of `pieces`, checked afterwards by running `pieces` on it."""
     if g.stack_dims:
         shapes = [unsqueeze(s, g.stack_dims, elements) for s in shapes]
     out = list(shapes[0])
+    if (g.split is not None or g.narrow is not None) and not 0 <= g.dim < len(out):
+        raise CkptconvError(f"{where}: dim {g.dim} is not a dim of a tensor of shape {out}")
     if g.split == "interleave":
         out[g.dim] = shapes[0][g.dim] * g.count
     elif g.split is not None:

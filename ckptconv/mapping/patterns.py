@@ -105,6 +105,11 @@ class Pattern:
 
     def format(self, binding: Mapping[str, int], scope: Scope) -> str:
         def one(m: re.Match[str]) -> str:
+            if m.group(1) not in binding:
+                raise CkptconvError(
+                    f"{scope.where}: {self.text!r} needs {{{m.group(1)}}}, which the key on the other side "
+                    "of its rule does not give; fix the mapping"
+                )
             value = binding[m.group(1)]
             if m.group(2):
                 shift = scope.size(m.group(3))

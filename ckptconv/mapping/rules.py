@@ -38,6 +38,7 @@ class _Ctx:
         self.consumed: set[str] = set()
         self.targets: dict[str, Target] = {}
         self.same: list[tuple[str, str]] = []
+        self.tied: list[tuple[Target | None, str, str]] = []
 
     def add(self, target: Target) -> None:
         if target.key in self.targets:
@@ -114,7 +115,7 @@ def map_keys(
     sides = [r.runtime if direction == "to_hf" else r.hf for r in mapping.rules]
     scope = Scope(config, dict(mapping.ranges), where, dict(mapping.defaults))
     ctx = _Ctx(shapes, scope, [p for side in sides for p in side])
-    tied = bool(config.get("tie_word_embeddings", False))
+    tied = _tie_word_embeddings(config, where)
     variant = _variant(mapping, direction, ctx)
     for rule in mapping.rules:
         if rule.when is not None and rule.when != variant:
@@ -139,7 +140,20 @@ def map_keys(
         ctx.add(Target(key, shapes[key], (whole(key, shapes[key]),), "passthrough"))
     order = {k: i for i, k in enumerate(shapes)}
     targets = sorted(ctx.targets.values(), key=lambda t: min(order[s] for s in t.sources))
-    return Mapped(targets, unmapped, ctx.same)
+    return Mapped(targets, unmapped, ctx.same, ctx.tied)
+
+
+def _tie_word_embeddings(config: MappingT[str, Any], where: str) -> bool:
+    """config.json's `tie_word_embeddings`: true, false or absent (false); anything else is refused, not
+    read by its truthiness (the string "false" would tie)."""
+    value = config.get("tie_word_embeddings", False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise CkptconvError(
+            f"{where}: config.json's tie_word_embeddings is {value!r}; it must be true or false"
+        )
+    return value
 
 
 def _variant(mapping: KeyMapping, direction: Direction, ctx: _Ctx) -> str:
@@ -155,9 +169,25 @@ def _variant(mapping: KeyMapping, direction: Direction, ctx: _Ctx) -> str:
 
 def _tied(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
     """HF stores no such tensor: to HF the runtime one is dropped, to runtime it is a copy of the tied key
-    (padded with zeros along `dim` like the rule's own tensor, when the rule narrows: [V, D] -> [V', D])."""
+    (padded with zeros along `dim` like the rule's own tensor, when the rule narrows: [V, D] -> [V', D]).
+    Dropped, it is kept aside as the rule maps it untied, with the HF key it is tied to (`Mapped.tied`), for
+    the caller to check that it holds what that key holds."""
     if direction == "to_hf":
-        ctx.consumed.update(key for key, _ in ctx.matches(rule.runtime[0]))
+        before = set(ctx.targets)
+        hf = Pattern(rule.hf[0])
+        try:
+            (_from_fused if rule.fused_is_runtime else _into_fused)(ctx, rule, direction)
+        except CkptconvError:  # a head the rule cannot map (not the embedding's shape): left out all the same
+            for key in [k for k in ctx.targets if k not in before]:
+                del ctx.targets[key]
+            for key, binding in ctx.matches(rule.runtime[0]):
+                ctx.consumed.add(key)
+                ctx.tied.append((None, key, ctx.fmt(rule.tied or "", binding)))
+            return
+        for key in [k for k in ctx.targets if k not in before]:
+            target = ctx.targets.pop(key)
+            binding = hf.match(key, ctx.scope) or {}
+            ctx.tied.append((target, target.sources[0], ctx.fmt(rule.tied or "", binding)))
         return
     assert rule.tied is not None
     for key, binding in ctx.matches(rule.tied):
@@ -198,10 +228,11 @@ def _from_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
         if key in ctx.consumed:
             continue
         ctx.consumed.add(key)
-        shape = ctx.shapes[key]
+        shape, where = ctx.shapes[key], f"{ctx.where}: {key!r}"
+        fused_t = transposed(shape, rule.transpose, where)
         axes = _axes(rule.transpose, len(shape))
-        for piece in pieces(transposed(shape, rule.transpose), g, f"{ctx.where}: {key!r}"):
-            perm = rope_rows(piece.shape, ctx.heads(rule), f"{ctx.where}: {key!r}") if rule.permute else None
+        for piece in pieces(fused_t, g, where):
+            perm = rope_rows(piece.shape, ctx.heads(rule), where) if rule.permute else None
             parts = []
             for block, offsets in piece.blocks:
                 src = _in_fused(block.offsets, block.sizes, block.steps, rule.transpose)
@@ -226,7 +257,9 @@ def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
     for binding, counts, keys in _groups(ctx, rule, others):
         shapes = [ctx.shapes[k[0]] for k in keys]
         padded = padded_size(ctx.scope, rule, shapes[0]) if rule.narrow is not None else None
-        fp = fused_shape(shapes, g, counts, padded)  # F' (for a reshape: laid out like the HF tensors)
+        where = f"{ctx.where}: {keys[0][0]!r}"
+        fp = fused_shape(shapes, g, counts, padded, where)  # F' (for a reshape: laid out like the HF tensors)
+        transposed(fp, rule.transpose, where)  # a dim it lacks: refused here
         lmap = [d for d in range(len(fp)) if d not in g.stack_dims]
         axes = _axes(rule.transpose, len(fp))
         l_axes = None if axes is None else tuple(sorted(range(len(lmap)), key=lambda i: axes[lmap[i]]))

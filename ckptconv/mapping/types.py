@@ -105,6 +105,9 @@ class Mapped:
     targets: list[Target]
     unmapped: list[str]
     same: list[tuple[str, str]]  # (copy, primary): HF copies the source must hold equal (duplicate rules)
+    # to HF with tie_word_embeddings: (the dropped head as its rule maps it untied, or None when it cannot,
+    # its source key, the HF key it is tied to): what the caller checks the head repeats
+    tied: list[tuple[Target | None, str, str]] = field(default_factory=list)
 
 
 def rope_perm(rows: int, heads: int) -> tuple[int, ...]:

@@ -5,7 +5,8 @@ the dequantization multiplier of each 128x128 block (edge blocks are the part th
 
     quantize   (DeepSeek's `act_quant`, xtuner, Megatron-Bridge; not transformers' own, which multiplies by
                448/amax and rounds differently): s = amax(|block|) / 448 in fp32 (1.0 for an all-zero
-               block), q = (w / s).clamp(-448, 448).to(float8_e4m3fn)
+               block; the smallest normal fp32 where amax / 448 underflows to 0, which would give NaN),
+               q = (w / s).clamp(-448, 448).to(float8_e4m3fn)
     dequantize (torch's QuantizedHuggingFaceStorageReader): (q.float() * s.float()).to(dtype), the fp32
                product rounded once
 
@@ -21,6 +22,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
+TINY = torch.finfo(torch.float32).smallest_normal
 
 
 def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
@@ -38,6 +40,9 @@ def quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.T
     x = x.view(sr, block, sc, block)
     amax = x.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a block of values so small that amax / 448 underflows to 0 would divide 0 by 0 (NaN): the smallest
+    # normal scale quantizes it to zeros instead (its values are below fp8's resolution at any scale)
+    scale = torch.where(scale > 0, scale, TINY)
     q = (x / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(sr * block, sc * block)[:rows, :cols].contiguous(), scale
 

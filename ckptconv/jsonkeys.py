@@ -1,0 +1,27 @@
+"""JSON objects that name a key twice: `json.loads` keeps the last value silently, another reader may keep the
+first, so a file two programs could read differently is refused (as safetensors headers are, `formats.hf`).
+`loads` is `json.loads` with that check; its error is a ValueError, which every reader reports in one line."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names a key twice."""
+
+
+def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`object_pairs_hook` for `json.loads`: the object, or DuplicateKey naming the key it repeats."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def loads(raw: str | bytes | bytearray, **kwargs: Any) -> Any:
+    """`json.loads(raw)`, refusing an object with a key twice (DuplicateKey, a ValueError)."""
+    return json.loads(raw, object_pairs_hook=unique, **kwargs)

@@ -16,6 +16,9 @@ VARIABLES = {
     "CKPTCONV_WRITE_THREADS": "files each rank writes at once in hf-to-dcp (default 2)",
     "CKPTCONV_LOG_EVERY_S": "seconds between progress log lines when stderr is not a terminal (default 10)",
     "CKPTCONV_DEBUG": "set to 1 to get a traceback instead of the one-line error",
+    "CKPTCONV_READ_DEPTH": "levels of nesting a reader of pickles, JSON and TOML follows (default 100)",
+    "CKPTCONV_READ_OBJECTS": "objects a reader builds or visits beyond a file's own (default 2000000)",
+    "CKPTCONV_READ_BYTES": "bytes a reader inflates or joins from one file (default 268435456)",
 }
 
 
@@ -55,3 +58,6 @@ def check_all() -> None:
     env_int("CKPTCONV_TIMEOUT_S", 600, maximum=10**7)
     env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
     env_float("CKPTCONV_LOG_EVERY_S", 10.0)
+    from .limits import check_all as check_limits  # limits reads its variables through this module
+
+    check_limits()

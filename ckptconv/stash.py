@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CkptconvError
+from .limits import MAX_INT_BITS, Budget
 from .outlock import write_failed
 
 if TYPE_CHECKING:
@@ -41,16 +42,27 @@ class StashedItem:
     readable: Any = None  # of an item kept as bytes: what JSON holds of it, read without running it
 
 
-def json_exact(value: Any) -> bool:
-    """True when JSON round-trips `value` to an equal object of the same types."""
-    if value is None or isinstance(value, (bool, int, str)):
+def json_exact(value: Any, where: object = "a value") -> bool:
+    """True when JSON round-trips `value` to an equal object of the same types. The walk is bounded: a node
+    counts once per reference to it (a value unpickled from a few bytes can be a tree of 2^40 nodes), and
+    past the read limits it is a `LimitExceeded` naming `where`."""
+    return _exact(value, Budget(where), 1)
+
+
+def _exact(value: Any, budget: Budget, level: int) -> bool:
+    budget.objects(1, "nodes of the value walked")
+    if value is None or isinstance(value, (bool, str)):
         return True
+    if isinstance(value, int):
+        return value.bit_length() <= MAX_INT_BITS  # beyond, Python will not print it
     if isinstance(value, float):
         return math.isfinite(value)
+    if isinstance(value, list | dict):
+        budget.nested(level, "nesting of the value")
     if isinstance(value, list):
-        return all(json_exact(v) for v in value)
+        return all(_exact(v, budget, level + 1) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, str) and json_exact(v) for k, v in value.items())
+        return all(isinstance(k, str) and _exact(v, budget, level + 1) for k, v in value.items())
     return False
 
 
@@ -81,6 +93,7 @@ def write_stash(directory: Path, items: list[StashedItem]) -> None:
 
 def read_stash(directory: Path) -> list[StashedItem]:
     """The items stashed in `directory`, [] when there is no stash file."""
+    from .documents import load_json
     from .formats.files import exists, read_regular
     from .formats.hf import checkpoint_root
 
@@ -89,7 +102,7 @@ def read_stash(directory: Path) -> list[StashedItem]:
         return []
     raw = read_regular(path, checkpoint_root(directory))  # a FIFO or a link out of the checkpoint: refused
     try:
-        doc = json.loads(raw)
+        doc = load_json(raw, path)
         if doc.get("format") != STASH_FORMAT or doc.get("version") != STASH_VERSION:
             raise ValueError("unknown format or version")
         return [
@@ -137,12 +150,9 @@ def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], N
                     f"non-tensor item {item.fqn!r} {why}: stashed as bytes, not loaded "
                     "(ckptconv never unpickles it)"
                 )
-            part = None if why is None else readable_part(raw)
-            items.append(
-                StashedItem(
-                    item.fqn, item.path, raw, value, why is None and json_exact(value), why, readable=part
-                )
-            )
+            part = None if why is None else readable_part(raw, ckpt.path / item.file)
+            exact = why is None and json_exact(value, f"{ckpt.path / item.file}: {item.fqn!r}")
+            items.append(StashedItem(item.fqn, item.path, raw, value, exact, why, readable=part))
         for spec in plan.scalars:
             tensor = reader.read_chunk(spec, spec.chunks[0])
             path = ckpt.paths.get(spec.fqn, (spec.fqn,))
@@ -156,13 +166,16 @@ def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], N
     return items + list(plan.common)
 
 
-def readable_part(raw: bytes) -> Any:
+def readable_part(raw: bytes, where: object = "a non-tensor item") -> Any:
     """What JSON holds of a torch.save item weights_only refuses (an argparse.Namespace's fields, Megatron
-    0.19's common state), read from its pickle's opcodes with stand-ins (formats.megatron); None when
-    nothing is."""
-    from .formats.megatron import load_opaque, readable
+    0.19's common state), read from its pickle's opcodes with stand-ins (formats.opaque) within the read
+    limits (past them, a `LimitExceeded` naming `where`); None when nothing is."""
+    from .formats.opaque import load_opaque, readable
 
+    budget = Budget(where)
     try:
-        return readable(load_opaque(raw), "", [])
+        return readable(load_opaque(raw, where, budget), "", [], budget)
+    except CkptconvError:
+        raise
     except Exception:  # a pickle the stand-ins cannot follow: the bytes are kept all the same
         return None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..documents import load_json
 from ..dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
 from ..errors import CkptconvError
 from ..remote.urls import UrlPath
@@ -354,7 +355,7 @@ def _weight_map(index_path: Path, root: Path) -> dict[str, str]:
     """The index's weight_map (key -> file name relative to the directory), read as a regular file."""
     raw = read_regular(index_path, root, MAX_INDEX_BYTES)
     try:
-        weight_map = json.loads(raw)["weight_map"]
+        weight_map = load_json(raw, index_path)["weight_map"]
     except (ValueError, KeyError, TypeError, RecursionError):
         weight_map = None
     if not isinstance(weight_map, dict) or not all(

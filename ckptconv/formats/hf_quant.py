@@ -14,13 +14,13 @@ tensors of their own. docs/notes/quantized-formats.md has the formats and the re
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..documents import load_json
 from ..dtype_names import ITEMSIZE
 from ..errors import CkptconvError
 from .files import mode_of, read_regular
@@ -62,7 +62,7 @@ def read_config(directory: Path | None, root: Path | None) -> dict[str, Any]:
         return {}
     path = directory / CONFIG_FILE
     try:
-        doc = json.loads(read_regular(path, root, MAX_CONFIG_BYTES))
+        doc = load_json(read_regular(path, root, MAX_CONFIG_BYTES), path)
     except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, dict):

@@ -13,7 +13,6 @@ with r and alpha taken from `rank_pattern` / `alpha_pattern` when a pattern matc
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..documents import load_json
 from ..errors import CkptconvError
 from .keys import Factors
 
@@ -64,7 +64,7 @@ def read_config(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise CkptconvError(f"--lora-config {path}: cannot read it ({e.strerror or e})") from None
     try:
-        config = json.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+        config = load_json(raw, f"--lora-config {path}") if len(raw) <= MAX_CONFIG_BYTES else None
     except ValueError as e:
         raise CkptconvError(f"--lora-config {path}: not JSON ({e})") from None
     if not isinstance(config, dict):

@@ -20,6 +20,9 @@ with its environment variable when a genuine file needs more.
 
 from __future__ import annotations
 
+import functools
+import os
+
 from .env import env_int
 from .errors import CkptconvError
 
@@ -40,6 +43,12 @@ VARIABLES = {
 def limit(kind: str) -> int:
     """The limit of `kind` ("depth", "objects", "bytes"): its environment variable, or the default."""
     name, default, _ = VARIABLES[kind]
+    return _parsed(name, default, os.environ.get(name, ""))
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed(name: str, default: int, raw: str) -> int:
+    """The limit `raw` sets, parsed once per value (a budget is made per chunk read)."""
     return env_int(name, default, maximum=2**62)
 
 

@@ -233,21 +233,20 @@ def check_shapes(metadata: sp.Metadata, columns: Columns) -> str | None:
     """What is wrong with the shape of what was loaded, or None: each tensor record under one key only (its
     chunk rows are its own), offsets and sizes of at most `MAX_DIMS` numbers, planner paths of at most
     `MAX_DEPTH` strings and numbers. Each check is a pass in C over a column."""
-    checked = {
-        "chunk offsets": columns.offsets,
-        "chunk sizes": columns.sizes,
-        "index offsets": columns.index_offsets,
-    }
-    for name, column in checked.items():
+    for name, column, signed in (
+        ("chunk offsets", columns.offsets, False),  # a negative one is refused (_int_tuples) before use
+        ("chunk sizes", columns.sizes, False),
+        ("index offsets", list(filter(None, columns.index_offsets)), True),  # None: a non-tensor item's
+    ):
         try:
-            longest = max(map(len, filter(None, column)), default=0)  # None: a non-tensor item's index
+            longest = max(map(len, column), default=0)
         except TypeError:  # something else than sequences among them: the specs' checks name it
             longest = max(map(size_of, column), default=0)
         if longest > MAX_DIMS:
             return f"{name} of more than {MAX_DIMS} dimensions"
-        numbers = chain.from_iterable(filter(None, column))
+        numbers = chain.from_iterable(column)
         try:
-            largest = max(map(abs, numbers), default=0)
+            largest = max(map(abs, numbers) if signed else numbers, default=0)
         except TypeError:  # something else than numbers among them: the specs' checks name it
             sequences = (t for t in column if type(t) in (tuple, list))
             largest = max((abs(v) for t in sequences for v in t if type(v) is int), default=0)

@@ -58,15 +58,5 @@ def _why_not(raw: bytes, budget: Budget) -> str | None:
         raise  # a limit: the item is refused, not kept
     except Exception as e:  # whatever the pickle or the zip is: kept as bytes, never loaded
         return f"is not a readable torch.save record ({type(e).__name__})"
-    if scanned.torch_loads():
-        return None
-    names = [n for n in scanned.names if not n.startswith(("torch.", "collections."))]
-    return f"holds {', '.join(names) or _torch_names(scanned.names)}"
-
-
-def _torch_names(names: tuple[str, ...]) -> str:
-    """The globals of torch's namespace ckptconv has no stand-in for (a quantized or sparse tensor ...)."""
-    from .opaque import TORCH_LOADS
-
-    rest = [n for n in names if n not in TORCH_LOADS and not n.endswith("Storage")]
-    return ", ".join(rest) or "objects weights_only loading does not allow"
+    unmodeled = scanned.unmodeled()
+    return f"holds {', '.join(unmodeled)}" if unmodeled else None

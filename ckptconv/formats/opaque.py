@@ -105,6 +105,14 @@ def _charged(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
     return call
 
 
+class _Dict(dict[Any, Any]):
+    """`collections.OrderedDict`, a dict here: an OrderedDict's attributes (a state_dict's `_metadata`) come
+    as BUILD state, charged and dropped."""
+
+    def __setstate__(self, state: Any) -> None:
+        _charge(size_of(state), "state of an OrderedDict")
+
+
 def _bytearray(*args: Any) -> Opaque:
     """`bytearray(n)` allocates n bytes: a few bytes of pickle asking for gigabytes. Charged, never made."""
     first = args[0] if args else b""
@@ -113,8 +121,10 @@ def _bytearray(*args: Any) -> Opaque:
 
 
 def _encode(text: Any, encoding: Any = "utf-8", *_: Any) -> Opaque:
-    """`_codecs.encode(str, "latin1")`: how protocol 2 pickles bytes."""
-    _BUDGET.get().bytes(4 * size_of(text), "bytes encoded")
+    """`_codecs.encode(str, "latin1")`: how protocol 2 pickles bytes (another codec may inflate: refused)."""
+    if encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode with the codec {short(encoding)}")
+    _BUDGET.get().bytes(size_of(text), "bytes encoded")
     return _opaque("_codecs.encode")()
 
 
@@ -128,7 +138,7 @@ _TENSOR_REBUILDS = ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parame
 # stand-ins for what torch's weights_only load allows and costs no more than charged here: an item using only
 # these (and dtypes and storages) may be loaded by torch; any other global keeps it as its bytes
 STAND_INS: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): _charged(dict, "dict items copied"),
+    ("collections", "OrderedDict"): _charged(_Dict, "dict items copied"),
     ("collections", "Counter"): _charged(lambda *a: _opaque("collections.Counter")(), "Counter items"),
     ("torch", "Size"): _charged(tuple, "torch.Size dimensions"),
     ("torch", "device"): _charged(lambda *a: _opaque("torch.device")(), "torch.device"),
@@ -150,7 +160,6 @@ _READ_ONLY: dict[tuple[str, str], Any] = {
     ("pathlib", "PurePosixPath"): _path,
     ("pathlib", "Path"): _path,
     ("builtins", "getattr"): _getattr,
-    ("__builtin__", "getattr"): _getattr,  # the same in protocol 2, which torch.save uses
 }
 
 
@@ -160,6 +169,7 @@ class _OpaqueUnpickler(pickle.Unpickler):
         self.names: dict[str, None] = {}  # every global the pickle named, in order
 
     def find_class(self, module: str, name: str) -> Any:
+        module = "builtins" if module == "__builtin__" else module  # protocol 2's name, as torch maps it
         full = clip(f"{module}.{name}", 200)
         self.names[full] = None
         found = STAND_INS.get((module, name), _READ_ONLY.get((module, name)))
@@ -177,11 +187,11 @@ class Scanned:
     value: Any
     names: tuple[str, ...]
 
-    def torch_loads(self) -> bool:
-        """Whether torch's weights_only load of it costs no more than this read was charged: every global
-        it names has a stand-in here (the storage types are named only inside persistent ids)."""
-        names = set(self.names) - TORCH_LOADS
-        return all(n.startswith("torch.") and n.endswith("Storage") for n in names)
+    def unmodeled(self) -> list[str]:
+        """The globals it names that have no stand-in charging what torch's weights_only load of them
+        builds (the storage types, named only inside persistent ids, cost what their zip entries declare)."""
+        storage = [n for n in self.names if n.startswith("torch.") and n.endswith("Storage")]
+        return [n for n in self.names if n not in TORCH_LOADS and n not in storage]
 
 
 def scan(raw: bytes, budget: Budget) -> Scanned:

@@ -43,16 +43,18 @@ DEADLINE = 60  # seconds; the old readers took minutes or never finished
 # -- running a command within bounds ------------------------------------------------------------------------
 
 
-def bounded(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def bounded(*args: str) -> subprocess.CompletedProcess[str]:
     """`python -m ckptconv ARGS` in a child whose address space is limited to HEADROOM beyond its start
     (this module run as `__main__` sets the limit), failing the test past DEADLINE."""
-    environ = {**_env(), "BOUNDED_HEADROOM": str(HEADROOM), **(env or {})}
+    environ = {**_env(), "BOUNDED_HEADROOM": str(HEADROOM)}
     try:
         if _forked():
             return _forkserver[0].run(__name__, list(args), environ, DEADLINE)
         environ["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + environ["PYTHONPATH"]
         cmd = [sys.executable, "-m", __name__, *args]
-        return subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=DEADLINE)
+        return subprocess.run(
+            cmd, capture_output=True, text=True, env=environ, timeout=DEADLINE, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"ckptconv {' '.join(args)} ran past {DEADLINE} s")
 

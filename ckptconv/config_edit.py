@@ -19,6 +19,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from .documents import load_json
 from .dtype_names import ITEMSIZE
 
 DTYPE_FIELDS = ("dtype", "torch_dtype")
@@ -30,7 +31,7 @@ def edit_config(
 ) -> tuple[bytes, list[str]]:
     """(the config.json bytes for a release of `dtype` weights quantized as `quantization`, the edits)."""
     try:
-        doc = json.loads(raw)
+        doc = load_json(raw, "config.json")
     except ValueError:
         return raw, []  # not JSON: copied as it is (transformers would refuse it anyway)
     if not isinstance(doc, dict):

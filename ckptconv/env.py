@@ -16,6 +16,9 @@ VARIABLES = {
     "CKPTCONV_WRITE_THREADS": "files each rank writes at once in hf-to-dcp (default 2)",
     "CKPTCONV_LOG_EVERY_S": "seconds between progress log lines when stderr is not a terminal (default 10)",
     "CKPTCONV_DEBUG": "1 or true: a traceback instead of the one-line error (0, false or empty: off)",
+    "CKPTCONV_READ_DEPTH": "levels of nesting a reader of pickles, JSON and TOML follows (default 100)",
+    "CKPTCONV_READ_OBJECTS": "objects a reader builds or visits beyond a file's own (default 2000000)",
+    "CKPTCONV_READ_BYTES": "bytes a reader inflates or joins from one file (default 268435456)",
 }
 _FLAGS = {"": False, "0": False, "false": False, "1": True, "true": True}
 
@@ -71,3 +74,6 @@ def check_all() -> None:
     env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
     env_float("CKPTCONV_LOG_EVERY_S", 10.0)
     env_flag("CKPTCONV_DEBUG")
+    from .limits import check_all as check_limits  # limits reads its variables through this module
+
+    check_limits()

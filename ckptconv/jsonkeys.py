@@ -1,10 +1,10 @@
 """JSON objects that name a key twice: `json.loads` keeps the last value silently, another reader may keep the
 first, so a file two programs could read differently is refused (as safetensors headers are, `formats.hf`).
-`loads` is `json.loads` with that check; its error is a ValueError, which every reader reports in one line."""
+`unique` is the `object_pairs_hook` that checks it (`documents.load_json` uses it); its error is a ValueError,
+which every reader reports in one line."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 
@@ -21,7 +21,3 @@ def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out[key] = value
     return out
 
-
-def loads(raw: str | bytes | bytearray, **kwargs: Any) -> Any:
-    """`json.loads(raw)`, refusing an object with a key twice (DuplicateKey, a ValueError)."""
-    return json.loads(raw, object_pairs_hook=unique, **kwargs)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import jsonkeys
 from .errors import CkptconvError
+from .limits import MAX_INT_BITS, Budget
 from .outlock import write_failed
 
 if TYPE_CHECKING:
@@ -43,16 +43,27 @@ class StashedItem:
     readable: Any = None  # of an item kept as bytes: what JSON holds of it, read without running it
 
 
-def json_exact(value: Any) -> bool:
-    """True when JSON round-trips `value` to an equal object of the same types."""
-    if value is None or isinstance(value, (bool, int, str)):
+def json_exact(value: Any, where: object = "a value") -> bool:
+    """True when JSON round-trips `value` to an equal object of the same types. The walk is bounded: a node
+    counts once per reference to it (a value unpickled from a few bytes can be a tree of 2^40 nodes), and
+    past the read limits it is a `LimitExceeded` naming `where`."""
+    return _exact(value, Budget(where), 1)
+
+
+def _exact(value: Any, budget: Budget, level: int) -> bool:
+    budget.objects(1, "nodes of the value walked")
+    if value is None or isinstance(value, (bool, str)):
         return True
+    if isinstance(value, int):
+        return value.bit_length() <= MAX_INT_BITS  # beyond, Python will not print it
     if isinstance(value, float):
         return math.isfinite(value)
+    if isinstance(value, list | dict):
+        budget.nested(level, "nesting of the value")
     if isinstance(value, list):
-        return all(json_exact(v) for v in value)
+        return all(_exact(v, budget, level + 1) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, str) and json_exact(v) for k, v in value.items())
+        return all(isinstance(k, str) and _exact(v, budget, level + 1) for k, v in value.items())
     return False
 
 
@@ -84,6 +95,7 @@ def write_stash(directory: Path, items: list[StashedItem]) -> None:
 def read_stash(directory: Path) -> list[StashedItem]:
     """The items stashed in `directory`, [] when there is no stash file. Every item is checked as dcp-to-hf
     writes it (`_item`); a file that breaks any rule is refused, naming the item."""
+    from .documents import load_json
     from .formats.files import STASH_BYTES, exists, read_regular
     from .formats.hf import checkpoint_root
 
@@ -92,7 +104,7 @@ def read_stash(directory: Path) -> list[StashedItem]:
         return []
     raw = read_regular(path, checkpoint_root(directory), STASH_BYTES)  # a FIFO, a link out: refused
     try:
-        doc = jsonkeys.loads(raw, parse_constant=_no_constant)
+        doc = load_json(raw, path, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
         raise CkptconvError(f"{path}: not a readable ckptconv stash ({e}); delete or fix it") from None
     if not isinstance(doc, dict) or doc.get("format") != STASH_FORMAT or doc.get("version") != STASH_VERSION:
@@ -238,12 +250,9 @@ def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], N
                     f"non-tensor item {item.fqn!r} {why}: stashed as bytes, not loaded "
                     "(ckptconv never unpickles it)"
                 )
-            part = None if why is None else readable_part(raw)
-            items.append(
-                StashedItem(
-                    item.fqn, item.path, raw, value, why is None and json_exact(value), why, readable=part
-                )
-            )
+            part = None if why is None else readable_part(raw, ckpt.path / item.file)
+            exact = why is None and json_exact(value, f"{ckpt.path / item.file}: {item.fqn!r}")
+            items.append(StashedItem(item.fqn, item.path, raw, value, exact, why, readable=part))
         for spec in plan.scalars:
             tensor = reader.read_chunk(spec, spec.chunks[0])
             path = ckpt.paths.get(spec.fqn, (spec.fqn,))
@@ -257,13 +266,16 @@ def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], N
     return items + list(plan.common)
 
 
-def readable_part(raw: bytes) -> Any:
+def readable_part(raw: bytes, where: object = "a non-tensor item") -> Any:
     """What JSON holds of a torch.save item weights_only refuses (an argparse.Namespace's fields, Megatron
-    0.19's common state), read from its pickle's opcodes with stand-ins (formats.megatron); None when
-    nothing is."""
-    from .formats.megatron import load_opaque, readable
+    0.19's common state), read from its pickle's opcodes with stand-ins (formats.opaque) within the read
+    limits (past them, a `LimitExceeded` naming `where`); None when nothing is."""
+    from .formats.opaque import load_opaque, readable
 
+    budget = Budget(where)
     try:
-        return readable(load_opaque(raw), "", [])
+        return readable(load_opaque(raw, where, budget), "", [], budget)
+    except CkptconvError:
+        raise
     except Exception:  # a pickle the stand-ins cannot follow: the bytes are kept all the same
         return None

@@ -600,11 +600,11 @@ def test_deeply_nested_config_and_mapping_files_are_one_line(fsdp2_ckpt: Path, t
     config.write_text("[" * 100_000)
     out = tmp_path / "out"
     proc = ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(out), "--config", str(config))
-    assert_refused(proc, "config.json", "not a readable JSON config")
+    assert_refused(proc, "config.json", "more than 100 levels of nesting", "CKPTCONV_READ_DEPTH")
     mapping = tmp_path / "m.toml"
     mapping.write_text("a = " + "[" * 100_000)
     inspect = ("inspect", str(fsdp2_ckpt), "--mapping", str(mapping))
-    assert_refused(ckptconv(*inspect), "m.toml", "not valid TOML")
+    assert_refused(ckptconv(*inspect), "m.toml", "more than 100 levels of nesting", "CKPTCONV_READ_DEPTH")
     mapping.write_bytes(b"\xff\xfe")
     assert_refused(ckptconv(*inspect), "m.toml", "not UTF-8")
     mapping.unlink()

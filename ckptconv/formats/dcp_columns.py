@@ -19,16 +19,23 @@ another record's data: a record the stream reuses (a memo reference builds nothi
 never puts it. A chunk list must be its sink N times with exactly N new rows since the last tensor; a
 `_StorageInfo` must come right after a new index record of its own (row `paired + 1`), with no index record
 built between its making (NEWOBJ) and its state (BUILD). Megatron-Core's `all_local_plans`, saved after
-the index, leaves index rows without storage and chunk rows no tensor takes: nothing reads them.
+the index, leaves index rows without storage and chunk rows no tensor takes: nothing reads them (its plan
+records load as one object, their state dropped).
+
+What pickle's memo could reuse to make later work grow (one tensor record under many keys, one long offsets
+tuple for every chunk, one long path for every key) is checked once the stream is read, in C over the
+columns, before anything walks them: `check_shapes`.
 """
 
 from __future__ import annotations
 
 import pickle
 from array import array
+from itertools import chain
 from typing import Any
 
 from ..errors import CkptconvError
+from ..limits import MAX_DEPTH, MAX_DIMS, MAX_RECORD_FIELDS, Budget, size_of
 from . import safe_pickle as sp
 
 
@@ -57,13 +64,7 @@ class Columns:
         return found
 
 
-def _state(state: Any) -> dict[str, Any]:
-    """A BUILD state as one dict: the dict, or the (dict, slots) pair of a class with `__slots__`."""
-    if type(state) is dict:
-        return state
-    if type(state) is tuple and len(state) == 2 and all(s is None or type(s) is dict for s in state):
-        return {**(state[0] or {}), **(state[1] or {})}
-    raise pickle.UnpicklingError(f"unexpected record state {type(state).__name__}")
+_state = sp.record_state  # a BUILD state as one dict of a few fields (the (dict, slots) pair merged)
 
 
 class _ChunkSink:
@@ -115,8 +116,25 @@ class _StorageSink:
         self.starts(state["offset"])
         self.lengths(state["length"])
         if state.get("transform_descriptors"):
-            c.transforms[len(c.paths) - 1] = state["transform_descriptors"]
+            c.transforms[len(c.paths) - 1] = _transforms(state["transform_descriptors"])
         state.clear()
+
+
+def _transforms(found: Any) -> tuple[str, ...]:
+    """A storage entry's transform descriptors (torch: a sequence of strings), a few short strings at most:
+    an error message names them."""
+    if type(found) not in (list, tuple) or len(found) > MAX_RECORD_FIELDS:
+        raise pickle.UnpicklingError("malformed transform descriptors")
+    if set(map(type, found)) - {str} or max(map(len, found)) > 200:
+        raise pickle.UnpicklingError("malformed transform descriptors")
+    return tuple(found)
+
+
+class _Discard:
+    """Megatron-Core's save-plan records (nothing reads them): each loads as one shared object whose
+    `__setstate__` is `len`, a C call that keeps and copies nothing."""
+
+    __setstate__ = staticmethod(len)
 
 
 def _sink_class(name: str, sink: object) -> type:
@@ -140,6 +158,8 @@ def _tensor_class(columns: Columns, chunk: _ChunkSink) -> type:
 
         def __setstate__(self, state: Any) -> None:
             state = dict(_state(state))
+            if size_of(state.get("size")) > MAX_DIMS:
+                raise pickle.UnpicklingError(f"a tensor size of more than {MAX_DIMS} dimensions")
             chunks = state.pop("chunks", None)
             if type(chunks) is not list or chunks.count(chunk) != len(chunks):
                 raise pickle.UnpicklingError("a tensor's chunk list holds something else than chunks")
@@ -157,12 +177,14 @@ def allowed(columns: Columns) -> dict[tuple[str, str], Any]:
     """The `.metadata` allowlist (safe_pickle's), with the chunk, index and storage records and the tensors
     loading into `columns`."""
     chunk = _ChunkSink(columns)
+    discard = _Discard()
     return {
         **sp.METADATA_GLOBALS,
         (sp.DCP_MD, "ChunkStorageMetadata"): _sink_class("ChunkStorageMetadata", chunk),
         (sp.DCP_MD, "MetadataIndex"): _sink_class("MetadataIndex", _IndexSink(columns)),
         (sp.DCP_FS, "_StorageInfo"): _storage_class(_StorageSink(columns)),
         (sp.DCP_MD, "TensorStorageMetadata"): _tensor_class(columns, chunk),
+        **{(sp.DCP_PLANNER, name): _sink_class(name, discard) for name in sp.PLAN_RECORDS},
     }
 
 
@@ -183,9 +205,9 @@ def load_dcp_metadata(data: bytes | sp.Readable, where: str) -> tuple[sp.Metadat
     columns = Columns()
     hooks = allowed(columns)
     try:
-        metadata = sp.MetadataUnpickler(data, hooks).load()
-    except OSError:
-        raise  # reading the file failed, not its contents: the caller names the path and the cause
+        metadata = sp.MetadataUnpickler(data, hooks, Budget(where)).load()
+    except (OSError, CkptconvError):
+        raise  # reading the file failed (the caller names the path and the cause), or a limit was reached
     except sp.Refused as e:
         raise CkptconvError(
             f"{where}: refusing to load: the metadata references {e}, which is not part of DCP metadata "
@@ -201,4 +223,45 @@ def load_dcp_metadata(data: bytes | sp.Readable, where: str) -> tuple[sp.Metadat
         _release(hooks)
     if not isinstance(metadata, sp.Metadata):
         raise CkptconvError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
+    problem = check_shapes(metadata, columns)
+    if problem:
+        raise CkptconvError(f"{where}: malformed DCP metadata ({problem}); re-save or re-copy the checkpoint")
     return metadata, columns
+
+
+def check_shapes(metadata: sp.Metadata, columns: Columns) -> str | None:
+    """What is wrong with the shape of what was loaded, or None: each tensor record under one key only (its
+    chunk rows are its own), offsets and sizes of at most `MAX_DIMS` numbers, planner paths of at most
+    `MAX_DEPTH` strings and numbers. Each check is a pass in C over a column."""
+    for name, column, signed in (
+        ("chunk offsets", columns.offsets, False),  # a negative one is refused (_int_tuples) before use
+        ("chunk sizes", columns.sizes, False),
+        ("index offsets", list(filter(None, columns.index_offsets)), True),  # None: a non-tensor item's
+    ):
+        try:
+            longest = max(map(len, column), default=0)
+        except TypeError:  # something else than sequences among them: the specs' checks name it
+            longest = max(map(size_of, column), default=0)
+        if longest > MAX_DIMS:
+            return f"{name} of more than {MAX_DIMS} dimensions"
+        numbers = chain.from_iterable(column)
+        try:
+            largest = max(map(abs, numbers) if signed else numbers, default=0)
+        except TypeError:  # something else than numbers among them: the specs' checks name it
+            sequences = (t for t in column if type(t) in (tuple, list))
+            largest = max((abs(v) for t in sequences for v in t if type(v) is int), default=0)
+        if largest >= 2**63:
+            return f"{name} beyond 2^63"
+    state = metadata.state_dict_metadata
+    if isinstance(state, dict):
+        rows = [e.rows for e in state.values() if isinstance(getattr(e, "rows", None), range)]
+        if sum(map(len, rows)) > columns.taken:
+            return "a tensor record stored under more than one key"
+    planner = metadata.planner_data
+    if isinstance(planner, dict):
+        paths = [p for p in planner.values() if type(p) in (list, tuple)]
+        if max(map(len, paths), default=0) > MAX_DEPTH:
+            return f"a planner path of more than {MAX_DEPTH} parts"
+        if set(map(type, chain.from_iterable(paths))) - {str, int}:
+            return "a planner path holding something else than strings and numbers"
+    return None

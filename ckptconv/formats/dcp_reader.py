@@ -22,14 +22,16 @@ import torch
 
 from ..crc32 import crc32, whole_crc
 from ..errors import CkptconvError
+from ..limits import Budget
 from ..remote.files import RemoteFiles
 from ..remote.urls import UrlPath
 from ..specs import ChunkSpec, NonTensorItem, TensorSpec
 from .dcp import DcpCheckpoint
 from .files import check_unchanged, open_regular, pread_exact, read_error
 from .hf import MAX_HEADER_BYTES, StoredTensor, header_tensors, parse_header
-from .safe_pickle import pickle_globals, trusted
-from .torch_record import read_tensor_record
+from .items import load_item
+from .torch_record import MAX_RECORD_PICKLE, TensorRecord, read_tensor_record
+from .torch_zip import TorchZip
 
 _CLOSE_WAIT = 60.0  # seconds close() waits for reads in flight before closing their files anyway
 
@@ -240,18 +242,16 @@ class DcpReader:
     def _locate_in_zip(self, spec: TensorSpec, chunk: ChunkSpec, nbytes: int) -> int | None:
         window = _Window(self, chunk.file, chunk.byte_offset, chunk.byte_length)
         try:
-            archive = zipfile.ZipFile(window)
-            names = {info.filename.split("/", 1)[-1]: info for info in archive.infolist()}
-            if archive.read(names["byteorder"]) != b"little":
+            archive, record = self._record(chunk, window)
+            if archive.read("byteorder", 16) != b"little":
                 return None
-            record = read_tensor_record(archive.read(names["data.pkl"]))
-            if record is None or record.dtype != spec.dtype or not record.is_contiguous:
+            if record.dtype != spec.dtype or not record.is_contiguous:
                 return None
             if record.size != chunk.sizes:
                 raise self._corrupt(chunk, f"stores shape {list(record.size)}, expected {list(chunk.sizes)}")
-            info = names[f"data/{record.storage_key}"]
+            info = archive.entries[f"data/{record.storage_key}"]
         except (zipfile.BadZipFile, KeyError, EOFError, ValueError) as e:
-            raise self._corrupt(chunk, f"is not a readable torch.save record ({e})") from None
+            raise self._corrupt(chunk, f"is not a readable torch.save record ({str(e)[:200]})") from None
         if info.compress_type != zipfile.ZIP_STORED:
             return None
         local = self.read_bytes(chunk.file, chunk.byte_offset + info.header_offset, 30)
@@ -266,8 +266,24 @@ class DcpReader:
             self._crcs[(chunk.file, chunk.byte_offset + start)] = info.CRC
         return chunk.byte_offset + start
 
+    def _record(self, chunk: ChunkSpec, data: Any) -> tuple[TorchZip, TensorRecord]:
+        """The zip of a chunk's torch.save record (`data`: its bytes or a window on them) and the tensor its
+        data.pkl describes, read within the read limits; a record of anything but one plain tensor (which
+        only torch's unbounded unpickler would read) is refused."""
+        budget = Budget(self.ckpt.path / chunk.file)
+        archive = TorchZip(data, budget.where, budget)
+        archive.check_declared(chunk.byte_length + budget.bytes_left())  # what torch.load would inflate
+        record = read_tensor_record(archive.read("data.pkl", MAX_RECORD_PICKLE), budget)
+        if record is None:
+            raise self._corrupt(chunk, "holds something else than one plain tensor")
+        return archive, record
+
     def torch_load_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
         data = self.read_bytes(chunk.file, chunk.byte_offset, chunk.byte_length)
+        try:
+            self._record(chunk, data)
+        except (zipfile.BadZipFile, KeyError, EOFError, ValueError) as e:
+            raise self._corrupt(chunk, f"is not a readable torch.save record ({str(e)[:200]})") from None
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:
@@ -306,24 +322,10 @@ class DcpReader:
         )
 
     def load_item(self, item: NonTensorItem) -> tuple[bytes, Any, str | None]:
-        """(raw torch.save bytes, the value loaded with weights_only=True, why it was not loaded or None)."""
+        """(raw torch.save bytes, the value loaded with weights_only=True, why it was not loaded or None):
+        formats/items, within the read limits."""
         raw = self.read_bytes(item.file, item.byte_offset, item.byte_length)
-        try:
-            return raw, torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True), None
-        except Exception:
-            names = [
-                n for n in pickle_globals(_data_pkl(raw)) if not n.startswith(("torch.", "collections."))
-            ]
-            what = ", ".join(dict.fromkeys(names)) or "objects weights_only loading does not allow"
-            loaded = trusted()
-            if loaded is None:
-                return raw, None, f"holds {what}"
-        try:  # --trust-pickle: the user vouches for this checkpoint
-            value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise CkptconvError(f"{item.fqn!r}: cannot be loaded even with --trust-pickle ({e})") from None
-        loaded.append(f"{item.fqn} ({what})")
-        return raw, value, None
+        return (raw, *load_item(raw, item.fqn, f"{self.ckpt.path / item.file}: {item.fqn!r}"))
 
 
 class RowPiece(NamedTuple):
@@ -358,15 +360,6 @@ def _crc_error(ckpt: DcpCheckpoint, file: str, fqn: str, byte_offset: int) -> Ck
         f"{ckpt.path / file}: the chunk of {fqn!r} at byte {byte_offset} fails its CRC-32 check; "
         "the checkpoint is corrupt, re-copy or re-save it"
     )
-
-
-def _data_pkl(raw: bytes) -> bytes:
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(raw))
-        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-        return archive.read(name)
-    except Exception:
-        return b""
 
 
 class _Window(io.RawIOBase):

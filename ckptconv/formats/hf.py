@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import jsonkeys
+from ..documents import load_json
 from ..dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
 from ..errors import CkptconvError
+from ..jsonkeys import DuplicateKey
 from ..remote.urls import UrlPath
 from .files import Stamp, inside, listdir, mode_of, open_regular, pread_exact, read_error, read_regular, stamp
 
@@ -355,8 +356,8 @@ def _weight_map(index_path: Path, root: Path) -> dict[str, str]:
     """The index's weight_map (key -> file name relative to the directory), read as a regular file."""
     raw = read_regular(index_path, root, MAX_INDEX_BYTES)
     try:
-        weight_map = jsonkeys.loads(raw)["weight_map"]
-    except jsonkeys.DuplicateKey as e:
+        weight_map = load_json(raw, index_path)["weight_map"]
+    except DuplicateKey as e:
         raise CkptconvError(f"{index_path}: not a valid safetensors index ({e})") from None
     except (ValueError, KeyError, TypeError, RecursionError):
         weight_map = None

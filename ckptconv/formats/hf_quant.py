@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import jsonkeys
+from ..documents import load_json
 from ..dtype_names import ITEMSIZE
 from ..errors import CkptconvError
 from .files import CONFIG_BYTES, mode_of, read_regular
@@ -64,7 +64,7 @@ def read_config(directory: Path | None, root: Path | None) -> dict[str, Any]:
         return {}
     path = directory / CONFIG_FILE
     try:
-        doc = jsonkeys.loads(read_regular(path, root, MAX_CONFIG_BYTES))
+        doc = load_json(read_regular(path, root, MAX_CONFIG_BYTES), path)
     except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, dict):

@@ -19,7 +19,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .. import jsonkeys
+from ..documents import load_json
 from ..errors import CkptconvError
 from ..layout import tiling_problem
 from ..specs import ChunkSpec, TensorSpec
@@ -40,7 +40,7 @@ def sharding_of(metadata: dict[str, str], path: Path) -> dict[str, tuple[int, ..
     try:
         if len(raw) > MAX_SHARDING_CHARS:
             raise ValueError("too large")
-        doc: Any = jsonkeys.loads(raw)
+        doc: Any = load_json(raw, path)
         return {
             str(key): tuple(_offset(x) for x in entry["saved_offsets"]) for key, entry in dict(doc).items()
         }
@@ -150,7 +150,7 @@ def _split_file(path: Path) -> dict[str, int] | None:
     if mode_of(file) is None:
         return None
     try:
-        doc = jsonkeys.loads(read_regular(file, path, limit=KEY_MAP_BYTES))
+        doc = load_json(read_regular(file, path, limit=KEY_MAP_BYTES), file)
         if not isinstance(doc, dict) or not all(
             isinstance(k, str) and type(v) is int and v >= 1 for k, v in doc.items()
         ):

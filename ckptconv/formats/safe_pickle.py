@@ -8,43 +8,114 @@ becomes its name (`"bfloat16"`), a `torch.Size` a tuple; the chunk and storage r
 `all_local_plans` attribute of the `Metadata` it saves, and ckptconv ignores them. Any other global in the
 pickle stops the load with a `CkptconvError` naming it. The allowlist unpickler here also serves
 `torch_record.read_tensor_record`.
+
+Nothing here copies what pickle's memo lets a stream reuse without charging the load's `limits.Budget`: a
+`torch.Size` is the tuple it was pickled with (never a copy), a path or a dict built from memoized arguments
+is charged for its length, and a record's state may have at most `MAX_RECORD_FIELDS` fields.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
-import pickletools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import PurePosixPath
 from typing import Any, Protocol
 
 from ..dtype_names import ITEMSIZE
+from ..limits import MAX_RECORD_FIELDS, Budget, size_of
 
 _LAYOUTS = ("torch.strided", "torch.sparse_coo")
 
 
 def _get_layout(name: str) -> str:
     if name not in _LAYOUTS:
-        raise pickle.UnpicklingError(f"unknown layout {name!r}")
+        raise pickle.UnpicklingError(f"unknown layout {short(name)}")
     return name
 
 
-def _path(*parts: str) -> str:
-    return str(PurePosixPath(*parts))
+def clip(text: str, most: int = 100) -> str:
+    """`text` cut to `most` characters, for an error message (a name in a pickle can be megabytes)."""
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
+def short(value: object, most: int = 100) -> str:
+    """`repr(value)` of a string or number, else its type's name; cut to `most` characters (an int too long
+    to print, which `repr` refuses past 4300 digits, by its size)."""
+    if isinstance(value, int) and value.bit_length() > 4 * most:
+        return f"an integer of {value.bit_length()} bits"
+    return clip(repr(value) if isinstance(value, str | bytes | int | float) else type(value).__name__, most)
+
+
+class Charged:
+    """An allowlisted constructor whose work grows with its arguments: the unpickler hands it the load's
+    `Budget` first (`fn(budget, *args)`)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+
+MAX_PATH = 65536  # characters of a path (Linux takes 4096, Windows 32767)
+
+
+def path_of(parts: tuple[Any, ...], budget: Budget) -> str:
+    """`PurePosixPath(*parts)` as its string, each part a string; a memoized string joined to itself doubles
+    at each step, so the parts are charged first and the result may not pass `MAX_PATH`."""
+    texts = [p if isinstance(p, str) else type(p).__name__ for p in parts]
+    length = sum(map(len, texts)) + len(texts)
+    budget.bytes(length, "paths joined")
+    if length > MAX_PATH:
+        raise pickle.UnpicklingError(f"a path of more than {MAX_PATH} characters")
+    return str(PurePosixPath(*texts))
+
+
+def _path(budget: Budget, *parts: Any) -> str:
+    return path_of(parts, budget)
+
+
+def charged_dict(budget: Budget, *args: Any) -> dict[Any, Any]:
+    """`collections.OrderedDict(...)` as a plain dict; the items copied from its argument are charged."""
+    if len(args) > 1:
+        raise pickle.UnpicklingError("OrderedDict takes at most one argument")
+    budget.objects(size_of(args[0]) if args else 1, "dict items copied")
+    return dict(*args)
+
+
+# `torch.Size(t)` as `t` itself: `().__add__(t)` is `t` for a tuple (no copy), a TypeError for anything else,
+# so a memoized list fed to it a million times copies nothing; one C call, as fast as `tuple` at a million
+# chunks (`tuple` would copy a list each time)
+SIZE = ().__add__
+
+
+def record_state(state: Any) -> dict[str, Any]:
+    """A record's BUILD state as one dict of at most `MAX_RECORD_FIELDS` fields: the dict, or the (dict,
+    slots) pair of a class with `__slots__` (merged only once both are known to be small)."""
+    if type(state) is dict:
+        parts: tuple[Any, ...] = (state,)
+    elif type(state) is tuple and len(state) == 2 and all(s is None or type(s) is dict for s in state):
+        parts = tuple(s for s in state if s)
+    else:
+        raise pickle.UnpicklingError(f"unexpected record state {type(state).__name__}")
+    if sum(map(len, parts)) > MAX_RECORD_FIELDS:
+        raise pickle.UnpicklingError(f"a record with more than {MAX_RECORD_FIELDS} fields")
+    return parts[0] if len(parts) == 1 else {k: v for part in parts for k, v in part.items()}
 
 
 class Record:
     """A plain attribute bag standing in for one of DCP's metadata classes (built by NEWOBJ + BUILD).
 
     Loading into stand-ins rather than torch's own classes keeps `import torch.distributed.checkpoint` (most
-    of a second) out of the CLI, and means nothing but attribute assignment happens while unpickling. There is
-    no `__setstate__`: the C unpickler's BUILD fills `__dict__` itself (a dict, or the (dict, slots) pair; any
-    other state is an UnpicklingError), about five times faster than a Python method per record, which
-    matters at a million chunks.
+    of a second) out of the CLI, and means nothing but attribute assignment happens while unpickling. These
+    are the records there are one of per tensor or fewer (the chunk, index and storage records, one per
+    chunk, load into dcp_columns' sinks), so a Python `__setstate__` costs nothing measurable; it copies at
+    most `MAX_RECORD_FIELDS` fields, however often the stream reuses one state.
     """
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__.update(record_state(state))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.__dict__})"
@@ -77,11 +148,7 @@ class TensorProperties(Record):
         if isinstance(state, tuple) and len(state) == 5:  # TensorProperties.__getstate__'s tuple
             self.dtype = state[0]
             return
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) form
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if not isinstance(state, dict):
-            raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
-        self.__dict__.update(state)
+        self.__dict__.update(record_state(state))
 
 
 class _MemFormat:
@@ -123,6 +190,8 @@ class BytesIOWriteData(Record):
     pass
 
 
+PLAN_RECORDS = ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")  # dcp_columns drops them
+
 _ENUM_MEMBERS: dict[Any, set[str]] = {
     _MemFormat: {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT"},
     _WriteItemType: {"TENSOR", "SHARD", "BYTE_IO"},
@@ -132,13 +201,13 @@ _ENUM_MEMBERS: dict[Any, set[str]] = {
 def _enum_member(cls: Any, name: Any) -> Any:
     """`builtins.getattr` as enum pickles use it: only a member name of an allowed enum stand-in."""
     if cls not in _ENUM_MEMBERS or name not in _ENUM_MEMBERS[cls]:
-        raise Refused(f"builtins.getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
+        raise Refused(f"builtins.getattr({getattr(cls, '__name__', type(cls).__name__)}, {short(name)})")
     return getattr(cls, name)
 
 
 DCP_MD = "torch.distributed.checkpoint.metadata"
 DCP_FS = "torch.distributed.checkpoint.filesystem"
-_DCP_PLANNER = "torch.distributed.checkpoint.planner"
+DCP_PLANNER = "torch.distributed.checkpoint.planner"
 # what `.metadata` may reference (dcp_columns loads the chunk, index and storage records into columns)
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     (DCP_MD, "Metadata"): Metadata,
@@ -148,18 +217,18 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     (DCP_MD, "StorageMeta"): StorageMeta,
     (DCP_MD, "_MEM_FORMAT_ENCODING"): _MemFormat,
     ("builtins", "getattr"): _enum_member,
-    (_DCP_PLANNER, "SavePlan"): SavePlan,
-    (_DCP_PLANNER, "WriteItem"): WriteItem,
-    (_DCP_PLANNER, "WriteItemType"): _WriteItemType,
-    (_DCP_PLANNER, "TensorWriteData"): TensorWriteData,
-    (_DCP_PLANNER, "BytesIOWriteData"): BytesIOWriteData,
-    ("torch", "Size"): tuple,
+    (DCP_PLANNER, "SavePlan"): SavePlan,
+    (DCP_PLANNER, "WriteItem"): WriteItem,
+    (DCP_PLANNER, "WriteItemType"): _WriteItemType,
+    (DCP_PLANNER, "TensorWriteData"): TensorWriteData,
+    (DCP_PLANNER, "BytesIOWriteData"): BytesIOWriteData,
+    ("torch", "Size"): SIZE,
     ("torch.serialization", "_get_layout"): _get_layout,
-    ("pathlib", "PosixPath"): _path,
-    ("pathlib", "PurePosixPath"): _path,
-    ("pathlib", "WindowsPath"): _path,
-    ("pathlib", "Path"): _path,
-    ("collections", "OrderedDict"): dict,
+    ("pathlib", "PosixPath"): Charged(_path),
+    ("pathlib", "PurePosixPath"): Charged(_path),
+    ("pathlib", "WindowsPath"): Charged(_path),
+    ("pathlib", "Path"): Charged(_path),
+    ("collections", "OrderedDict"): Charged(charged_dict),
     **{("torch", name): name for name in ITEMSIZE},  # a dtype is pickled as the global torch.<name>
 }
 
@@ -197,19 +266,23 @@ class Readable(Protocol):
 class AllowlistUnpickler(pickle.Unpickler):
     trustable = False  # under `trusting()`, load globals outside the allowlist instead of refusing them
 
-    def __init__(self, data: bytes | Readable, allowed: dict[tuple[str, str], Any]) -> None:
+    def __init__(
+        self, data: bytes | Readable, allowed: dict[tuple[str, str], Any], budget: Budget | None = None
+    ) -> None:
         super().__init__(io.BytesIO(data) if isinstance(data, bytes) else data)
         self._allowed = allowed
+        self.budget = budget or Budget("a pickle")
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return self._allowed[(module, name)]
+            found = self._allowed[(module, name)]
         except KeyError:
             loaded = trusted() if self.trustable else None
             if loaded is None:
-                raise Refused(f"{module}.{name}") from None
+                raise Refused(clip(f"{module}.{name}", 200)) from None
             loaded.append(f"{module}.{name}")
             return super().find_class(module, name)
+        return functools.partial(found.fn, self.budget) if type(found) is Charged else found
 
 
 class MetadataUnpickler(AllowlistUnpickler):
@@ -218,20 +291,3 @@ class MetadataUnpickler(AllowlistUnpickler):
 
 class Refused(pickle.UnpicklingError):
     """A global outside the allowlist."""
-
-
-def pickle_globals(data: bytes) -> list[str]:
-    """The `module.name` globals a pickle would import, read from its opcodes without running it."""
-    names: list[str] = []
-    strings: list[str] = []
-    try:
-        for opcode, arg, _ in pickletools.genops(data):
-            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-                strings.append(str(arg))
-            elif opcode.name == "GLOBAL":
-                names.append(str(arg).replace(" ", "."))
-            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(f"{strings[-2]}.{strings[-1]}")
-    except Exception:
-        pass
-    return names

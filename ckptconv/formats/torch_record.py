@@ -1,7 +1,9 @@
 """torch.save's on-disk record of one tensor, written from a stream of byte slabs; its data.pkl read back.
 
 `read_tensor_record` reads the `data.pkl` of a torch.save zip into a plain description of the tensor (dtype,
-storage key, offset, size, stride) without building anything, through safe_pickle's allowlist.
+storage key, offset, size, stride) without building anything, through safe_pickle's allowlist, within the
+read's `limits.Budget`: a typed storage with `_rebuild_tensor_v2`, or (fp8, uint16 and the other dtypes
+without a typed storage) an untyped one with `_rebuild_tensor_v3`.
 
 DCP's `FileSystemReader` `torch.load`s every tensor record, so hf-to-dcp writes torch.save records. torch.save
 computes the zip CRC-32 with miniz's byte-at-a-time table (about 0.35 GB/s here), which made it the bottleneck
@@ -29,9 +31,13 @@ from typing import Any, BinaryIO
 import torch
 
 from ..crc32 import crc32
+from ..dtype_names import ITEMSIZE
+from ..errors import CkptconvError
+from ..limits import MAX_DIMS, Budget, size_of
 from .pieces import write_pieces
-from .safe_pickle import AllowlistUnpickler
+from .safe_pickle import SIZE, AllowlistUnpickler, Charged, charged_dict
 
+MAX_RECORD_PICKLE = 1 << 20  # a plain tensor's data.pkl is a few hundred bytes
 ALIGNMENT = 64
 _LIMIT = 0xFFFFFFFF - (1 << 16)  # below this, no offset or size of a record needs zip64 fields
 _UTF8, _DESCRIPTOR = 0x0800, 0x0008  # general purpose flags: UTF-8 names; a data descriptor follows the data
@@ -66,8 +72,8 @@ class TensorRecord:
 
 
 class _StorageType:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype  # None: an untyped storage (its numel counts bytes)
 
 
 def _storage_globals() -> dict[tuple[str, str], Any]:
@@ -75,15 +81,50 @@ def _storage_globals() -> dict[tuple[str, str], Any]:
     return {("torch", name): _StorageType(dtype) for dtype, name in _storage_names().items()}
 
 
+def _dims(value: Any) -> tuple[int, ...]:
+    if size_of(value) > MAX_DIMS:
+        raise pickle.UnpicklingError(f"a size or stride of more than {MAX_DIMS} dimensions")
+    return tuple(value)
+
+
 def _rebuild_tensor_v2(storage: Any, storage_offset: int, size: Any, stride: Any, *_: Any) -> TensorRecord:
     dtype, key, numel = storage
-    return TensorRecord(dtype, key, numel, int(storage_offset), tuple(size), tuple(stride))
+    if dtype is None:
+        raise pickle.UnpicklingError("an untyped storage without a dtype")
+    return TensorRecord(dtype, key, numel, int(storage_offset), _dims(size), _dims(stride))
 
 
+def _rebuild_tensor_v3(
+    storage: Any,
+    storage_offset: int,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    dtype: Any,
+    *_: Any,
+) -> TensorRecord:
+    stored, key, nbytes = storage
+    if stored is not None or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError("_rebuild_tensor_v3 of a typed storage")
+    return TensorRecord(dtype, key, nbytes // dtype.itemsize, int(storage_offset), _dims(size), _dims(stride))
+
+
+_DTYPES = {
+    name: getattr(torch, name) for name in ITEMSIZE if isinstance(getattr(torch, name, None), torch.dtype)
+}
 _TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("collections", "OrderedDict"): dict,
-    ("torch", "Size"): torch.Size,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+    ("collections", "OrderedDict"): Charged(charged_dict),
+    ("torch", "Size"): SIZE,
+    ("torch.storage", "UntypedStorage"): _StorageType(None),
+    ("torch", "UntypedStorage"): _StorageType(None),
+    **{
+        ("torch", name): getattr(torch, name)
+        for name in ITEMSIZE
+        if isinstance(getattr(torch, name, None), torch.dtype)
+    },
     **_storage_globals(),
 }
 
@@ -98,10 +139,13 @@ class _TensorRecordUnpickler(AllowlistUnpickler):
         return (storage_type.dtype, str(key), int(numel))
 
 
-def read_tensor_record(data_pkl: bytes) -> TensorRecord | None:
-    """The tensor a torch.save data.pkl describes, or None when it is anything but one plain tensor."""
+def read_tensor_record(data_pkl: bytes, budget: Budget | None = None) -> TensorRecord | None:
+    """The tensor a torch.save data.pkl describes, or None when it is anything but one plain tensor; a limit
+    of `budget` reached is a `LimitExceeded`."""
     try:
-        record = _TensorRecordUnpickler(data_pkl, _TENSOR_GLOBALS).load()
+        record = _TensorRecordUnpickler(data_pkl, _TENSOR_GLOBALS, budget).load()
+    except CkptconvError:
+        raise
     except Exception:
         return None
     return record if isinstance(record, TensorRecord) else None

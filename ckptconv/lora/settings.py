@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import jsonkeys
+from ..documents import load_json
 from ..errors import CkptconvError
 from ..formats.files import CONFIG_BYTES, read_regular
 from ..user_regex import UserRegex
@@ -67,7 +67,7 @@ def read_config(path: Path, root: Path | None = None) -> dict[str, Any]:
     else is a CkptconvError naming the file."""
     raw = read_regular(path, root, MAX_CONFIG_BYTES)  # a regular file (never a FIFO), size checked first
     try:
-        config = jsonkeys.loads(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+        config = load_json(raw, f"--lora-config {path}") if len(raw) <= MAX_CONFIG_BYTES else None
     except ValueError as e:
         raise CkptconvError(f"--lora-config {path}: not JSON ({e})") from None
     if not isinstance(config, dict):

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .. import jsonkeys
+from ..documents import load_json, load_toml
 from ..errors import CkptconvError
 from ..formats.files import CONFIG_BYTES
 from .parse import VARIANTS, parse
@@ -40,7 +40,7 @@ def load_config(path: Path | None, root: Path | None = None) -> dict[str, Any]:
         return {}
     raw = read_regular(path, root, limit=MAX_CONFIG_BYTES)  # a regular file only: a FIFO would block the read
     try:
-        doc = jsonkeys.loads(raw)
+        doc = load_json(raw, path)  # nesting and objects bounded as it reads (documents.py)
     except (ValueError, RecursionError) as e:
         why = str(e)[:200] or "too deeply nested"
         raise CkptconvError(f"{path}: not a readable JSON config ({why})") from None
@@ -77,7 +77,7 @@ def load_mapping(spec: str, hf_experts: str | None = None) -> KeyMapping:
         except UnicodeDecodeError as e:
             raise CkptconvError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
-        doc = tomllib.loads(text)
+        doc = load_toml(text, where)  # nesting, dotted keys and objects bounded as it reads (documents.py)
     except (tomllib.TOMLDecodeError, RecursionError) as e:
         raise CkptconvError(f"{where}: not valid TOML ({str(e)[:200] or 'too deeply nested'})") from None
     return parse(doc, where, hf_experts)

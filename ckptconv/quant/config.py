@@ -9,9 +9,8 @@ Any other config (no quantization_config, or one of a scheme hf-to-dcp does not 
 
 from __future__ import annotations
 
-import json
-
 from ..config_edit import QUANT_FIELD, edit_config
+from ..documents import load_json
 
 DEQUANTIZED_METHODS = ("fp8", "mxfp4")  # what `formats.hf_quant` reads dequantized
 
@@ -21,7 +20,7 @@ def dequantized_config(raw: bytes) -> bytes:
     `quant_method` hf-to-dcp dequantizes; the same bytes otherwise (and for what is not a JSON object:
     whoever reads the config reports that)."""
     try:
-        doc = json.loads(raw)
+        doc = load_json(raw, "config.json")
     except (ValueError, RecursionError):
         return raw
     section = doc.get(QUANT_FIELD) if isinstance(doc, dict) else None

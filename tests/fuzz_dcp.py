@@ -55,6 +55,7 @@ def state() -> dict[str, Any]:
             "layers.0.w": torch.randn(6, 4, generator=g).to(torch.bfloat16),
             "norm.weight": torch.randn(4, generator=g),
             "counts": torch.arange(5, dtype=torch.int64),
+            "wide": torch.randn(1, 4096, generator=g),  # a record that holds any one row of the stairs edit
             "flags": torch.tensor([True, False, True]),
         },
         "step": 7,
@@ -99,8 +100,9 @@ def metadata_edits(draw: st.DrawFn, base: Metadata) -> Shown[Metadata]:
         edit = draw(
             st.sampled_from(
                 [
-                    "size", "chunk", "split", "many", "dup_chunk", "drop_chunk", "dtype", "to_bytes",
-                    "to_tensor", "rename", "delete", "storage", "drop_storage", "index", "planner", "claim",
+                    "size", "chunk", "split", "many", "stairs", "dup_chunk", "drop_chunk", "dtype",
+                    "to_bytes", "to_tensor", "rename", "delete", "storage", "drop_storage", "index",
+                    "planner", "claim",
                 ]
             )
         )  # fmt: skip
@@ -125,14 +127,21 @@ def metadata_edits(draw: st.DrawFn, base: Metadata) -> Shown[Metadata]:
             rest = torch.Size([c.sizes[0] - at, *c.sizes[1:]])
             second = torch.Size([c.offsets[0] + at, *c.offsets[1:]])
             chunks += [ChunkStorageMetadata(c.offsets, first), ChunkStorageMetadata(second, rest)]
-            _point(md, fqn, [c.offsets, second], draw)
+            _point(md, fqn, [c.offsets, second])
         elif edit == "many":  # a tensor of n rows in n one-row chunks, each with a storage entry
             n = draw(st.sampled_from([2, 100, 3000, 20000]))
             width = list(entry.size[1:])
             entry.size = torch.Size([n, *width])
             rows = [torch.Size([i] + [0] * len(width)) for i in range(n)]
             entry.chunks = [ChunkStorageMetadata(r, torch.Size([1, *width])) for r in rows]
-            _point(md, fqn, [c.offsets for c in entry.chunks], draw)
+            _point(md, fqn, [c.offsets for c in entry.chunks])
+        elif edit == "stairs":  # [n, n+1], row i cut at column i+1: 2n chunks, a grid of n * (n+1) cells
+            n = draw(st.sampled_from([3, 100, 3000]))
+            entry.size = torch.Size([n, n + 1])
+            left = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, i + 1])) for i in range(n)]
+            right = [ChunkStorageMetadata(torch.Size([i, i + 1]), torch.Size([1, n - i])) for i in range(n)]
+            entry.chunks = left + right
+            _point(md, fqn, [c.offsets for c in entry.chunks], "model.wide")
         elif edit == "dup_chunk" and chunks:
             chunks.append(copy.deepcopy(draw(st.sampled_from(chunks))))
         elif edit == "drop_chunk" and chunks:
@@ -191,17 +200,18 @@ def metadata_edits(draw: st.DrawFn, base: Metadata) -> Shown[Metadata]:
     return Shown(md, "; ".join(done))
 
 
-def _point(md: Metadata, fqn: str, offsets: list[torch.Size], draw: st.DrawFn) -> None:
-    """Storage entries for new chunks of `fqn`: each at the bytes of its first old chunk (or its neighbour's
-    bytes, by one record), as a writer that split a chunk would have left them."""
+def _point(md: Metadata, fqn: str, offsets: list[torch.Size], source: str | None = None) -> None:
+    """Storage entries for new chunks of `fqn`, each its own record (as a writer leaves them) pointing at the
+    bytes of the first old chunk (of `source`'s, where it still has one)."""
     old = [k for k in md.storage_data if k.fqn == fqn]
-    if not old:
+    records = [k for k in md.storage_data if k.fqn == source] or old
+    if not records:
         return
-    info = md.storage_data[old[0]]
+    info = md.storage_data[records[0]]
     for k in old:
         del md.storage_data[k]
     for i, offset in enumerate(offsets):
-        md.storage_data[MetadataIndex(fqn, offset, i)] = info
+        md.storage_data[MetadataIndex(fqn, offset, i)] = copy.copy(info)
 
 
 def inject_item(ckpt: Path, key: str, raw: bytes) -> None:

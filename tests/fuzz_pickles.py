@@ -64,6 +64,8 @@ COMMON = [
     ("torch", "device"),
     ("copyreg", "_reconstructor"),
 ]
+# constructors whose result grows with their argument (a tuple of its characters, a path, a set, a buffer)
+AMPLIFIERS = [("torch", "Size"), ("pathlib", "PosixPath"), ("builtins", "set"), ("builtins", "bytearray")]
 METADATA = [
     (DCP_MD, "Metadata"),
     (DCP_MD, "TensorStorageMetadata"),
@@ -179,14 +181,24 @@ def emit_leaf(a: Asm, leaf: tuple[str, Any]) -> None:
 def program(draw: st.DrawFn, a: Asm, pool: list[tuple[str, str]], steps: int = 8) -> list[int]:
     """Emit up to `steps` memoized values into `a`; their memo indices (the stack is left empty)."""
     made: list[int] = []
-    for _ in range(draw(st.integers(1, steps))):
+    first = draw(mostly(None, [None, "amplify", "double"]))  # the bombs, before any call that may fail
+    for step in range(draw(st.integers(1, steps))):
         ref = st.sampled_from(made) if made else st.nothing()
-        kind = draw(
-            st.sampled_from(
-                ["leaf", "leaf", "seq", "seq", "double", "nest", "call", "obj", "repeat", "payload"]
-            )
-        )
-        if kind == "leaf" or (not made and kind in ("seq", "double", "repeat")):
+        kinds = [
+            "leaf",
+            "leaf",
+            "seq",
+            "seq",
+            "double",
+            "nest",
+            "call",
+            "obj",
+            "repeat",
+            "amplify",
+            "payload",
+        ]
+        kind = first if step == 0 and first else draw(st.sampled_from(kinds))
+        if kind == "leaf" or (not made and kind in ("seq", "repeat")):
             emit_leaf(a, draw(LEAVES))
         elif kind == "seq":
             items = draw(st.lists(ref, max_size=5))
@@ -199,7 +211,12 @@ def program(draw: st.DrawFn, a: Asm, pool: list[tuple[str, str]], steps: int = 8
             a.op({"list": b"l", "tuple": b"t", "dict": b"u"}[shape])
         elif kind == "double":  # [x, x], [[x, x], [x, x]], ...: 2**depth paths in 5 bytes a level
             depth = draw(st.sampled_from([3, 20, 64]))
-            top = draw(ref)
+            if made:
+                top = draw(ref)
+            else:
+                emit_leaf(a, draw(LEAVES))
+                top = a.memo()
+                a.op(b"0")
             for _ in range(depth):
                 a.op(b"(").get(top).get(top).op(draw(st.sampled_from([b"l", b"t"])))
                 top = a.memo()
@@ -208,6 +225,16 @@ def program(draw: st.DrawFn, a: Asm, pool: list[tuple[str, str]], steps: int = 8
         elif kind == "nest":  # [[[...]]]: two bytes a level
             depth = draw(st.sampled_from([50, 990, 5000, 100_000]))
             a.op(b"(" * depth + draw(st.sampled_from([b"l", b"t"])) * depth)
+        elif kind == "amplify":  # one memoized string fed to an allowlisted constructor again and again
+            big = step == 0 or draw(st.booleans())
+            a.str("x" * (100_000 if big else 1000))
+            sm = a.memo()
+            a.op(b"0").glob(*draw(st.sampled_from([g for g in pool if g in AMPLIFIERS] or pool)))
+            gm = a.memo()
+            a.op(b"0(")
+            for _ in range(20_000 if big else 10):
+                a.get(gm).get(sm).op(b"\x85R")
+            a.op(b"l")
         elif kind in ("call", "obj", "repeat"):
             g = draw(st.sampled_from(pool))
             a.glob(*g)

@@ -296,3 +296,24 @@ def test_fuzz_adapter_config(
             "-q",
             outs=[wrapped],
         )
+
+
+@fuzz_settings()
+@given(data=st.data(), which=st.sampled_from(["titan", "sized"]))
+def test_fuzz_metadata_under_a_mapping(
+    fuzzer: Fuzzer, models: dict[str, Path], data: st.DataObject, which: str
+) -> None:
+    """A mapped DCP checkpoint (the torchtitan preset's, SIZES_MAPPING's) whose `.metadata` says other
+    shapes (2**40 rows, empty dims), chunks, dtypes and keys (tests/fuzz_dcp.py): the rotary permutation,
+    the grouped split, the padded vocabulary and the reshape meet sizes config.json does not expect."""
+    from fuzz_dcp import metadata_edits, read_metadata, write_metadata
+
+    mapping = "torchtitan-llama3" if which == "titan" else str(models["sizes"])
+    md = data.draw(metadata_edits(read_metadata(models[which])))
+    with fuzzer.example(md.note) as work:
+        ckpt = _copy(models[which], work / "ckpt")
+        write_metadata(ckpt, md.value)
+        out = work / "out"
+        fuzzer.run("inspect", str(ckpt), "--mapping", mapping, "--json")
+        fuzzer.run("dcp-to-hf", str(ckpt), str(out), "--mapping", mapping, "-q", outs=[out])
+        fuzzer.run("verify", str(models["llama"]), str(ckpt), "--mapping", mapping, codes=(0, 1, 2))

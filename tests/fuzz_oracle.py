@@ -182,6 +182,11 @@ class Fuzzer:
             self._fail(list(argv), problems, outcome)
         return outcome.code, outcome.err
 
+    def expect(self, ok: bool, problem: str, *argv: str) -> None:
+        """A check of what a command that succeeded wrote (`argv`: that command), judged like the rest."""
+        if not ok:
+            self._fail(list(argv), [problem], Outcome(0, "", 0.0, 0))
+
     def _fail(self, argv: list[str], problems: list[str], outcome: Outcome) -> None:
         assert self._dir is not None
         shown = [_shown(a, self._dir) for a in argv]

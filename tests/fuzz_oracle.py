@@ -257,11 +257,11 @@ def judge(o: Outcome, codes: tuple[int, ...]) -> list[str]:
 
 def bounded(argv: list[str], readerr: Callable[[], str]) -> Outcome:
     """`main(argv)` under the time and memory bounds; what came of it."""
-    resident = _status("VmRSS")
-    _reset_peak()
+    # the growth of the peak beyond the resident size now (beyond the old peak where it cannot be reset)
+    baseline = _status("VmRSS") if _reset_peak() else _status("VmHWM")
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = _status("VmSize") + GUARD
-    if soft == resource.RLIM_INFINITY or soft > limit:
+    if sys.platform == "linux" and (soft == resource.RLIM_INFINITY or soft > limit):
         resource.setrlimit(
             resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard)
         )
@@ -286,7 +286,7 @@ def bounded(argv: list[str], readerr: Callable[[], str]) -> Outcome:
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGALRM, previous)
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    grown = max(0, _status("VmHWM") - resident)
+    grown = max(0, _status("VmHWM") - baseline)
     err = readerr()
     where = _innermost(raised) if raised is not None else ""
     return Outcome(code, err, seconds, grown, raised, where)
@@ -328,13 +328,14 @@ def _status(field_name: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _reset_peak() -> None:
-    """Reset VmHWM to the current resident size (Linux 4.0+: "5" to clear_refs)."""
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current resident size (Linux 4.0+: "5" to clear_refs); whether it could."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        return True
     except OSError:
-        pass
+        return False
 
 
 def fuzzing(

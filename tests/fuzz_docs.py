@@ -207,39 +207,51 @@ def stashes(draw: st.DrawFn, base: dict[str, Any], b64: st.SearchStrategy[str]) 
 # -- mapping TOML --------------------------------------------------------------------------------------------
 
 PATTERNS = [
-    "layers.{layer}.attention.wq.weight", "model.layers.{layer}.self_attn.q_proj.weight", "{layer}", "{",
-    "}", "{}", "{layer}{layer}", "layers.{layer}.{layer}.w", "model.layers.{layer + num_hidden_layers}.w",
-    "model.layers.{layer - 99999999999999999999}.w", "model.layers.{layer * 2}.w", "{a}.{b}.{c}.{d}", "",
-    "tok_embeddings.weight", "model.embed_tokens.weight", "norm.weight", "(.*)+", "model.norm.weight",
+    "layers.{layer}.attention.qkv_linear.wq.weight", "model.layers.{layer}.self_attn.q_proj.weight",
+    "layers.{layer}.attention.wqkv.weight", "model.layers.{layer}.self_attn.k_proj.weight",
+    "layers.{layer}.feed_forward.w1.weight", "model.layers.{layer}.mlp.gate_proj.weight", "lm_head.weight",
+    "output.weight", "tok_embeddings.weight", "model.embed_tokens.weight", "norm.weight", "model.norm.weight",
+    "{layer}", "{", "}", "{}", "{layer}{layer}", "layers.{layer}.{layer}.w", "{a}.{b}.{c}.{d}", "", "(.*)+",
+    "model.layers.{layer + num_hidden_layers}.self_attn.q_proj.weight", "model.layers.{layer * 2}.w",
+    "model.layers.{layer - 99999999999999999999}.self_attn.q_proj.weight",
 ]  # fmt: skip
 EXPRESSIONS = [
-    "num_attention_heads * head_dim", "hidden_size / 0", "hidden_size / 3", "head_dim - 100", "nope",
-    "(" * 100 + "1" + ")" * 100, "hidden_size" + " * 999999999" * 15, "-1", "", "text_config.x", "1e9",
-    "2 ** 64", "__import__('os')", "vocab_size", "num_key_value_heads",
+    "num_attention_heads * head_dim", "num_key_value_heads * head_dim", "head_dim", "hidden_size",
+    "intermediate_size", "vocab_size", "vocab_size * 2", "hidden_size / num_attention_heads", 3, 16, 64,
+    "hidden_size / 0", "hidden_size / 3", "head_dim - 100", "nope", "(" * 100 + "1" + ")" * 100,
+    "hidden_size" + " * 999999999" * 15, "-1", "", "text_config.x", "1e9", "2 ** 64", "__import__('os')",
 ]  # fmt: skip
-SIZE_VALUES = st.sampled_from(EXPRESSIONS) | st.sampled_from(SIZES) | VALUES
-DIMS = st.sampled_from([0, 1, 2, 3, -1, 99, 2**63, 1.5, "0", True])
+
+
+def typed(s: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Values of the field's own type mostly (to get past the parser to the rules' engine), else odd ones."""
+    return st.one_of(s, s, s, VALUES)
+
+
+SIZE_VALUES = typed(st.sampled_from(EXPRESSIONS) | st.sampled_from(SIZES))
+DIMS = typed(st.sampled_from([0, 1, 2, 3])) | st.sampled_from([-1, 99, 2**63, 1.5, "0", True])
+KEYS = st.sampled_from(PATTERNS) | st.lists(st.sampled_from(PATTERNS), min_size=2, max_size=3)
 RULE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "runtime": st.sampled_from(PATTERNS) | st.lists(st.sampled_from(PATTERNS), max_size=3) | VALUES,
-    "hf": st.sampled_from(PATTERNS) | st.lists(st.sampled_from(PATTERNS), max_size=3) | VALUES,
+    "runtime": typed(KEYS),
+    "hf": typed(KEYS),
     "dim": DIMS,
     "stack_dim": DIMS,
-    "sizes": st.lists(SIZE_VALUES, max_size=3) | VALUES,
-    "stack": st.sampled_from(["layer", "expert", ["layer", "layer"], ["a", "b"], ""]) | VALUES,
-    "permute": st.sampled_from(["q", "k", "v"]) | VALUES,
+    "sizes": typed(st.lists(SIZE_VALUES, min_size=2, max_size=3)),
+    "stack": typed(st.sampled_from(["layer", "expert", ["layer", "layer"], ["a", "b"], ""])),
+    "permute": typed(st.sampled_from(["q", "k", "v"])),
     "heads": SIZE_VALUES,
     "groups": SIZE_VALUES,
     "narrow": SIZE_VALUES,
     "padded": SIZE_VALUES,
     "multiple": SIZE_VALUES,
-    "hf_shape": st.lists(SIZE_VALUES | DIMS, max_size=5) | VALUES,
-    "runtime_shape": st.lists(SIZE_VALUES | DIMS, max_size=5) | VALUES,
-    "transpose": st.lists(DIMS, max_size=3) | VALUES,
+    "hf_shape": typed(st.lists(SIZE_VALUES | DIMS, min_size=1, max_size=5)),
+    "runtime_shape": typed(st.lists(SIZE_VALUES | DIMS, min_size=1, max_size=5)),
+    "transpose": typed(st.lists(DIMS, min_size=2, max_size=2)) | st.lists(DIMS, max_size=3),
     "interleave": st.sampled_from([True, False, 1]),
     "duplicate": st.sampled_from([True, False, "yes"]),
     "drop": st.sampled_from([True, False, 0]),
-    "tied": st.sampled_from(PATTERNS) | VALUES,
-    "when": st.sampled_from(["fused", "per_expert", "x"]) | VALUES,
+    "tied": typed(st.sampled_from(PATTERNS)),
+    "when": typed(st.sampled_from(["fused", "per_expert", "x"])),
     "zzz": VALUES,
 }
 RANGES = st.dictionaries(
@@ -248,10 +260,10 @@ RANGES = st.dictionaries(
     max_size=2,
 )
 HEAD_FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "name": st.sampled_from(["x", ""]) | VALUES,
-    "hf_experts": st.sampled_from(["fused", "per_expert", "x"]) | VALUES,
-    "checkpoint": st.sampled_from(["dcp", "megatron", "x"]) | VALUES,
-    "ranges": RANGES | VALUES,
+    "name": typed(st.sampled_from(["x", ""])),
+    "hf_experts": typed(st.sampled_from(["fused", "per_expert", "x"])),
+    "checkpoint": typed(st.sampled_from(["dcp", "megatron", "x"])),
+    "ranges": typed(RANGES),
     "defaults": st.dictionaries(st.sampled_from(["vocab_size", "a.b", "head_dim"]), VALUES, max_size=2)
     | VALUES,
     "zzz": VALUES,

@@ -67,28 +67,40 @@ def dumps(doc: Any, spoil: str) -> bytes:
 
 
 @st.composite
-def edited(
-    draw: st.DrawFn, base: dict[str, Any], fields: dict[str, st.SearchStrategy[Any]]
-) -> dict[str, Any]:
-    """`base` (copied) with 1-4 of `fields` set (or removed), sometimes an unknown field added."""
+def edited(draw: st.DrawFn, base: dict[str, Any], fields: dict[str, st.SearchStrategy[Any]]) -> Shown[Any]:
+    """`base` (copied) with 1-4 of `fields` set (or removed), sometimes an unknown field added; the note
+    says which."""
     doc = json.loads(json.dumps(base))
+    said = []
     for name in draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=4)):
         if draw(st.sampled_from([False] * 5 + [True])):
             doc.pop(name, None)
+            said.append(f"-{name}")
         else:
             doc[name] = draw(fields[name])
+            said.append(f"{name}={_short(doc[name])}")
     if draw(st.sampled_from([False] * 5 + [True])):
-        doc[draw(st.sampled_from(["", "zzz", "__proto__"]))] = draw(json_values())
-    return doc
+        name = draw(st.sampled_from(["", "zzz", "__proto__"]))
+        doc[name] = draw(json_values())
+        said.append(f"{name}={_short(doc[name])}")
+    return Shown(doc, "; ".join(said))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 @st.composite
 def json_files(draw: st.DrawFn, docs: st.SearchStrategy[Any]) -> Shown[bytes]:
     """A file's bytes: a document, spoilt or not."""
     doc = draw(docs)
+    what = ""
+    if isinstance(doc, Shown):  # an edited document: its note says what was edited
+        doc, what = doc.value, doc.note
     spoil = draw(mostly("", SPOILS))
     raw = dumps(doc, spoil)
-    return Shown(raw, f"{spoil or 'clean'}: {raw[:400]!r}")
+    return Shown(raw, f"{spoil or 'clean'}: {what or repr(raw[:400])}")
 
 
 # -- config.json -------------------------------------------------------------------------------------------
@@ -188,20 +200,25 @@ def stash_items(draw: st.DrawFn, b64: st.SearchStrategy[str]) -> Any:
 
 
 @st.composite
-def stashes(draw: st.DrawFn, base: dict[str, Any], b64: st.SearchStrategy[str]) -> Any:
+def stashes(draw: st.DrawFn, base: dict[str, Any], b64: st.SearchStrategy[str]) -> Shown[Any]:
     doc = json.loads(json.dumps(base))
-    items = doc["items"]
+    items, said = doc["items"], []
     for _ in range(draw(st.integers(1, 3))):
         what = draw(st.sampled_from(["add", "add", "replace", "drop", "head"]))
         if what == "add" or (what == "replace" and not items):
             items.append(draw(stash_items(b64)))
+            said.append(f"add {_short(items[-1])}")
         elif what == "replace":
-            items[draw(st.integers(0, len(items) - 1))] = draw(stash_items(b64))
+            i = draw(st.integers(0, len(items) - 1))
+            items[i] = draw(stash_items(b64))
+            said.append(f"item {i} = {_short(items[i])}")
         elif what == "drop" and items:
-            items.pop()
+            said.append(f"drop {_short(items.pop())}")
         elif what == "head":
-            doc[draw(st.sampled_from(["format", "version", "items"]))] = draw(VALUES)
-    return doc
+            name = draw(st.sampled_from(["format", "version", "items"]))
+            doc[name] = draw(VALUES)
+            said.append(f"{name}={_short(doc[name])}")
+    return Shown(doc, "; ".join(said))
 
 
 # -- mapping TOML --------------------------------------------------------------------------------------------

@@ -238,7 +238,11 @@ def judge(o: Outcome, codes: tuple[int, ...]) -> list[str]:
     if isinstance(o.raised, Overran):
         problems.append(f"ran past {WALL_S:g} s")
     elif o.raised is not None:
-        problems.append(f"traceback: {type(o.raised).__name__}: {str(o.raised)[:300]}")
+        lines = str(o.raised).strip().splitlines() or [""]
+        said = lines[0][:300] + (
+            f" ... {lines[-1][:300]}" if len(lines) > 1 else ""
+        )  # a remote traceback's end
+        problems.append(f"traceback: {type(o.raised).__name__}: {said}")
     elif o.code not in codes:
         problems.append(f"exit {o.code}")
     if "Traceback" in o.err:

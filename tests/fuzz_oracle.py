@@ -118,6 +118,9 @@ class Fuzzer:
     note: str = ""  # what the current example is (shown with a failure)
     _dir: Path | None = None
 
+    def __repr__(self) -> str:  # Hypothesis prints the test's arguments with a failure: no findings list
+        return f"Fuzzer({self.name!r}, {self.inputs} inputs)"
+
     @contextmanager
     def example(self, note: str = "") -> Iterator[Path]:
         """A new, empty working directory for one example (removed after it); the example is counted."""

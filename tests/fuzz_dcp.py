@@ -8,6 +8,7 @@ bytes replaced by any bytes (its record appended to a `.distcp`, its storage ent
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,10 @@ def metadata_edits(draw: st.DrawFn, base: Metadata) -> Shown[Metadata]:
         elif edit == "many":  # a tensor of n rows in n one-row chunks, each with a storage entry
             n = draw(st.sampled_from([2, 100, 3000, 20000]))
             width = list(entry.size[1:])
+            # every row is the one stored row: a tensor that may well convert, so at most 16 MiB of it
+            # (the bounds are for bombs, not for a large tensor honestly converted)
+            row = max(1, math.prod(width) * entry.properties.dtype.itemsize)
+            n = min(n, max(2, 2**24 // row))
             entry.size = torch.Size([n, *width])
             rows = [torch.Size([i] + [0] * len(width)) for i in range(n)]
             entry.chunks = [ChunkStorageMetadata(r, torch.Size([1, *width])) for r in rows]

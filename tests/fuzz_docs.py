@@ -289,16 +289,19 @@ HEAD_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 
 @st.composite
 def mappings(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
-    """A mapping document: `base` (a preset, parsed) with rules' fields set, rules added and removed, and
-    [mapping] fields set."""
+    """A mapping document: `base` (a preset, parsed) with rules' fields set and unset, rules added and
+    removed, and [mapping] fields set."""
     doc = json.loads(json.dumps(base))
     rules = doc["rule"]
     for _ in range(draw(st.integers(1, 4))):
-        what = draw(st.sampled_from(["field", "field", "field", "add", "drop", "head"]))
+        what = draw(st.sampled_from(["field", "field", "field", "unset", "add", "drop", "head"]))
         if what == "field" and rules:
             rule = rules[draw(st.integers(0, len(rules) - 1))]
             name = draw(st.sampled_from(sorted(RULE_FIELDS)))
             rule[name] = draw(RULE_FIELDS[name])
+        elif what == "unset" and rules:  # with a field set after it: `multiple` for `padded`, say
+            rule = rules[draw(st.integers(0, len(rules) - 1))]
+            rule.pop(draw(st.sampled_from(sorted(rule))), None)
         elif what == "add":
             fields = draw(st.lists(st.sampled_from(sorted(RULE_FIELDS)), min_size=1, max_size=5, unique=True))
             rules.append({name: draw(RULE_FIELDS[name]) for name in fields})

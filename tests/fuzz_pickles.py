@@ -64,8 +64,9 @@ COMMON = [
     ("torch", "device"),
     ("copyreg", "_reconstructor"),
 ]
-# constructors whose result grows with their argument (a tuple of its characters, a path, a set, a buffer)
-AMPLIFIERS = [("torch", "Size"), ("pathlib", "PosixPath"), ("builtins", "set"), ("builtins", "bytearray")]
+# allowlisted constructors whose result grows with their argument: torch.Size (a tuple) of a string's
+# characters, an OrderedDict (a dict) of a list of pairs; each call builds it anew
+AMPLIFIERS = [("torch", "Size"), ("collections", "OrderedDict")]
 METADATA = [
     (DCP_MD, "Metadata"),
     (DCP_MD, "TensorStorageMetadata"),
@@ -225,11 +226,18 @@ def program(draw: st.DrawFn, a: Asm, pool: list[tuple[str, str]], steps: int = 8
         elif kind == "nest":  # [[[...]]]: two bytes a level
             depth = draw(st.sampled_from([50, 990, 5000, 100_000]))
             a.op(b"(" * depth + draw(st.sampled_from([b"l", b"t"])) * depth)
-        elif kind == "amplify":  # one memoized string fed to an allowlisted constructor again and again
+        elif kind == "amplify":  # one memoized argument fed to an allowlisted constructor again and again
             big = step == 0 or draw(st.booleans())
-            a.str("x" * (100_000 if big else 1000))
+            g = draw(st.sampled_from([g for g in pool if g in AMPLIFIERS] or pool))
+            if g == ("collections", "OrderedDict"):  # a list of 10000 pairs
+                a.op(b"(")
+                for i in range(10_000 if big else 10):
+                    a.int(i).int(i).op(b"\x86")
+                a.op(b"l")
+            else:
+                a.str("x" * (100_000 if big else 1000))
             sm = a.memo()
-            a.op(b"0").glob(*draw(st.sampled_from([g for g in pool if g in AMPLIFIERS] or pool)))
+            a.op(b"0").glob(*g)
             gm = a.memo()
             a.op(b"0(")
             for _ in range(20_000 if big else 10):

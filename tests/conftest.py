@@ -279,3 +279,35 @@ def s3(s3_endpoint: str) -> Any:
     client = s3fs.S3FileSystem(**s3_options(s3_endpoint), use_listings_cache=False)
     client.mkdir("ckpts")
     return client
+
+
+# -- the structured fuzzers' counts (tests/fuzz_oracle.py), shown at the end of the run --------------------
+
+_fuzzed: dict[str, dict[str, int]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """A fuzzing test's counts, from its teardown report's user_properties (xdist sends those to the
+    controller, so this adds up every worker's)."""
+    if report.when == "teardown":
+        counts = {k: v for k, v in report.user_properties if k.startswith("fuzz_")}
+        if counts:
+            _fuzzed[report.nodeid] = counts
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _fuzzed:
+        return
+    keys = ("fuzz_inputs", "fuzz_commands", "fuzz_succeeded", "fuzz_seconds")
+    total = {k: sum(c.get(k, 0) for c in _fuzzed.values()) for k in keys}
+    terminalreporter.section("structured fuzzing")
+
+    def line(c: dict[str, Any], what: str) -> str:
+        return (
+            f"{c.get('fuzz_inputs', 0):6d} inputs {c.get('fuzz_commands', 0):6d} commands "
+            f"({c.get('fuzz_succeeded', 0)} exit 0, {c.get('fuzz_seconds', 0):.0f} s)  {what}"
+        )
+
+    for nodeid, c in sorted(_fuzzed.items()):
+        terminalreporter.line(line(c, nodeid))
+    terminalreporter.line(line(total, f"in {len(_fuzzed)} tests (CKPTCONV_FUZZ_EXAMPLES: examples per test)"))

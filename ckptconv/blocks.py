@@ -85,5 +85,11 @@ def _place_permuted(
     for dim in range(1, len(dst_start)):
         target = target.narrow(dim, dst_start[dim], dst_count[dim])
     index = torch.tensor([base + r for r in dst_rows], dtype=torch.long)
-    picked = values[torch.tensor([perm[r] - first for r in dst_rows], dtype=torch.long)]
-    target.index_copy_(0, index, picked.to(out.dtype))
+    picked = values[torch.tensor([perm[r] - first for r in dst_rows], dtype=torch.long)].to(out.dtype)
+    bits = _BITS.get(out.dtype.itemsize)  # index_copy_ has no kernel for fp8 and other dtypes: copy the bits
+    if bits is not None:
+        target, picked = target.view(bits), picked.view(bits)
+    target.index_copy_(0, index, picked)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

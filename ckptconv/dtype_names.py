@@ -50,6 +50,11 @@ ITEMSIZE: dict[str, int] = {
     **{f"int{n}": 1 for n in range(1, 8)},
     **{f"uint{n}": 1 for n in range(1, 8)},
 }
+# what a checkpoint's tensor may be to be converted: torch has no element operations (narrow, copy, index)
+# for quantized, bits and sub-byte integer dtypes
+CONVERTIBLE = frozenset(
+    name for name in ITEMSIZE if not name.startswith(("qint", "quint", "bits"))
+) - {f"{u}int{n}" for u in ("", "u") for n in range(1, 8)}
 
 # safetensors dtype names -> torch dtype names (those both sides know)
 ST_TO_NAME: dict[str, str] = {

@@ -18,7 +18,7 @@ from operator import add, attrgetter, gt, mul
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..dtype_names import ITEMSIZE
+from ..dtype_names import CONVERTIBLE, ITEMSIZE
 from ..errors import CkptconvError
 from ..gcpause import paused
 from ..layout import tiling_problem
@@ -190,6 +190,11 @@ def _tensor_spec(
     dtype = getattr(entry.properties, "dtype", None)
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CkptconvError(f"{where}: tensor {fqn!r} has no valid dtype")
+    if dtype not in CONVERTIBLE:
+        raise CkptconvError(
+            f"{where}: tensor {fqn!r} is {dtype}, a torch dtype with no element operations (quantized, "
+            "bits or sub-byte); ckptconv converts floating, integer and bool tensors only"
+        )
     shape = _int_tuple(entry.size, fqn, where)
     rows = entry.rows
     offsets = _int_tuples(locations.columns.offsets[rows.start : rows.stop], fqn, where)

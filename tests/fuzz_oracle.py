@@ -47,7 +47,9 @@ from ckptconv.outcheck import OLD_SUFFIX, PARTIAL_SUFFIX
 from ckptconv.outlock import LOCK_SUFFIX
 
 EXAMPLES = int(os.environ.get("CKPTCONV_FUZZ_EXAMPLES", "20"))
-WALL_S = float(os.environ.get("CKPTCONV_FUZZ_WALL_S", "10"))  # per command: generous (each takes ~30 ms)
+# per command: each takes ~30 ms, but an input using up the read budget (2M objects walked, limits.py) takes
+# seconds of Python, and CI shares 2 cores between two test workers: the bound is for what never ends
+WALL_S = float(os.environ.get("CKPTCONV_FUZZ_WALL_S", "30"))
 MEMORY = 256 * 2**20  # peak resident growth allowed to one command
 GUARD = 2 * 2**30  # address space allowed beyond what the process has: a bomb fails instead of the machine
 HARD_S = max(120.0, 6 * WALL_S)  # faulthandler ends the run (exit 1) when SIGALRM cannot interrupt a C loop

@@ -63,12 +63,12 @@ def _compiled(pattern: str, what: str, shown: str) -> Any:
 
 
 _OPEN_MIN = re.compile(r"\{,(\d*)\}")  # re's {,n}: RE2 reads it as text
-_CODE_POINT = re.compile(r"u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})")  # re's \\uXXXX, \\UXXXXXXXX: RE2 has none
+_CODE_POINT = re.compile(r"u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})")  # re's \\uHHHH, \\UHHHHHHHH: RE2 has none
 
 
 def _as_re_reads_it(pattern: str) -> str:
     """`pattern` with what RE2 spells otherwise spelled its way: `{,n}` (re: `{0,n}`; RE2: the text "{,n}")
-    made `{0,n}`, and `\\uXXXX` / `\\UXXXXXXXX` made `\\x{...}`. One pass, tracking escapes and classes."""
+    made `{0,n}`, and `\\uHHHH` / `\\UHHHHHHHH` made `\\x{...}`. One pass, tracking escapes and classes."""
     out: list[str] = []
     i, in_class = 0, False
     while i < len(pattern):

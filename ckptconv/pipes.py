@@ -55,8 +55,11 @@ class _Dropping:
 def closed_pipes_dropped() -> Iterator[None]:
     """sys.stdout and sys.stderr, for the block, drop what is written once their reader has gone."""
     out, err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Dropping(out), _Dropping(err)
+    wrapped = _Dropping(out), _Dropping(err)
+    sys.stdout, sys.stderr = wrapped
     try:
         yield
     finally:
+        for stream in wrapped:  # what is still buffered, flushed here: a reader gone is dropped, not reported
+            stream.flush()  # by the interpreter's last flush (exit 120)
         sys.stdout, sys.stderr = out, err

@@ -311,3 +311,16 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for nodeid, c in sorted(_fuzzed.items()):
         terminalreporter.line(line(c, nodeid))
     terminalreporter.line(line(total, f"in {len(_fuzzed)} tests (CKPTCONV_FUZZ_EXAMPLES: examples per test)"))
+
+
+@pytest.fixture
+def fuzzer(
+    request: pytest.FixtureRequest,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Any]:
+    """The structured fuzzers' Fuzzer (tests/fuzz_oracle.py) for one test; test_fuzz_oracle has its own."""
+    from fuzz_oracle import fuzzing
+
+    yield from fuzzing(request, capsys, tmp_path, monkeypatch)

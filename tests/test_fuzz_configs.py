@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from fuzz_docs import (
     spoil_toml,
     toml,
 )
-from fuzz_oracle import Fuzzer, fuzz_settings, fuzzing
+from fuzz_oracle import Fuzzer, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -88,16 +87,6 @@ tied = "model.embed_tokens.weight"
 narrow = "vocab_size"
 multiple = "pad_multiple"
 """
-
-
-@pytest.fixture
-def fuzzer(
-    request: pytest.FixtureRequest,
-    capsys: pytest.CaptureFixture[str],
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Fuzzer]:
-    yield from fuzzing(request, capsys, tmp_path, monkeypatch)
 
 
 def cli(*argv: object) -> None:

@@ -12,7 +12,6 @@ import base64
 import json
 import shutil
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 from fuzz_dcp import save
 from fuzz_docs import CONFIG_FIELDS, SIZES, VALUES, edited, file_splits, json_files, sharding_infos, stashes
-from fuzz_oracle import Fuzzer, Shown, fuzz_settings, fuzzing
+from fuzz_oracle import Fuzzer, Shown, fuzz_settings
 from fuzz_pickles import COMMON, state_pickles
 from fuzz_torchsave import SPOILT, container
 from hypothesis import given
@@ -30,16 +29,6 @@ from safetensors.torch import save_file
 from test_fuzz import st_headers
 
 from ckptconv.cli import main
-
-
-@pytest.fixture
-def fuzzer(
-    request: pytest.FixtureRequest,
-    capsys: pytest.CaptureFixture[str],
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Fuzzer]:
-    yield from fuzzing(request, capsys, tmp_path, monkeypatch)
 
 
 def cli(*argv: object) -> None:

@@ -9,28 +9,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fuzz_dcp import inject_item, metadata_edits, read_metadata, save, write_metadata
-from fuzz_oracle import Fuzzer, Shown, fuzz_settings, fuzzing
+from fuzz_oracle import Fuzzer, Shown, fuzz_settings
 from fuzz_pickles import COMMON, PAYLOADS, metadata_pickles, state_pickles
 from fuzz_torchsave import CONTAINERS, container
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptconv.cli import main
-
-
-@pytest.fixture
-def fuzzer(
-    request: pytest.FixtureRequest,
-    capsys: pytest.CaptureFixture[str],
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Fuzzer]:
-    yield from fuzzing(request, capsys, tmp_path, monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-from ckptconv.cli import run
+from ckptconv.cli.app import run
 
 if __name__ == "__main__":
     run()

@@ -2,7 +2,7 @@
 
 - `<!-- cli-reference -->` (cli.md): every command of the typer app with its usage, help text, and each
   option's flags, type, default and help, read from the click command typer builds.
-- `<!-- report-schema -->` (json.md): ckptconv/report.schema.json as shipped.
+- `<!-- report-schema -->` (json.md): ckptconv/cli/report.schema.json as shipped.
 - `<!-- benchmark-plots -->` (benchmarks.md): plots (matplotlib, inline SVG) of the results files in
   docs/benchmarks/*.json that the benchmarks write with `--out` (`scripts/bench.py NAME --out FILE`; the
   envelope is `write_results` of scripts/benchmarks/runner.py): for the conversions, throughput and peak RSS
@@ -20,7 +20,7 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
     if "<!-- cli-reference -->" in markdown:
         markdown = markdown.replace("<!-- cli-reference -->", cli_reference())
     if "<!-- report-schema -->" in markdown:
-        from ckptconv.schema import load
+        from ckptconv.cli.schema import load
 
         markdown = markdown.replace("<!-- report-schema -->", f"```json\n{json.dumps(load(), indent=2)}\n```")
     if "<!-- benchmark-plots -->" in markdown:
@@ -171,7 +171,7 @@ def cli_reference() -> str:
     (typer 0.29 vendors click): `context_class`, `get_usage`, `get_help_record`."""
     import typer
 
-    from ckptconv.cli import app
+    from ckptconv.cli.app import app
 
     root = typer.main.get_command(app)
     ctx = root.context_class(root, info_name="ckptconv")

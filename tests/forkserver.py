@@ -153,7 +153,7 @@ class ForkServer:
 if __name__ == "__main__":
     import torch.distributed.run  # noqa: F401  (torch: the import every command would pay)
 
-    import ckptconv.cli  # noqa: F401
+    import ckptconv.cli.app  # noqa: F401
 
     requests_fd, replies_fd = os.dup(0), os.dup(1)
     for fd, flags in ((0, os.O_RDONLY), (1, os.O_WRONLY)):

@@ -42,9 +42,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from ckptconv.cli import main
-from ckptconv.outcheck import OLD_SUFFIX, PARTIAL_SUFFIX
-from ckptconv.outlock import LOCK_SUFFIX
+from ckptconv.cli.app import main
+from ckptconv.publish.outcheck import OLD_SUFFIX, PARTIAL_SUFFIX
+from ckptconv.publish.outlock import LOCK_SUFFIX
 
 EXAMPLES = int(os.environ.get("CKPTCONV_FUZZ_EXAMPLES", "20"))
 # per command: each takes ~30 ms, but an input using up the read budget (2M objects walked, limits.py) takes

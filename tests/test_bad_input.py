@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ckptconv
 
-from ckptconv.cli import main
+from ckptconv.cli.app import main
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import open_dcp
 from ckptconv.formats.dcp_reader import DcpReader

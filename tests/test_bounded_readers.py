@@ -32,9 +32,9 @@ import pytest
 import torch
 from conftest import _env, _forked, _forkserver
 
-from ckptconv.documents import load_json, load_toml
 from ckptconv.errors import CkptconvError
-from ckptconv.limits import LimitExceeded
+from ckptconv.formats.documents import load_json, load_toml
+from ckptconv.job.limits import LimitExceeded
 
 HEADROOM = 512 * 2**20  # address space a command may take beyond what it starts with
 DEADLINE = 60  # seconds; the old readers took minutes or never finished

@@ -31,17 +31,17 @@ from test_bad_input import assert_one_line, run
 from test_hf_to_dcp import load_plain
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-from ckptconv import layout
-from ckptconv.dtypes import DtypePolicy
+from ckptconv.core import layout
+from ckptconv.core.dtypes import DtypePolicy
+from ckptconv.core.layout import tiling_problem
+from ckptconv.core.user_regex import UserRegex
 from ckptconv.errors import CkptconvError
-from ckptconv.layout import tiling_problem
 from ckptconv.lora.settings import LoraSettings
 from ckptconv.mapping import load_mapping
 from ckptconv.mapping.patterns import Pattern
 from ckptconv.mapping.rules import map_keys
 from ckptconv.quant import fp8
 from ckptconv.quant.policy import QuantPolicy
-from ckptconv.user_regex import UserRegex
 
 MEMORY = 2 * 2**30  # address space an exploit may add to the test process before it fails
 

@@ -204,7 +204,7 @@ def test_the_first_signal_decides_and_later_ones_do_not_interrupt_the_cleanup(
 ) -> None:
     """Ctrl-C goes through the same handler as SIGTERM: torchrun's SIGTERM (or a second Ctrl-C) arriving
     while the run unwinds is ignored, and the exit code stays 130."""
-    from ckptconv import signals
+    from ckptconv.job import signals
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default handler here")
@@ -227,7 +227,7 @@ def test_a_signal_inside_a_deferred_block_is_raised_on_leaving_it(monkeypatch: p
     """A store call and the record of what it made are not split: SIGTERM inside `deferred()` is raised
     when the outermost block is left, with its own exit code; the same signal again at once (torchrun
     forwarding srun's) stays held; another signal raises at once (a user insisting)."""
-    from ckptconv import signals
+    from ckptconv.job import signals
 
     monkeypatch.setattr(signals, "_received", [])
     done = []
@@ -300,7 +300,7 @@ def test_no_numpy_no_warning(fsdp2_ckpt: Path, tmp_path: Path) -> None:
     run = (
         "import sys; sys.modules['numpy'] = None; "
         f"sys.argv = ['ckptconv', 'dcp-to-hf', {str(fsdp2_ckpt)!r}, {str(tmp_path / 'out')!r}]; "
-        "from ckptconv.cli import run; run()"
+        "from ckptconv.cli.app import run; run()"
     )
     proc = subprocess.run(
         [sys.executable, "-c", run], capture_output=True, text=True, env=_env(), stdin=subprocess.DEVNULL

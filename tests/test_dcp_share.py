@@ -10,7 +10,7 @@ from pathlib import Path
 from conftest import WORKERS, ckptconv, torchrun
 
 from ckptconv.formats.dcp import open_dcp
-from ckptconv.formats.dcp_share import pack, unpack
+from ckptconv.source.share import pack, unpack
 
 
 def test_pack_unpack_gives_the_same_checkpoint(fsdp2_ckpt: Path, mesh2d_ckpt: Path) -> None:

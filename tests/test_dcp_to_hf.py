@@ -11,7 +11,7 @@ from conftest import ckptconv, make_dcp, reference, tree_sha256
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from ckptconv.stash import read_stash
+from ckptconv.formats.stash import read_stash
 
 FP32 = "A_log$"
 
@@ -177,7 +177,7 @@ def test_a_chunk_that_cannot_be_located_is_loaded_once_for_all_its_slabs(
     slabs of rows are then cut from it."""
     from ckptconv.formats.dcp import open_dcp
     from ckptconv.formats.dcp_reader import DcpReader
-    from ckptconv.unshard import direct_rows
+    from ckptconv.stream.unshard import direct_rows
 
     ckpt = open_dcp(fsdp2_ckpt)
     spec = max((s for s in ckpt.tensors.values() if len(s.shape) == 2), key=lambda s: s.nbytes)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from ckptconv.cli import app
+from ckptconv.cli.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

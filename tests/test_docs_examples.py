@@ -40,8 +40,8 @@ from conftest import s3_options
 from docs_examples import PARTS, ROOT, Block, blocks, part
 from test_docs_commands import argv as ckptconv_argv
 
-from ckptconv.cli import app
-from ckptconv.schema import load
+from ckptconv.cli.app import app
+from ckptconv.cli.schema import load
 
 BLOCKS = blocks()
 VALIDATOR = jsonschema.Draft202012Validator(load())
@@ -203,7 +203,7 @@ def _two_nodes(line: str, box: Path, env: dict[str, str], tmp: Path) -> None:
 def _push(line: str, box: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from test_hub_push import FakeApi
 
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     FakeApi.calls, FakeApi.fail, FakeApi.uploaded = [], {}, {}
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
@@ -243,7 +243,7 @@ def test_only_torchruns_exit_barrier_record_is_forgiven() -> None:
     assert agent.count("Traceback") == 1 and "Error waiting on exit barrier" in agent
     assert "Traceback" not in without_exit_barrier_race(agent)
     assert "failed to shutdown the rendezvous" in without_exit_barrier_race(agent)
-    ours = 'Traceback (most recent call last):\n  File "ckptconv/cli.py", line 1\nValueError: x\n'
+    ours = 'Traceback (most recent call last):\n  File "ckptconv/cli/app.py", line 1\nValueError: x\n'
     assert "ValueError" in without_exit_barrier_race(agent + ours + agent)
 
 

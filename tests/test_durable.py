@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 from conftest import _env, s3_options, s3_requests
 from test_bad_input import assert_one_line, run
 
-from ckptconv import outdir
-from ckptconv.outdir import staging_dir
+from ckptconv.publish import outdir
+from ckptconv.publish.outdir import staging_dir
 
 Event = tuple[str, str, str]  # (what, path, more): ("fsync", path, thread), ("rename", src, dst)
 
@@ -396,7 +396,7 @@ def test_an_upload_is_completed_only_with_every_part_acknowledged(
     """A part whose acknowledgement (its ETag) never reaches rank 0: S3 would complete the object without
     it, short, and the run exit 0. It is refused instead, and nothing is left."""
     pytest.importorskip("moto", reason="moto's server is part of the test extras")
-    from ckptconv.remote import multipart, parts
+    from ckptconv.publish import multipart, parts
 
     monkeypatch.setattr(parts, "PART_BYTES", 5 << 20)  # S3's smallest part: a 12 MB file is two
     real_send = multipart.PartStream._send
@@ -468,7 +468,7 @@ def test_a_discarded_upload_is_never_committed_when_collected(
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     code, err = run(capsys, *_s3(s3_endpoint, "hf-to-dcp", str(hf), "s3://ckpts/durable-discard", "-q"))
     assert_one_line(code, err, "cannot read (test)")
-    from ckptconv.remote import out as remote_out
+    from ckptconv.publish import remote_out
 
     remote_out._run = remote_out._Run()  # the next run's: the failed run's files are garbage now
     gc.collect()

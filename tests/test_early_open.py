@@ -1,5 +1,5 @@
 """dcp-to-hf opens its source before torch is imported, on the process that reads `.metadata`, and reads it
-once (ckptconv/early_open.py)."""
+once (ckptconv/source/early.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from conftest import WORKERS, _env, tree_sha256
 from test_bad_input import assert_one_line
 
-from ckptconv.early_open import open_early
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import open_dcp
+from ckptconv.source.early import open_early
 
 
 def _audited(

@@ -16,7 +16,7 @@ import pytest
 from conftest import _env, ckptconv, tree_sha256, wait_for
 from test_bad_input import assert_one_line
 
-from ckptconv.outdir import staging_dir
+from ckptconv.publish.outdir import staging_dir
 
 
 def _file_size_limit(limit: int):  # type: ignore[no-untyped-def]

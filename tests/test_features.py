@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from test_bad_input import run
 
-from ckptconv.stash import read_stash
+from ckptconv.formats.stash import read_stash
 
 
 def save_single(path: Path, state: dict) -> Path:
@@ -131,7 +131,7 @@ def test_copy_from_takes_config_not_weights(
 def test_dry_run_writes_nothing_and_shows_owners(
     fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     out = tmp_path / "out"
     main(
@@ -157,7 +157,7 @@ def test_dry_run_writes_nothing_and_shows_owners(
 
 
 def test_dry_run_json(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     main(
         [
@@ -177,7 +177,7 @@ def test_dry_run_json(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_inspect_every_format(fsdp2_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     main(["inspect", str(fsdp2_ckpt), "--json"])
     info = json.loads(capsys.readouterr().out)
@@ -213,7 +213,7 @@ def test_inspect_runs_without_torch(
 
     from conftest import _env
 
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     out = tmp_path / "hf"
     assert run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--max-shard-size", "700", "--quiet")[0] == 0

@@ -28,7 +28,7 @@ from fuzz_oracle import Fuzzer, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptconv.cli import main
+from ckptconv.cli.app import main
 
 # A mapping whose rules take their sizes from config.json: a padded vocabulary, a grouped QKV split, a
 # fused gate/up, a reshape, a transpose, an interleave and a tied head (docs/mapping.md has each).

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_fuzz import st_headers
 
-from ckptconv.cli import main
+from ckptconv.cli.app import main
 
 
 def cli(*argv: object) -> None:

@@ -19,7 +19,7 @@ from fuzz_torchsave import CONTAINERS, container
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptconv.cli import main
+from ckptconv.cli.app import main
 
 
 @pytest.fixture(scope="module")

@@ -236,7 +236,7 @@ def test_bad_hf_inputs(
 
 
 def test_dry_run_and_overwrite(hf_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     out = tmp_path / "out"
     main(["hf-to-dcp", str(hf_llama), str(out), "--dry-run", "--dtype", "bf16", "--fp32", "norm"])

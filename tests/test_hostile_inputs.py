@@ -382,9 +382,9 @@ def test_hf_source_rewritten_during_hf_to_dcp(
 def test_hf_to_dcp_in_process_with_a_shrinking_source(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckptconv.convert import hf_to_dcp
-    from ckptconv.ui import Ui
-    from ckptconv.world import World
+    from ckptconv.job.ui import Ui
+    from ckptconv.job.world import World
+    from ckptconv.run.dcp_to_hf import hf_to_dcp
 
     hf = hf_dir(tmp_path / "hf")
     victim = hf / "model.safetensors"

@@ -14,8 +14,8 @@ import pytest
 from huggingface_hub import errors as hub_errors
 from test_bad_input import assert_one_line
 
-from ckptconv import hub_push
-from ckptconv.cli import main
+from ckptconv.cli.app import main
+from ckptconv.publish import hub_push
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:

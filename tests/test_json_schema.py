@@ -1,6 +1,6 @@
-"""The --json reports against their published schema (ckptconv/report.schema.json, issue #22 point 3): every
-command and outcome (success, dry run, exit 2, verify mismatch) validated with the jsonschema package, every
-field a report has named by the schema, and the schema strict enough to reject a broken report."""
+"""The --json reports against their published schema (ckptconv/cli/report.schema.json, issue #22 point 3):
+every command and outcome (success, dry run, exit 2, verify mismatch) validated with the jsonschema package,
+every field a report has named by the schema, and the schema strict enough to reject a broken report."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from conftest import ckptconv, torchrun
 
-from ckptconv.schema import SCHEMA_VERSION, load
+from ckptconv.cli.schema import SCHEMA_VERSION, load
 
 SCHEMA = load()
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)

@@ -1,5 +1,6 @@
 """LoRA planning without a checkpoint (issue #21): keys, nested wrappers, scaling, and the factors a mapping
-gives an adapter, checked by executing the parts (ckptconv.blocks.place) on random tensors in float64."""
+gives an adapter, checked by executing the parts (ckptconv.stream.blocks.place) on random tensors in
+float64."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.blocks import place
 from ckptconv.errors import CkptconvError
 from ckptconv.lora.keys import Factors, find_lora
 from ckptconv.lora.mapped import factor_targets
@@ -16,6 +16,7 @@ from ckptconv.lora.settings import LoraSettings
 from ckptconv.mapping import load_mapping
 from ckptconv.mapping.rules import map_keys
 from ckptconv.mapping.types import Target
+from ckptconv.stream.blocks import place
 
 MAPPING = """
 [mapping]
@@ -157,8 +158,8 @@ def test_scaling_as_peft_computes_it() -> None:
 @pytest.mark.parametrize("kind", ["linear", "embedding", "experts_out_in", "experts_in_out"])
 def test_the_update_of_any_block_is_that_block_of_the_whole_update(kind: str) -> None:
     """`delta_box` (a chunk's block of W, as a mapping reads it) against scaling * B @ A computed whole."""
+    from ckptconv.core.specs import TensorSpec
     from ckptconv.lora.merge import LoraParts, delta_box
-    from ckptconv.specs import TensorSpec
 
     g = torch.Generator().manual_seed(1)
     experts, r, out_dim, in_dim = 3, 2, 7, 5

@@ -48,7 +48,7 @@ WRONG: list[Any] = [
 
 def cli(*argv: str) -> None:
     """The CLI in this process, for fixtures: it must succeed."""
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     try:
         main(list(argv))

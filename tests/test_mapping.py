@@ -337,7 +337,7 @@ def test_unknown_preset_names_the_presets() -> None:
 
 
 def test_inspect_and_dry_run_show_the_mapped_view(runtime_ckpt, tmp_path: Path, capsys) -> None:
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     ckpt, mapping, config = runtime_ckpt
     main(["inspect", str(ckpt), "--mapping", str(mapping), "--config", str(config), "--json"])
@@ -373,9 +373,9 @@ def test_inspect_and_dry_run_show_the_mapped_view(runtime_ckpt, tmp_path: Path, 
 @pytest.mark.parametrize("shard_dim", [0, 1])
 def test_one_expert_reads_only_its_rows(shard_dim: int) -> None:
     """Unstacking expert e of [E, F, D] reads only expert e's rows of the chunks that hold it."""
-    from ckptconv.plan import OutTensor, SourcePart
-    from ckptconv.specs import ChunkSpec, TensorSpec
-    from ckptconv.unshard import assemble
+    from ckptconv.core.specs import ChunkSpec, TensorSpec
+    from ckptconv.plan.to_hf import OutTensor, SourcePart
+    from ckptconv.stream.unshard import assemble
 
     full = torch.arange(E * F * D, dtype=torch.float32).reshape(E, F, D)
     step = (E if shard_dim == 1 else 2, F // 2 if shard_dim == 1 else F, D)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.blocks import place
 from ckptconv.errors import CkptconvError
 from ckptconv.mapping import load_mapping
 from ckptconv.mapping.parts import src_rows
 from ckptconv.mapping.rules import Target, map_keys
+from ckptconv.stream.blocks import place
 
 
 def mapping(tmp_path: Path, rules: str, head: str = "") -> object:
@@ -261,7 +261,7 @@ def test_inspect_explain_names_the_rule_operation_and_blocks(tmp_path: Path, cap
     import torch.distributed.checkpoint as dcp
     from test_bad_input import assert_one_line
 
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     def run(*argv: str) -> tuple[int, str, str]:
         try:

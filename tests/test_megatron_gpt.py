@@ -30,9 +30,9 @@ import torch
 from megatron import run_megatron, saved
 from test_dcp_to_hf import load_dir, same_bits
 
-from ckptconv.cli import main
+from ckptconv.cli.app import main
 from ckptconv.formats.dcp import open_dcp
-from ckptconv.formats.megatron_out import (
+from ckptconv.plan.megatron import (
     BACKENDS,
     CHECKPOINT_VERSION,
     extra_state_objects,

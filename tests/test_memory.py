@@ -20,8 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import _env, torchrun
 
-from ckptconv import compare as compare_mod
-from ckptconv.compare import Finding, Tolerance, compare
+from ckptconv.run import compare as compare_mod
+from ckptconv.run.compare import Finding, Tolerance, compare
 
 MIB = 2**20
 ROWS, COLS = 16384, 4096  # fp32: 256 MiB, two 128 MiB chunks; bf16: 128 MiB
@@ -29,7 +29,7 @@ SOURCE_BYTES, OUTPUT_BYTES = ROWS * COLS * 4, ROWS * COLS * 2
 
 WRAPPER = """
 import os, resource, sys
-from ckptconv.cli import main
+from ckptconv.cli.app import main
 report = sys.argv.pop(1)
 code = 0
 try:
@@ -198,10 +198,10 @@ def test_a_round_bigger_than_the_bucket_is_cut_into_steps_of_rows() -> None:
     """split_round: a writer's transfers over the budget become steps of whole rows, each <= the bucket,
     covering exactly the same rows in order, each writer's k-th step together; a round within the budget
     stays one step, as it is."""
-    from ckptconv.gather import Transfer, split_round
+    from ckptconv.core.specs import ChunkSpec, TensorSpec
     from ckptconv.mapping.rules import whole
-    from ckptconv.plan import OutTensor, SourcePart
-    from ckptconv.specs import ChunkSpec, TensorSpec
+    from ckptconv.plan.to_hf import OutTensor, SourcePart
+    from ckptconv.stream.gather import Transfer, split_round
 
     chunks = (ChunkSpec((0, 0), (10, 8), "__0_0.distcp", 0, 1, "torch_save"),)
     spec = TensorSpec("w", "float32", (10, 8), chunks)

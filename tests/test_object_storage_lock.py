@@ -118,7 +118,7 @@ def test_a_signal_while_a_store_call_is_in_flight_leaves_nothing(
     waits for it and removes what it made. Exit 143; no object, upload or lock left."""
     from fsspec.asyn import sync_wrapper
 
-    from ckptconv import signals
+    from ckptconv.job import signals
 
     real = s3fs.S3FileSystem._call_s3
     sent: list[str] = []

@@ -16,7 +16,7 @@ from test_bad_input import assert_one_line
 s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
 pytest.importorskip("moto", reason="moto's server is part of the test extras")
 
-from ckptconv.cli import main  # noqa: E402
+from ckptconv.cli.app import main  # noqa: E402
 
 
 def _objects(client: s3fs.S3FileSystem, key: str) -> dict[str, str]:

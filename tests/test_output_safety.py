@@ -24,11 +24,11 @@ from conftest import _env, ckptconv, random_dcp, start, wait_for
 from test_bad_input import assert_one_line, run
 
 from ckptconv.errors import CkptconvError
-from ckptconv.outdir import staging_dir
+from ckptconv.publish.outdir import staging_dir
 
 
 def lock_path(out: Path) -> Path:
-    """Where ckptconv keeps the lock of OUT (ckptconv.outlock.lock_path)."""
+    """Where ckptconv keeps the lock of OUT (ckptconv.publish.outlock.lock_path)."""
     return out.parent / f".{out.name}.ckptconv-lock"
 
 
@@ -222,7 +222,7 @@ def test_publish_without_an_atomic_swap_and_recovery_of_a_moved_aside_out(
 ) -> None:
     """Where the file system cannot swap directories, OUT is moved aside and the result moved in; a run
     killed between the two leaves `.OUT.ckptconv-old`, which the next run puts back before it checks OUT."""
-    from ckptconv import outdir
+    from ckptconv.publish import outdir
 
     monkeypatch.setattr(outdir, "_exchange", lambda a, b: False)
     out = tmp_path / "out"
@@ -353,7 +353,7 @@ def test_stale_lock_of_a_killed_run_is_taken_over(medium_ckpt: Path, tmp_path: P
 def test_lock_in_process(fsdp2_ckpt: Path, tmp_path: Path) -> None:
     """A live holder (this process) is named; a garbage lock file nobody holds is taken over; released
     locks leave nothing."""
-    from ckptconv import outlock
+    from ckptconv.publish import outlock
 
     out = tmp_path / "out"
     held = outlock.take(out)
@@ -376,7 +376,7 @@ def test_lock_without_flock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     """A file system without flock: the lock file alone holds OUT, and the error says how to clear it."""
     import errno
 
-    from ckptconv import outlock
+    from ckptconv.publish import outlock
 
     def no_flock(fd: int, op: int) -> None:
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
@@ -393,7 +393,8 @@ def test_lock_without_flock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_save_hf_output_safety(tmp_path: Path) -> None:
     """save_hf (inside a training job) follows the same rules: no foreign directory, one writer per path."""
-    from ckptconv import outlock, save_hf
+    from ckptconv import save_hf
+    from ckptconv.publish import outlock
 
     sd = {"w": torch.arange(12.0).reshape(3, 4)}
     home = tmp_path / "home"
@@ -610,7 +611,7 @@ def test_a_fifo_at_the_lock_path_is_refused_at_once(fsdp2_ckpt: Path, tmp_path: 
     os.mkfifo(lock_path(out))
     proc = ckptconv("dcp-to-hf", str(fsdp2_ckpt), str(out), timeout=60)
     assert_one_line(proc.returncode, proc.stderr, str(lock_path(out)), "not a regular file", "remove it")
-    from ckptconv import outlock
+    from ckptconv.publish import outlock
 
     with pytest.raises(CkptconvError, match="not a regular file"):
         outlock.take(out)
@@ -624,7 +625,7 @@ def _foreign_lock(out: Path, **info: object) -> None:
 
 def test_a_lock_of_another_host_is_never_taken_over_on_flock_alone(tmp_path: Path) -> None:
     """With NFS `local_lock=flock` a flock is only seen on its host: a free flock says nothing there."""
-    from ckptconv import outlock
+    from ckptconv.publish import outlock
 
     out = tmp_path / "out"
     _foreign_lock(out, pid=4242, host="node-b.example")
@@ -639,7 +640,7 @@ def test_a_lock_of_a_live_process_on_this_host_is_not_taken_over(tmp_path: Path)
     """A free flock and a live pid (a lock file left by hand, or on a file system that lost its flock)."""
     import socket
 
-    from ckptconv import outlock
+    from ckptconv.publish import outlock
 
     out = tmp_path / "out"
     sleeper = subprocess.Popen(["sleep", "60"])
@@ -657,7 +658,7 @@ def test_a_lock_of_a_live_process_on_this_host_is_not_taken_over(tmp_path: Path)
 
 
 def test_a_deeply_nested_lock_file_is_taken_over(tmp_path: Path) -> None:
-    from ckptconv import outlock
+    from ckptconv.publish import outlock
 
     out = tmp_path / "out"
     lock_path(out).write_text("[" * 200000)
@@ -669,7 +670,7 @@ def test_an_interrupt_once_the_lock_is_in_place_removes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A signal let through by another thread, between placing the lock file and returning it."""
-    from ckptconv import outlock
+    from ckptconv.publish import outlock
 
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
@@ -688,7 +689,7 @@ def test_a_failed_move_into_place_puts_out_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without an atomic swap: OUT moved aside, then moving the result in fails: OUT is moved back."""
-    from ckptconv import outdir
+    from ckptconv.publish import outdir
 
     monkeypatch.setattr(outdir, "_exchange", lambda a, b: False)
     out = tmp_path / "out"
@@ -711,7 +712,7 @@ def test_an_empty_out_beside_a_moved_aside_one_gets_it_back(
     fsdp2_ckpt: Path, hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A run killed after moving OUT aside, then `mkdir OUT`: the next run must not remove the only copy."""
-    from ckptconv import outdir
+    from ckptconv.publish import outdir
 
     out = tmp_path / "out"
     shutil.copytree(hf_dir, outdir.old_dir(out))

@@ -12,17 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from ckptconv.dtype_names import short_name
-from ckptconv.dtypes import DtypePolicy, st_layout_rank
+from ckptconv.core.dtype_names import short_name
+from ckptconv.core.dtypes import DtypePolicy, st_layout_rank
+from ckptconv.core.layout import tiling_problem
+from ckptconv.core.sizes import parse_size
+from ckptconv.core.specs import ChunkSpec, TensorSpec
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import DcpCheckpoint
 from ckptconv.formats.hf import read_header
 from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter, header_bytes
-from ckptconv.gather import gather_rounds, reader_rank
-from ckptconv.layout import tiling_problem
-from ckptconv.plan import assign_owners, plan_dcp_to_hf
-from ckptconv.sizes import parse_size
-from ckptconv.specs import ChunkSpec, TensorSpec
+from ckptconv.plan.to_hf import assign_owners, plan_dcp_to_hf
+from ckptconv.stream.gather import gather_rounds, reader_rank
 
 
 @pytest.mark.parametrize(
@@ -286,8 +286,8 @@ def test_gather_moves_one_experts_rows_per_output_within_the_budget(tmp_path: Pa
     """A stacked [E, F, D] expert tensor sharded over 2 ranks, written per expert: every output tensor moves
     only its expert's rows of one chunk (not the chunk), rounds stay within the budget of gathered bytes, and
     the transfers are the same list on every rank."""
-    from ckptconv.gather import round_transfers
     from ckptconv.mapping import load_mapping
+    from ckptconv.stream.gather import round_transfers
 
     (tmp_path / "m.toml").write_text(
         '[mapping]\nname = "t"\n[[rule]]\nruntime = "w1"\nhf = "experts.{expert}.gate_proj.weight"\n'
@@ -346,7 +346,7 @@ def test_dtype_names_cover_torch_and_safetensors() -> None:
     each safetensors name meaning what safetensors itself means by it."""
     from safetensors.torch import _TYPES
 
-    from ckptconv.dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
+    from ckptconv.core.dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
 
     torch_names = {short_name(v): v.itemsize for v in vars(torch).values() if isinstance(v, torch.dtype)}
     assert torch_names == ITEMSIZE
@@ -359,7 +359,7 @@ def test_crc32_of_pieces_read_in_any_order_is_the_whole_ranges() -> None:
     import random
     import zlib
 
-    from ckptconv.crc32 import combine, whole_crc
+    from ckptconv.core.crc32 import combine, whole_crc
 
     rng = random.Random(7)
     for _ in range(200):
@@ -393,7 +393,7 @@ _json = st.recursive(
 )
 def test_json_output_reads_back_as_the_document(doc, records) -> None:
     """The CLI's JSON (records of long lists one per line) is the document, whatever its strings hold."""
-    from ckptconv.cli_output import dumps
+    from ckptconv.cli.render import dumps
 
     whole = {**doc, "nested": [{"chunks": records}], "chunks": records}
     text = dumps(whole)
@@ -407,7 +407,7 @@ def test_crc32_is_zlibs(data: bytes, start: int) -> None:
     """The CRC-32 ckptconv checks and writes records with gives zlib's numbers (zlib is the reference)."""
     import zlib
 
-    from ckptconv.crc32 import crc32
+    from ckptconv.core.crc32 import crc32
 
     assert crc32(data, start) == zlib.crc32(data, start)
     assert crc32(memoryview(data)) == zlib.crc32(data)
@@ -416,14 +416,14 @@ def test_crc32_is_zlibs(data: bytes, start: int) -> None:
 def test_crc32_is_isals_where_installed() -> None:
     import zlib
 
-    from ckptconv.crc32 import crc32
+    from ckptconv.core.crc32 import crc32
 
     pytest.importorskip("isal", reason="no isal wheel for this platform: zlib's CRC-32 is used")
     assert crc32 is not zlib.crc32
 
 
 def test_buffer_pool_reuses_given_back_memory() -> None:
-    from ckptconv.buffers import BufferPool
+    from ckptconv.stream.buffers import BufferPool
 
     pool = BufferPool(keep_bytes=10_000)
     a = pool.take((10, 100), torch.float32)  # 4,000 bytes
@@ -452,7 +452,7 @@ def test_buffer_pool_for_a_bucket_keeps_a_layers_large_weights() -> None:
     bucket): each size is made new about once, not once a layer."""
     from collections import deque
 
-    from ckptconv.buffers import BufferPool
+    from ckptconv.stream.buffers import BufferPool
 
     bucket = 128_000
     layer = [32_000, 8_000, 8_000, 32_000, 92_000, 92_000, 92_000]
@@ -520,7 +520,7 @@ def test_ranges_without_a_cut(pieces: list[tuple[int, int]], a: int, n: int) -> 
 
 def test_lock_record_leaves_out_storage_options() -> None:
     """Another run's error shows the command line the lock recorded: never the credentials."""
-    from ckptconv.outlock import _without_options
+    from ckptconv.publish.outlock import _without_options
 
     secret = '{"key": "AKIA", "secret": "do-not-show"}'
     for argv in (["ckptconv", "dcp-to-hf", "s3://b/x", "out", "--storage-options", secret, "-q"],

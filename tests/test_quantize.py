@@ -23,7 +23,7 @@ from pinned import install_pinned
 from safetensors.torch import load_file
 from test_bad_input import assert_one_line, run
 
-from ckptconv.cli import main
+from ckptconv.cli.app import main
 
 FP8 = torch.float8_e4m3fn
 ACCELERATE = Path(__file__).resolve().parent / "accelerate-requirements.txt"
@@ -324,8 +324,8 @@ def test_verify_checks_the_fp8_bytes_and_scales(
     rounded to bf16 first, as transformers' bf16 dequant helper does)."""
     import types
 
-    from ckptconv import hf_write
     from ckptconv.quant import fp8
+    from ckptconv.stream import hf_write
 
     src = str(odd[0] / "dcp")
     code, err = run(capsys, "dcp-to-hf", src, str(tmp_path / "ok"), "--quantize", "fp8", "--verify")

@@ -23,10 +23,10 @@ from test_bad_input import assert_one_line, run
 from test_dcp_to_hf import load_dir, same_bits
 from test_hf_to_dcp import load_plain
 
-from ckptconv.cli import main
+from ckptconv.cli.app import main
 from ckptconv.formats.hf import open_hf
 from ckptconv.formats.safetensors_io import RowReader
-from ckptconv.plan import shard_rows
+from ckptconv.plan.to_hf import shard_rows
 from ckptconv.quant import fp8, mxfp4
 
 LLAMA = {"hidden_size": 200, "intermediate_size": 328}  # no dim a multiple of 128: edge blocks everywhere
@@ -412,7 +412,7 @@ def test_plain_fp8_tensors_without_scales_are_not_quantized(tmp_path: Path) -> N
 
 
 def test_the_kept_config_drops_the_quantization_config() -> None:
-    from ckptconv.quant.config import dequantized_config
+    from ckptconv.plan.quant_config import dequantized_config
 
     raw = json.dumps({"dtype": "bfloat16", "quantization_config": {"quant_method": "fp8"}, "a": 1}).encode()
     assert json.loads(dequantized_config(raw)) == {"a": 1, "dtype": "bfloat16"}
@@ -422,9 +422,9 @@ def test_the_kept_config_drops_the_quantization_config() -> None:
 
 def test_hf_to_dcp_says_what_it_dequantized(models: dict[str, Path]) -> None:
     """The one note hf-to-dcp prints (`compose.dequantized_note`, called by convert.py)."""
-    from ckptconv.compose import dequantized_note
-    from ckptconv.dtypes import DtypePolicy
-    from ckptconv.plan import plan_hf_to_dcp
+    from ckptconv.core.dtypes import DtypePolicy
+    from ckptconv.plan.to_hf import plan_hf_to_dcp
+    from ckptconv.stream.compose import dequantized_note
 
     for name, policy, note in (
         (

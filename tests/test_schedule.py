@@ -14,9 +14,9 @@ import torch
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-from ckptconv.allgather import run_rounds
 from ckptconv.errors import CkptconvError
-from ckptconv.schedule import (
+from ckptconv.live.allgather import run_rounds
+from ckptconv.plan.schedule import (
     Holding,
     Job,
     Placement,
@@ -305,7 +305,7 @@ def test_layouts_that_do_not_tile_in_step_order_are_refused() -> None:
 
 
 def test_ranks_that_disagree_about_a_state_dict_are_refused() -> None:
-    from ckptconv.allgather import Described, holdings
+    from ckptconv.live.allgather import Described, holdings
 
     def d(fqn: str, groups: tuple[tuple[int, ...], ...] = ((0, 1),)) -> Described:
         return Described(fqn, (4, 2), torch.float32, ((0, 0), (2, 2)), (ShardStep(0, 0),), groups)

@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from test_bad_input import run
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from ckptconv.cli import main
-from ckptconv.stash import read_stash
+from ckptconv.cli.app import main
+from ckptconv.formats.stash import read_stash
 
 
 class Backend(enum.Enum):  # a class of the trainer's own, as Megatron-LM's args hold (AttnBackend, ...)

@@ -47,7 +47,7 @@ def save_dcp(state: dict[str, Any], path: Path) -> Path:
 
 def cli(*argv: str) -> None:
     """The CLI in this process, for fixtures (no capsys): it must succeed."""
-    from ckptconv.cli import main
+    from ckptconv.cli.app import main
 
     try:
         main(list(argv))
@@ -299,7 +299,7 @@ def test_drop_untied_head_drops_it_and_verify_says_so(titan, tmp_path: Path, cap
 
 def test_the_tied_head_check_reads_slabs(titan, tmp_path: Path, capsys, monkeypatch) -> None:
     """Both tensors are read a slab of rows at a time, never whole."""
-    import ckptconv.tied as tied
+    import ckptconv.stream.tied as tied
 
     windows: list[tuple[str, Any]] = []
     assemble = tied.assemble

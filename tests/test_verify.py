@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from test_bad_input import assert_one_line
 
 from ckptconv.errors import VerifyMismatch
-from ckptconv.verify import Tolerance, compare
+from ckptconv.run.verify import Tolerance, compare
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +186,9 @@ def test_verify_flag_refuses_to_publish_a_wrong_output(
 ) -> None:
     """A conversion whose written bytes differ from the source (a simulated writer bug) is caught by --verify:
     exit 1, and OUT does not exist."""
-    from ckptconv import convert
-    from ckptconv.ui import Ui
-    from ckptconv.world import World
+    from ckptconv.job.ui import Ui
+    from ckptconv.job.world import World
+    from ckptconv.run import dcp_to_hf as convert
 
     corrupt_one_element(monkeypatch, "layers.0.up.weight")
     out = tmp_path / "out"

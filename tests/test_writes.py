@@ -14,15 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_pure import fake_ckpt
 
-from ckptconv.dtypes import DtypePolicy
+from ckptconv.core.dtypes import DtypePolicy
 from ckptconv.formats.dcp import open_dcp
 from ckptconv.formats.dcp_reader import DcpReader
 from ckptconv.formats.safetensors_io import Entry, header_bytes
 from ckptconv.mapping import load_config, load_mapping
-from ckptconv.plan import plan_dcp_to_hf
-from ckptconv.remote.parts import PART_BYTES, plan_pieces
-from ckptconv.unshard import assemble, direct_rows
-from ckptconv.writes import MIN_PIECE, bytes_per_rank, plan_writes, rows_of
+from ckptconv.plan.to_hf import plan_dcp_to_hf
+from ckptconv.plan.writes import MIN_PIECE, bytes_per_rank, plan_writes, rows_of
+from ckptconv.publish.parts import PART_BYTES, plan_pieces
+from ckptconv.stream.unshard import assemble, direct_rows
 
 shapes = st.lists(
     st.tuples(st.integers(0, 40), st.integers(1, 6), st.sampled_from([torch.float32, torch.bfloat16])),

@@ -18,19 +18,30 @@ from operator import add, attrgetter, gt, mul
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..dtype_names import CONVERTIBLE, ITEMSIZE
-from ..errors import CkptconvError
-from ..gcpause import paused
-from ..layout import tiling_problem
-from ..remote.files import RemoteFiles
-from ..remote.urls import UrlPath
-from ..specs import ChunkFormat, NonTensorItem, TensorSpec, new_chunk
-from . import safe_pickle as md
-from .dcp_columns import Columns, load_dcp_metadata
-from .files import BoundedReader, Stamp, inside, mode_of, open_regular, read_error, stamp, stat_regular
-from .hf import MAX_HEADER_BYTES  # a larger safetensors header inside a .distcp is refused too
-from .megatron import MARKER_FILE as MEGATRON_MARKER
-from .megatron import Common, is_megatron, read_common
+from ckptconv.core.dtype_names import CONVERTIBLE, ITEMSIZE
+from ckptconv.core.layout import tiling_problem
+from ckptconv.core.specs import ChunkFormat, NonTensorItem, TensorSpec, new_chunk
+from ckptconv.errors import CkptconvError
+from ckptconv.formats import safe_pickle as md
+from ckptconv.formats.dcp_columns import Columns, load_dcp_metadata
+from ckptconv.formats.files import (
+    BoundedReader,
+    Stamp,
+    inside,
+    mode_of,
+    open_regular,
+    read_error,
+    stamp,
+    stat_regular,
+)
+from ckptconv.formats.hf import (
+    MAX_HEADER_BYTES,  # a larger safetensors header inside a .distcp is refused too
+)
+from ckptconv.formats.megatron import MARKER_FILE as MEGATRON_MARKER
+from ckptconv.formats.megatron import Common, is_megatron, read_common
+from ckptconv.job.gcpause import paused
+from ckptconv.remote.files import RemoteFiles
+from ckptconv.remote.urls import UrlPath
 
 METADATA_FILE = ".metadata"
 
@@ -63,7 +74,7 @@ def is_dcp_dir(path: Path) -> bool:
         return False
     if mode_of(path / METADATA_FILE) is not None:
         return True
-    from .hf_sharded import is_sharded_dir
+    from ckptconv.formats.hf_sharded import is_sharded_dir
 
     return is_sharded_dir(path)
 
@@ -76,7 +87,7 @@ def open_dcp(path: Path) -> DcpCheckpoint:
     md_path = path / METADATA_FILE
     remote = RemoteFiles(path) if isinstance(path, UrlPath) else None
     if remote is None and mode_of(md_path) is None:
-        from .hf_sharded import is_sharded_dir, open_sharded
+        from ckptconv.formats.hf_sharded import is_sharded_dir, open_sharded
 
         if is_sharded_dir(path):
             return open_sharded(path)

@@ -34,9 +34,9 @@ from array import array
 from itertools import chain
 from typing import Any
 
-from ..errors import CkptconvError
-from ..limits import MAX_DEPTH, MAX_DIMS, MAX_RECORD_FIELDS, Budget, size_of
-from . import safe_pickle as sp
+from ckptconv.errors import CkptconvError
+from ckptconv.formats import safe_pickle as sp
+from ckptconv.job.limits import MAX_DEPTH, MAX_DIMS, MAX_RECORD_FIELDS, Budget, size_of
 
 
 class Columns:

@@ -20,18 +20,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..crc32 import crc32, whole_crc
-from ..errors import CkptconvError
-from ..limits import Budget
-from ..remote.files import RemoteFiles
-from ..remote.urls import UrlPath
-from ..specs import ChunkSpec, NonTensorItem, TensorSpec
-from .dcp import DcpCheckpoint
-from .files import check_unchanged, open_regular, pread_exact, read_error
-from .hf import MAX_HEADER_BYTES, StoredTensor, header_tensors, parse_header
-from .items import load_item
-from .torch_record import MAX_RECORD_PICKLE, TensorRecord, read_tensor_record
-from .torch_zip import TorchZip
+from ckptconv.core.crc32 import crc32, whole_crc
+from ckptconv.core.specs import ChunkSpec, NonTensorItem, TensorSpec
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.dcp import DcpCheckpoint
+from ckptconv.formats.files import check_unchanged, open_regular, pread_exact, read_error
+from ckptconv.formats.hf import MAX_HEADER_BYTES, StoredTensor, header_tensors, parse_header
+from ckptconv.formats.items import load_item
+from ckptconv.formats.torch_record import MAX_RECORD_PICKLE, TensorRecord, read_tensor_record
+from ckptconv.formats.torch_zip import TorchZip
+from ckptconv.job.limits import Budget
+from ckptconv.remote.files import RemoteFiles
+from ckptconv.remote.urls import UrlPath
 
 _CLOSE_WAIT = 60.0  # seconds close() waits for reads in flight before closing their files anyway
 

@@ -25,12 +25,12 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo  # what FileSys
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..env import env_int
-from ..errors import CkptconvError
-from ..remote import out as remote_out
-from ..remote.urls import UrlPath
-from .dcp_reader import byte_view
-from .torch_record import fast_path, write_tensor_record
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.dcp_reader import byte_view
+from ckptconv.formats.torch_record import fast_path, write_tensor_record
+from ckptconv.job.env import env_int
+from ckptconv.publish import remote_out
+from ckptconv.remote.urls import UrlPath
 
 SLAB_BYTES = 8 * 2**20  # read, checksummed and written at once per writer thread (4-8 MiB measured best)
 ReadRows = Callable[[str, int, int, "torch.Tensor | None"], torch.Tensor]

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..quant import fp8, mxfp4
-from .hf import StoredTensor
+from ckptconv.formats.hf import StoredTensor
+from ckptconv.quant import fp8, mxfp4
 
 if TYPE_CHECKING:
-    from .safetensors_io import RowReader
+    from ckptconv.formats.safetensors_io import RowReader
 
 MX_VALUES = 2**20  # MXFP4 values decoded at a time (fp32 temporaries of a few MiB)
 

@@ -27,8 +27,8 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CkptconvError
-from ..remote.urls import UrlPath
+from ckptconv.errors import CkptconvError
+from ckptconv.remote.urls import UrlPath
 
 Stamp = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) of a file when it was first read
 
@@ -249,7 +249,7 @@ def open_bounded(path: Path, root: Path | None, limit: int | None) -> tuple[int,
 def read_regular(path: Path, root: Path | None = None, limit: int | None = None) -> bytes:
     """The whole content of the regular file `path` (inside `root` if given), at most `limit` bytes."""
     if isinstance(path, UrlPath):
-        from ..remote import tree
+        from ckptconv.remote import tree
 
         if root is not None:
             inside(path, root)
@@ -269,7 +269,7 @@ def mode_of(path: Path) -> int | None:
     A URL: an object is a regular file, a prefix with objects under it a directory (`remote.tree`)."""
     no_nul(path)
     if isinstance(path, UrlPath):
-        from ..remote import tree
+        from ckptconv.remote import tree
 
         return tree.mode(path)
     try:
@@ -300,7 +300,7 @@ def is_directory(path: Path) -> bool:
 def listdir(path: Path) -> list[str]:
     """The names in directory `path`, sorted; an unreadable directory is a CkptconvError naming it."""
     if isinstance(path, UrlPath):
-        from ..remote import tree
+        from ckptconv.remote import tree
 
         return tree.children(path)
     try:

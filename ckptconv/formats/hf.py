@@ -15,17 +15,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..documents import load_json
-from ..dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
-from ..errors import CkptconvError
-from ..jsonkeys import DuplicateKey
-from ..remote.urls import UrlPath
-from .files import Stamp, inside, listdir, mode_of, open_regular, pread_exact, read_error, read_regular, stamp
+from ckptconv.core.dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
+from ckptconv.core.jsonkeys import DuplicateKey
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.documents import load_json
+from ckptconv.formats.files import (
+    Stamp,
+    inside,
+    listdir,
+    mode_of,
+    open_regular,
+    pread_exact,
+    read_error,
+    read_regular,
+    stamp,
+)
+from ckptconv.remote.urls import UrlPath
 
 if TYPE_CHECKING:
     import torch
 
-    from .hf_quant import Quantized
+    from ckptconv.formats.hf_quant import Quantized
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -160,7 +170,7 @@ def _local_header(path: Path, root: Path | None) -> tuple[bytes, int, Stamp]:
 
 def _remote_header(url: UrlPath) -> tuple[bytes, int, Stamp]:
     """An object's header: two ranged GETs (its length, then the JSON), never a tensor byte."""
-    from ..remote import tree
+    from ckptconv.remote import tree
 
     size = tree.size(url)
     if size is None:
@@ -330,7 +340,7 @@ def _dequantized(
 ) -> dict[str, StoredTensor]:
     """Quantized weights (block FP8, MXFP4) as one logical tensor each, in the dtype config.json names
     (`hf_quant`); config.json is read only when some tensor looks quantized."""
-    from . import hf_quant
+    from ckptconv.formats import hf_quant
 
     if not hf_quant.might_be_quantized(tensors):
         return tensors

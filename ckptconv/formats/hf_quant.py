@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..documents import load_json
-from ..dtype_names import ITEMSIZE
-from ..errors import CkptconvError
-from .files import CONFIG_BYTES, mode_of, read_regular
-from .hf import StoredTensor
+from ckptconv.core.dtype_names import ITEMSIZE
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.documents import load_json
+from ckptconv.formats.files import CONFIG_BYTES, mode_of, read_regular
+from ckptconv.formats.hf import StoredTensor
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size, the default of torch's quantized reader
 MAX_FP8_BLOCK = 2**31  # past every real weight's dims (a larger block is the same one block): refused

@@ -19,13 +19,13 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..documents import load_json
-from ..errors import CkptconvError
-from ..layout import tiling_problem
-from ..specs import ChunkSpec, TensorSpec
-from .dcp import DcpCheckpoint
-from .files import KEY_MAP_BYTES, inside, is_directory, listdir, mode_of, read_regular
-from .hf import SHARDING_KEY, read_header
+from ckptconv.core.layout import tiling_problem
+from ckptconv.core.specs import ChunkSpec, TensorSpec
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.dcp import DcpCheckpoint
+from ckptconv.formats.documents import load_json
+from ckptconv.formats.files import KEY_MAP_BYTES, inside, is_directory, listdir, mode_of, read_regular
+from ckptconv.formats.hf import SHARDING_KEY, read_header
 
 MAX_SHARDING_CHARS = 64 * 2**20
 HF_METADATA_DIR = ".hf_metadata"

@@ -14,11 +14,11 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from ..errors import CkptconvError
-from ..limits import Budget
-from .opaque import scan
-from .safe_pickle import trusted
-from .torch_zip import TorchZip
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.opaque import scan
+from ckptconv.formats.safe_pickle import trusted
+from ckptconv.formats.torch_zip import TorchZip
+from ckptconv.job.limits import Budget
 
 
 def load_item(raw: bytes, fqn: str, where: object) -> tuple[Any, str | None]:

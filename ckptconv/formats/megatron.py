@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..documents import load_json
-from ..errors import CkptconvError
-from ..limits import Budget
-from .files import mode_of, read_regular
-from .opaque import load_opaque, readable
-from .safe_pickle import short
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.documents import load_json
+from ckptconv.formats.files import mode_of, read_regular
+from ckptconv.formats.opaque import load_opaque, readable
+from ckptconv.formats.safe_pickle import short
+from ckptconv.job.limits import Budget
 
 __all__ = ["Common", "is_megatron", "load_opaque", "read_common", "readable"]
 

@@ -20,10 +20,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtype_names import ITEMSIZE
-from ..limits import MAX_INT_BITS, Budget, size_of
-from .safe_pickle import clip, path_of, short
-from .torch_zip import TorchZip
+from ckptconv.core.dtype_names import ITEMSIZE
+from ckptconv.formats.safe_pickle import clip, path_of, short
+from ckptconv.formats.torch_zip import TorchZip
+from ckptconv.job.limits import MAX_INT_BITS, Budget, size_of
 
 _BUDGET: ContextVar[Budget] = ContextVar("ckptconv_opaque_budget")
 _CLASS_BYTES = 1024  # what one stand-in class costs (a type object and its dict)

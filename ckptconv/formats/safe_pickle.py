@@ -25,8 +25,8 @@ from contextvars import ContextVar
 from pathlib import PurePosixPath
 from typing import Any, Protocol
 
-from ..dtype_names import ITEMSIZE
-from ..limits import MAX_RECORD_FIELDS, Budget, size_of
+from ckptconv.core.dtype_names import ITEMSIZE
+from ckptconv.job.limits import MAX_RECORD_FIELDS, Budget, size_of
 
 _LAYOUTS = ("torch.strided", "torch.sparse_coo")
 

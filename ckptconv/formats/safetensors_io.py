@@ -26,16 +26,16 @@ from typing import Any
 
 import torch
 
-from ..dtypes import st_name
-from ..durable import Syncer, sync_fd
-from ..errors import CkptconvError
-from ..remote.files import RemoteFiles
-from ..remote.urls import UrlPath
-from .dcp_reader import byte_view
-from .dequant import quantized_block
-from .files import check_unchanged, open_regular, pread_exact
-from .hf import StoredTensor
-from .pieces import PIECE_BYTES
+from ckptconv.core.dtypes import st_name
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.dcp_reader import byte_view
+from ckptconv.formats.dequant import quantized_block
+from ckptconv.formats.durable import Syncer, sync_fd
+from ckptconv.formats.files import check_unchanged, open_regular, pread_exact
+from ckptconv.formats.hf import StoredTensor
+from ckptconv.formats.pieces import PIECE_BYTES
+from ckptconv.remote.files import RemoteFiles
+from ckptconv.remote.urls import UrlPath
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class SafetensorsWriter:
         )
         self._stream = None
         if isinstance(path, UrlPath):  # object storage: streamed in order (remote.out)
-            from ..remote.out import stream
+            from ckptconv.publish.remote_out import stream
 
             self._stream = stream(path)
         else:

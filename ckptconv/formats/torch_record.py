@@ -30,12 +30,12 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ..crc32 import crc32
-from ..dtype_names import ITEMSIZE
-from ..errors import CkptconvError
-from ..limits import MAX_DIMS, Budget, size_of
-from .pieces import write_pieces
-from .safe_pickle import SIZE, AllowlistUnpickler, Charged, charged_dict
+from ckptconv.core.crc32 import crc32
+from ckptconv.core.dtype_names import ITEMSIZE
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.pieces import write_pieces
+from ckptconv.formats.safe_pickle import SIZE, AllowlistUnpickler, Charged, charged_dict
+from ckptconv.job.limits import MAX_DIMS, Budget, size_of
 
 MAX_RECORD_PICKLE = 1 << 20  # a plain tensor's data.pkl is a few hundred bytes
 ALIGNMENT = 64

@@ -15,8 +15,8 @@ import io
 import zipfile
 from typing import Any
 
-from ..errors import CkptconvError
-from ..limits import Budget, exceeded
+from ckptconv.errors import CkptconvError
+from ckptconv.job.limits import Budget, exceeded
 
 MAX_DIRECTORY_BYTES = (
     4 * 2**20

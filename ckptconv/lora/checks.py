@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import CkptconvError
-from .keys import Factors
+from ckptconv.errors import CkptconvError
+from ckptconv.lora.keys import Factors
 
 FLAGS = ("use_rslora", "use_dora", "fan_in_fan_out")
 

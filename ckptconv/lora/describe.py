@@ -8,12 +8,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..errors import CkptconvError
-from ..formats.files import exists
-from ..formats.hf import checkpoint_root
-from .checks import check_config
-from .keys import find_lora
-from .settings import CONFIG_FILE, read_config
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.files import exists
+from ckptconv.formats.hf import checkpoint_root
+from ckptconv.lora.checks import check_config
+from ckptconv.lora.keys import find_lora
+from ckptconv.lora.settings import CONFIG_FILE, read_config
 
 
 def describe(keys: list[str], shapes: dict[str, tuple[int, ...]], src: Path | None) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import CkptconvError
+from ckptconv.errors import CkptconvError
 
 PEFT_PREFIX = "base_model.model."
 EMBEDDING_NAMES = ("embed_tokens", "lm_head")  # PEFT saves these base weights with their factors

@@ -17,10 +17,10 @@ transpose, a stacked expert, or a column move of a DoRA weight has no such facto
 
 from __future__ import annotations
 
-from ..errors import CkptconvError
-from ..mapping.parts import Part
-from ..mapping.types import Target, whole
-from .keys import PEFT_PREFIX, Factors
+from ckptconv.errors import CkptconvError
+from ckptconv.lora.keys import PEFT_PREFIX, Factors
+from ckptconv.mapping.parts import Part
+from ckptconv.mapping.types import Target, whole
 
 
 def factor_targets(

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CkptconvError
-from ..specs import TensorSpec
-from .select import MergeKind
+from ckptconv.core.specs import TensorSpec
+from ckptconv.errors import CkptconvError
+from ckptconv.lora.select import MergeKind
 
 BLOCK = 1024  # rows of delta computed together
 

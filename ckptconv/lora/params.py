@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..errors import CkptconvError
-from .keys import Factors, LoraKeys
+from ckptconv.errors import CkptconvError
+from ckptconv.lora.keys import Factors, LoraKeys
 
 
 def resolve(

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import CkptconvError
-from ..formats.files import exists
-from .checks import check_alpha, check_config, check_factors
-from .keys import EMBEDDING_NAMES, Factors, find_lora, peft_key
-from .params import resolve, swapped
-from .settings import CONFIG_FILE, LoraSettings, adapter_config, read_config, settings
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.files import exists
+from ckptconv.lora.checks import check_alpha, check_config, check_factors
+from ckptconv.lora.keys import EMBEDDING_NAMES, Factors, find_lora, peft_key
+from ckptconv.lora.params import resolve, swapped
+from ckptconv.lora.settings import CONFIG_FILE, LoraSettings, adapter_config, read_config, settings
 
 Mode = Literal["adapter", "merge", "drop"]
 # experts_*: a ParamWrapper's stacked experts, [E, out, in] or [E, in, out] (`params`)

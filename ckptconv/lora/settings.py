@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..documents import load_json
-from ..errors import CkptconvError
-from ..formats.files import CONFIG_BYTES, read_regular
-from ..user_regex import UserRegex
-from .checks import check_alpha, check_config
-from .keys import Factors
+from ckptconv.core.user_regex import UserRegex
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.documents import load_json
+from ckptconv.formats.files import CONFIG_BYTES, read_regular
+from ckptconv.lora.checks import check_alpha, check_config
+from ckptconv.lora.keys import Factors
 
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = CONFIG_BYTES  # formats/files.py holds the limits of every file read beside a checkpoint

@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from typing import TypeVar
 
-from ..errors import CkptconvError
-from .keys import PEFT_PREFIX
+from ckptconv.errors import CkptconvError
+from ckptconv.lora.keys import PEFT_PREFIX
 
 _SAVED = re.compile(
     r"^base_model\.model\.(?P<module>.+)\.(?:(?P<linear>lora_[AB])\.weight|(?P<embedding>lora_embedding_[AB])"

@@ -21,11 +21,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..documents import load_json, load_toml
-from ..errors import CkptconvError
-from ..formats.files import CONFIG_BYTES
-from .parse import VARIANTS, parse
-from .types import KeyMapping
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.documents import load_json, load_toml
+from ckptconv.formats.files import CONFIG_BYTES
+from ckptconv.mapping.parse import VARIANTS, parse
+from ckptconv.mapping.types import KeyMapping
 
 MAX_CONFIG_BYTES = CONFIG_BYTES  # formats/files.py holds the limits of every file read beside a checkpoint
 CONFIG_FILE = "config.json"  # beside an HF model's weights, and beside `.metadata` of a DCP hf-to-dcp mapped
@@ -34,7 +34,7 @@ CONFIG_FILE = "config.json"  # beside an HF model's weights, and beside `.metada
 def load_config(path: Path | None, root: Path | None = None) -> dict[str, Any]:
     """config.json as a dict ({} when there is none); mapping rules read sizes and flags from it. One beside a
     checkpoint must resolve inside its `root` (`--config` names any file: no root)."""
-    from ..formats.files import exists, read_regular
+    from ckptconv.formats.files import exists, read_regular
 
     if path is None or not exists(path):
         return {}
@@ -63,7 +63,7 @@ def load_mapping(spec: str, hf_experts: str | None = None) -> KeyMapping:
         text = resources.files(__package__).joinpath("presets", spec + ".toml").read_text()
         where = f"--mapping {spec}"
     else:
-        from ..formats.files import exists, read_regular
+        from ckptconv.formats.files import exists, read_regular
 
         path = Path(spec)
         if not exists(path):

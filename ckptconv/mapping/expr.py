@@ -15,7 +15,7 @@ import ast
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CkptconvError
+from ckptconv.errors import CkptconvError
 
 MAX_EXPR_CHARS = 200
 MAX_SIZE = 2**63 - 1  # no tensor dim is larger (torch's sizes are int64): a size beyond it is refused

@@ -22,7 +22,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ..errors import CkptconvError
+from ckptconv.errors import CkptconvError
 
 MAX_EMPTY_ELEMENTS = 2**16  # blocks an empty tensor may be cut into (stacked elements times groups)
 

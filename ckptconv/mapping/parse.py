@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import CkptconvError
-from .patterns import Pattern, Range
-from .types import KeyMapping, Rule
+from ckptconv.errors import CkptconvError
+from ckptconv.mapping.patterns import Pattern, Range
+from ckptconv.mapping.types import KeyMapping, Rule
 
 VARIANTS = ("per_expert", "fused")
 CHECKPOINTS = ("dcp", "megatron")

@@ -3,7 +3,7 @@
 Every mapping operation becomes parts: a rename is one whole part; a stack one part per expert; a transpose
 a part whose block's dims are reordered (`axes`); an interleaved split a part reading every n-th row
 (`src_steps`); a grouped QKV split one part per KV group. Both converters execute parts alike
-(`ckptconv.blocks.place`), so an operation written once works both ways, on any sharding.
+(`ckptconv.stream.blocks.place`), so an operation written once works both ways, on any sharding.
 """
 
 from __future__ import annotations

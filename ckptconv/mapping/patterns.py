@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ..errors import CkptconvError
-from . import expr
+from ckptconv.errors import CkptconvError
+from ckptconv.mapping import expr
 
 _SLOT = re.compile(r"\{\s*([a-z_][a-z0-9_]*)\s*(?:([+-])\s*([^{}\s](?:[^{}]*[^{}\s])?)\s*)?\}")  # linear
 _NUMBER = "(0|[1-9][0-9]*)"

@@ -23,12 +23,22 @@ import math
 from collections.abc import Mapping as MappingT
 from typing import Any
 
-from ..errors import CkptconvError
-from .ops import Geometry, fused_shape, pieces, squeeze, transposed
-from .parts import Part
-from .patterns import Pattern, Scope
-from .sizes import padded_size, reshaped, unreshaped
-from .types import Direction, KeyMapping, Mapped, Rule, Target, inverse, rope_perm, rope_rows, whole
+from ckptconv.errors import CkptconvError
+from ckptconv.mapping.ops import Geometry, fused_shape, pieces, squeeze, transposed
+from ckptconv.mapping.parts import Part
+from ckptconv.mapping.patterns import Pattern, Scope
+from ckptconv.mapping.sizes import padded_size, reshaped, unreshaped
+from ckptconv.mapping.types import (
+    Direction,
+    KeyMapping,
+    Mapped,
+    Rule,
+    Target,
+    inverse,
+    rope_perm,
+    rope_rows,
+    whole,
+)
 
 
 class _Ctx:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..errors import CkptconvError
-from .expr import MAX_SIZE
-from .ops import squeeze, unsqueeze
-from .patterns import Scope
-from .types import Rule
+from ckptconv.errors import CkptconvError
+from ckptconv.mapping.expr import MAX_SIZE
+from ckptconv.mapping.ops import squeeze, unsqueeze
+from ckptconv.mapping.patterns import Scope
+from ckptconv.mapping.types import Rule
 
 MAX_PAD_ELEMENTS = 2**24  # zeros a padding may add when that is more than the tensor's own elements
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import CkptconvError
-from .parts import Part
-from .patterns import Range
+from ckptconv.errors import CkptconvError
+from ckptconv.mapping.parts import Part
+from ckptconv.mapping.patterns import Range
 
 Direction = Literal["to_hf", "to_runtime"]
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dtypes import CASTABLE
-from ..errors import CkptconvError
-from ..user_regex import UserRegex
-from . import fp8
+from ckptconv.core.dtypes import CASTABLE
+from ckptconv.core.user_regex import UserRegex
+from ckptconv.errors import CkptconvError
+from ckptconv.quant import fp8
 
 SCHEMES = ("fp8",)
 DEFAULT_SKIP = (

@@ -17,9 +17,9 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from ..errors import CkptconvError
-from .ranges import Range, merged, pieces, span_around, without
-from .urls import UrlPath, coalesce_gap, filesystem, redact
+from ckptconv.errors import CkptconvError
+from ckptconv.remote.ranges import Range, merged, pieces, span_around, without
+from ckptconv.remote.urls import UrlPath, coalesce_gap, filesystem, redact
 
 _listings: dict[str, dict[str, int]] = {}  # URL -> its objects' sizes, listed once per process
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import stat
 
-from ..errors import CkptconvError
-from .files import RemoteFiles, _listings, remote_error
-from .urls import UrlPath, filesystem
+from ckptconv.errors import CkptconvError
+from ckptconv.remote.files import RemoteFiles, _listings, remote_error
+from ckptconv.remote.urls import UrlPath, filesystem
 
 _objects: dict[str, int] = {}  # URL of a single object found by `info` -> its size
 

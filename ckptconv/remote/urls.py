@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path, PosixPath
 from typing import Any
 
-from ..errors import CkptconvError
+from ckptconv.errors import CkptconvError
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/+")
 _BARE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):/*\Z")  # s3:, s3://, s3:/// (a Path makes `s3:` of `s3://`)

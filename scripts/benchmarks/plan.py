@@ -240,10 +240,10 @@ def _measure(cmd: list[str], env: dict[str, str] | None = None) -> dict:
 BALANCE = """
 import json, sys
 from pathlib import Path
-from ckptconv.dtypes import DtypePolicy, parse_dtype_flag
+from ckptconv.core.dtypes import DtypePolicy, parse_dtype_flag
 from ckptconv.formats.dcp import open_dcp
-from ckptconv.plan import plan_dcp_to_hf
-from ckptconv.writes import bytes_per_rank
+from ckptconv.plan.to_hf import plan_dcp_to_hf
+from ckptconv.plan.writes import bytes_per_rank
 ckpt, ranks, out = open_dcp(Path(sys.argv[1])), int(sys.argv[2]), {}
 for granularity in ("tensor", "file"):
     plan = plan_dcp_to_hf(ckpt, DtypePolicy(parse_dtype_flag("bf16")), max_shard_size=5 * 10**9,
@@ -260,13 +260,13 @@ import time
 started = time.perf_counter()
 import json, resource, sys
 from pathlib import Path
-from ckptconv.early_open import open_early
+from ckptconv.source.early import open_early
 early = open_early(Path(sys.argv[1]))  # as the command line does, before torch is imported
-from ckptconv.dtypes import DtypePolicy, parse_dtype_flag
-from ckptconv.formats.dcp_share import open_dcp_shared
-from ckptconv.gcpause import paused
-from ckptconv.plan import plan_dcp_to_hf
-from ckptconv.world import everyone, world_from_env
+from ckptconv.core.dtypes import DtypePolicy, parse_dtype_flag
+from ckptconv.source.share import open_dcp_shared
+from ckptconv.job.gcpause import paused
+from ckptconv.plan.to_hf import plan_dcp_to_hf
+from ckptconv.job.world import everyone, world_from_env
 with world_from_env() as world, paused():
     ckpt = everyone(world, open_dcp_shared, world, Path(sys.argv[1]), early)
     policy = DtypePolicy(parse_dtype_flag("bf16"))

@@ -15,7 +15,7 @@ def hook(event: str, args: tuple) -> None:
 
 
 sys.addaudithook(hook)
-from ckptconv.cli import run  # noqa: E402
+from ckptconv.cli.app import run  # noqa: E402
 
 sys.argv[0] = "ckptconv"
 run()

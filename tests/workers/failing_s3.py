@@ -11,7 +11,7 @@ from typing import Any
 
 import s3fs
 
-from ckptconv.cli import main
+from ckptconv.cli.app import main
 
 WRITES = ("upload_part", "put_object", "complete_multipart_upload")
 

@@ -27,7 +27,7 @@ from make_dcp import Tiny, shard
 from torch.distributed.tensor import DTensor
 
 import ckptconv
-from ckptconv.live import LoadSpec
+from ckptconv.live.save import LoadSpec
 
 BUCKET = 512  # bytes of gathered tensors per round: several rounds even for this tiny model
 

@@ -1,7 +1,7 @@
 """Under torchrun, 4 ranks: LoadSpec.from_tensor for every placement kind, checked against the full tensor.
 
 Prints one JSON line from rank 0: {case: true} when, on every rank, the block LoadSpec names holds exactly the
-rank's local data, and the blocks of all ranks tile the tensor (ckptconv.layout.tiling_problem is None).
+rank's local data, and the blocks of all ranks tile the tensor (ckptconv.core.layout.tiling_problem is None).
 """
 
 import json
@@ -13,8 +13,8 @@ from make_dcp import Tiny, shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ckptconv.layout import tiling_problem
-from ckptconv.live import LoadSpec
+from ckptconv.core.layout import tiling_problem
+from ckptconv.live.save import LoadSpec
 
 
 def check(key: str, value: torch.Tensor, full: torch.Tensor) -> bool:

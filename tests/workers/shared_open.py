@@ -13,8 +13,8 @@ import torch.distributed as dist
 from _finish import finish
 
 import ckptconv.formats.dcp as dcp
-from ckptconv.formats import dcp_share
-from ckptconv.world import everyone, world_from_env
+from ckptconv.job.world import everyone, world_from_env
+from ckptconv.source import share as dcp_share
 
 
 def refuse(*args: object, **kwargs: object) -> None:

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from ckptconv import schema
+from ckptconv.cli import schema
 
 _versioned = schema.versioned
 
@@ -19,7 +19,7 @@ def slow_versioned(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 schema.versioned = slow_versioned
-from ckptconv.cli import run  # noqa: E402
+from ckptconv.cli.app import run  # noqa: E402
 
 sys.argv[0] = "ckptconv"
 run()

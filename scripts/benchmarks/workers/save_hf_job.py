@@ -52,7 +52,7 @@ def worker(method: str, out: Path, gb: float, device: str) -> None:
     dist.barrier()
     start = time.perf_counter()
     if method == "ckptconv":
-        from ckptconv.live import save_hf
+        from ckptconv.live.save import save_hf
 
         save_hf(sd, out, dtype="bf16", fp32=(), bucket_size="256MB")
     else:

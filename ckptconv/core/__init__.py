@@ -1,0 +1,1 @@
+"""The vocabulary every stage shares, no I/O: specs, dtypes, sizes, layouts."""

@@ -1,0 +1,1 @@
+"""The process and its ranks: world, ui, environment, signals, read budget."""

@@ -1,0 +1,1 @@
+"""Pure planning: which tensors go to which file and rank, and in what order."""

@@ -1,0 +1,1 @@
+"""OUT: checks, staging, locks, durable atomic publish, object storage, the Hub."""

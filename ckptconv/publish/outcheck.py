@@ -1,0 +1,286 @@
+"""What OUT may be, checked before any work and again under the lock: never an input, never holding one
+or inside one, never a name ckptconv keeps for itself; with `--overwrite`, only a directory that holds a
+checkpoint (or nothing); a symlink at OUT is followed and its target written. Pure checks, no writes.
+
+Inputs are every path the command reads (SRC, each flag's file or directory, a hub snapshot's cache folder),
+compared by identity: local paths by device and inode along every spelling (symlinks, bind mounts, `..`;
+a file's hard links among OUT's entries), URLs by the object they name (`remote.urls.identity`: s3 and s3a
+are one store), a `file://` URL as the local path it names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.files import exists, refuse_url
+from ckptconv.publish import outlock
+from ckptconv.publish.remote_out import RemoteTarget
+from ckptconv.remote.urls import UrlPath, identity, location, url_path
+
+PARTIAL_SUFFIX = ".ckptconv-partial"
+OLD_SUFFIX = ".ckptconv-old"
+Inputs = Sequence[tuple[str, Path | None]]  # (what it is, e.g. "SRC" or "--config"; its path)
+
+
+def refuse_partial(path: Path) -> None:
+    """A directory an interrupted ckptconv run left behind is not a checkpoint, whatever it holds."""
+    for part in (path, *path.parents):
+        if part.name.endswith((PARTIAL_SUFFIX, OLD_SUFFIX)):
+            raise CkptconvError(
+                f"{path}: is the unfinished output of an interrupted ckptconv run ({part.name}), not a "
+                "checkpoint; rerun the conversion that made it"
+            )
+
+
+def refuse_reserved(out: Path) -> None:
+    """An OUT named like what ckptconv keeps beside an OUT (`.X.ckptconv-partial`, `-old`, `-lock`), or
+    inside one, would be removed by a later run to X: refused."""
+    reserved = (PARTIAL_SUFFIX, OLD_SUFFIX, outlock.LOCK_SUFFIX)
+    for part in dict.fromkeys((out, *out.parents)):
+        if part.name.endswith(reserved if part == out else (PARTIAL_SUFFIX, OLD_SUFFIX)):
+            raise CkptconvError(
+                f"{out}: {part.name} is a name ckptconv keeps for its own files beside an output, which a "
+                "later run removes; choose another OUT"
+            )
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where a conversion writes: `path` is OUT with symlinks resolved; `note` says so when OUT was one."""
+
+    path: Path
+    overwrite: bool
+    inputs: tuple[tuple[str, Path], ...] = ()
+    flag: str = "--overwrite"
+    note: str | None = None
+
+    def check(self) -> None:
+        """Refuse this OUT (see the module docstring). Pure checks, no writes; rank 0 repeats them under
+        the lock."""
+        for label, path in self.inputs:
+            _check_not_input(self.path, label, path)
+        check_out(self.path, self.overwrite, self.flag)
+
+
+def target(
+    out: Path, overwrite: bool, inputs: Inputs = (), flag: str = "--overwrite", main: bool = True
+) -> Output:
+    """The checked Output for OUT `out`; on rank 0 (`main`), also fail at once if a live run is writing it."""
+    refuse_url(out, "OUT")
+    refuse_reserved(absolute(out))
+    real = _resolve_out(out)
+    refuse_reserved(real)
+    note = f"{out} is a symlink: writing into its target {real}" if out.is_symlink() else None
+    result = Output(real, overwrite, located(inputs), flag, note)
+    if main:
+        outlock.peek(real)
+    result.check()
+    return result
+
+
+def located(inputs: Inputs) -> tuple[tuple[str, Path], ...]:
+    """The inputs that are given, each where it is (`remote.urls.location`: a `file://` URL is a path)."""
+    return tuple((label, location(p, label)) for label, p in inputs if p is not None)
+
+
+def mapping_input(mapping: str | None, flag: str = "--mapping") -> tuple[str, Path | None]:
+    """A mapping that names a file (not a preset), as an input OUT must keep clear of."""
+    path = location(mapping, flag) if mapping else None
+    return flag, path if path is not None and not isinstance(path, UrlPath) and exists(path) else None
+
+
+def absolute(p: Path) -> Path:
+    return Path(os.path.abspath(p))
+
+
+def _resolve_out(out: Path) -> Path:
+    """OUT with every symlink resolved (parents too: one real path, so one lock, whatever the spelling)."""
+    try:
+        real = out.resolve()
+    except (OSError, RuntimeError) as e:
+        raise CkptconvError(f"{out}: cannot resolve its symlinks ({e}); choose another OUT") from None
+    if out.is_symlink() and not real.exists():
+        raise CkptconvError(
+            f"{out}: is a symlink to {real}, which does not exist; create that directory or remove the link"
+        )
+    return real
+
+
+def check_out(out: Path, overwrite: bool, flag: str = "--overwrite") -> None:
+    """Refuse an OUT that is a file, or a non-empty directory that is not a checkpoint, or one without
+    `overwrite`."""
+    if out.is_file() or (out.exists() and not out.is_dir()):
+        raise CkptconvError(f"{out}: exists and is not a directory; choose another OUT")
+    if not out.is_dir():
+        return
+    try:
+        with os.scandir(out) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as e:
+        raise CkptconvError(f"{out}: cannot list it ({e.strerror}); choose another OUT") from None
+    if not entries:
+        return
+    foreign = not_a_checkpoint([(e.name, _shown(e), e.is_file(follow_symlinks=False)) for e in entries])
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise CkptconvError(
+            f"{out}: holds {shown}, not a checkpoint ({flag} replaces only a directory of regular files "
+            "that holds safetensors / an index / DCP files and otherwise only an HF model's config and "
+            "tokenizer files, or nothing); choose an empty or new OUT, or remove it yourself"
+        )
+    if not overwrite:
+        raise CkptconvError(f"{out}: exists and is not empty; pass {flag} to replace it")
+
+
+_CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".distcp")
+# what `--copy-from` copies out of an HF model directory: config, generation config, tokenizer, card
+_MODEL_FILE_SUFFIXES = (".json", ".txt", ".model", ".md", ".jinja", ".tiktoken")
+_MODEL_FILE_NAMES = ("LICENSE", "NOTICE")
+
+
+def _shown(e: os.DirEntry[str]) -> str:
+    return e.name + ("@" if e.is_symlink() else "/" if e.is_dir() else "")
+
+
+def not_a_checkpoint(entries: Sequence[tuple[str, str, bool]]) -> list[str]:
+    """Of the entries (name, how it is shown, whether it is a regular file) of a non-empty OUT, those that
+    make it something other than a checkpoint ckptconv may replace: everything when nothing marks a
+    checkpoint (weights, index, stash, `.metadata`); otherwise any entry that is not a regular file (a
+    subdirectory or prefix, a link: `name/`, `name@`) or not one a checkpoint or an HF model directory holds
+    (hidden ones but `.metadata`, code, logs). Pure: a directory's entries or a prefix's objects."""
+    if not any(_checkpoint_file(name) for name, _, _ in entries):
+        return [shown for _, shown, _ in entries]
+    return [
+        shown
+        for name, shown, regular in entries
+        if not regular or not (_checkpoint_file(name) or _model_file(name))
+    ]
+
+
+def _checkpoint_file(name: str) -> bool:
+    """A file only a checkpoint holds: weights, an index, a stash, `.metadata`."""
+    from ckptconv.formats.stash import STASH_FILE
+
+    return name.endswith(_CHECKPOINT_SUFFIXES) or name in (STASH_FILE, ".metadata")
+
+
+def _model_file(name: str) -> bool:
+    """A non-weight file of an HF model directory (`--copy-from` copies it into OUT)."""
+    return not name.startswith(".") and (name.endswith(_MODEL_FILE_SUFFIXES) or name in _MODEL_FILE_NAMES)
+
+
+def _check_not_input(out: Path, label: str, path: Path) -> None:
+    """OUT must not be `path`, contain it or be inside it (symlinks and bind mounts followed; a file's hard
+    links among OUT's entries). An input in object storage is never inside a local OUT."""
+    if url_path(path) is not None:
+        return
+    for what, real in ((label, path), *_linked(label, path)):
+        inside, contains = _within(out, real), _within(real, out)
+        if inside and contains:
+            raise CkptconvError(f"{out}: is {what} {path} itself; OUT must never be an input")
+        if contains:
+            raise CkptconvError(f"{out}: contains {what} {real}; choose an OUT that holds no input")
+        if inside:
+            raise CkptconvError(f"{out}: is inside {what} {real}; choose an OUT outside the inputs")
+    linked = _hard_link_in(out, path)
+    if linked is not None:
+        raise CkptconvError(
+            f"{out}: holds {linked.name}, a hard link of {label} {path}; choose an OUT that holds no input"
+        )
+
+
+def _hard_link_in(out: Path, path: Path) -> Path | None:
+    """The entry of directory `out` that is the file `path` under another name (a hard link), if any."""
+    try:
+        st = os.stat(path)
+        if st.st_nlink < 2 or not os.path.isdir(out):
+            return None
+        with os.scandir(out) as it:
+            for entry in it:
+                with suppress(OSError):
+                    if entry.is_file(follow_symlinks=False) and os.path.samestat(entry.stat(), st):
+                        return Path(entry.path)
+    except OSError:
+        return None
+    return None
+
+
+def _url_not_input(out: UrlPath, label: str, path: Path) -> None:
+    """A URL OUT must not be an input in object storage, hold one or lie inside one (--overwrite there
+    would delete the source), compared by what they name (s3:// and s3a:// are one store). A local input
+    is never under a URL."""
+    src = url_path(path)
+    if src is None:
+        return
+    a, b = identity(out), identity(src)
+    if a == b:
+        raise CkptconvError(f"{out}: is {label} {src} itself; OUT must never be an input")
+    if b[: len(a)] == a:
+        raise CkptconvError(f"{out}: holds {label} {src}; choose an OUT prefix that holds no input")
+    if a[: len(b)] == b:
+        raise CkptconvError(f"{out}: is inside {label} {src}; choose an OUT prefix outside the inputs")
+
+
+def _linked(label: str, path: Path) -> list[tuple[str, Path]]:
+    """What an input directory points to: its symlinked entries' targets, a hub snapshot's repo folder."""
+    found: list[tuple[str, Path]] = []
+    if path.parent.name == "snapshots":  # huggingface_hub's cache: models--org--name/snapshots/<rev>
+        found.append((f"the cache folder of {label}", path.parent.parent))
+    try:
+        entries = list(path.iterdir()) if path.is_dir() else []
+        found += [(f"{label}'s link target", e.resolve()) for e in entries if e.is_symlink()]
+    except (OSError, RuntimeError):
+        pass
+    return found
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    """`inner` is `outer` or inside it, compared by device and inode along both of `inner`'s spellings."""
+    try:
+        o = os.stat(outer)
+    except OSError:
+        return False
+    lineage = [absolute(inner), *absolute(inner).parents]
+    with suppress(OSError, RuntimeError):
+        lineage += [inner.resolve(), *inner.resolve().parents]
+    for p in dict.fromkeys(lineage):
+        try:
+            if os.path.samestat(os.stat(p), o):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+Target = Output | RemoteTarget
+
+
+def hf_target(
+    main: bool,
+    out: Path,
+    overwrite: bool,
+    inputs: Inputs,
+    push: bool,
+    flag: str = "--overwrite",
+) -> Target:
+    """Where a conversion writes: a checked local OUT, or a prefix in object storage (checked on rank 0),
+    where --push-to-hub is refused by name."""
+    out = location(out, "OUT")
+    if not isinstance(out, UrlPath):
+        return target(out, overwrite, inputs, flag, main=main)
+    if push:
+        raise CkptconvError(
+            f"--push-to-hub with OUT {out}: pushing from object storage is not supported; write OUT to a "
+            "local path to push it"
+        )
+    for label, path in located(inputs):
+        _url_not_input(out, label, path)
+    remote = RemoteTarget(out, overwrite)
+    if main:
+        remote.check()
+    return remote

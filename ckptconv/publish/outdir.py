@@ -1,0 +1,254 @@
+"""Atomic output directories: write into a hidden staging directory beside OUT, rename it at the end.
+
+While a conversion runs nothing at OUT changes, so OUT never looks finished before it is; an interrupted run
+leaves only `.OUT.ckptconv-partial` beside it, which the next run replaces. One run writes an OUT at a time
+(`outlock`); what OUT may be is `outcheck`'s. Rank 0 owns every step here; the other ranks only write files
+inside the staging directory. Unless `fsync=False` (`--no-fsync`), what is published is on the device first
+(`durable`): every file and directory of the staging tree before the rename, OUT's parent after it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from ckptconv.errors import CkptconvError
+from ckptconv.formats import durable
+from ckptconv.job.world import World, everyone, on_main
+from ckptconv.publish import outlock
+from ckptconv.publish.outcheck import OLD_SUFFIX, PARTIAL_SUFFIX, Output, absolute
+from ckptconv.publish.outlock import write_failed
+
+T = TypeVar("T")
+
+
+def staging_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}{PARTIAL_SUFFIX}"
+
+
+def old_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}{OLD_SUFFIX}"
+
+
+def recover(out: Path) -> None:
+    """Rank 0, holding the lock, before checking OUT: a previous OUT that a run killed while publishing had
+    moved aside (where the file system cannot swap directories) is put back when OUT is missing or an empty
+    directory, and removed only when OUT holds something (the result that run moved into place)."""
+    old = old_dir(out)
+    try:
+        if not old.exists():
+            return
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if out.exists():
+            shutil.rmtree(old)
+        else:
+            old.rename(out)
+    except OSError as e:
+        raise CkptconvError(
+            f"{e.filename or old}: cannot clean up ({e.strerror}); move {old} back to {out} or remove it "
+            "yourself"
+        ) from None
+
+
+def prepare(out: Path) -> Path:
+    """Rank 0, holding the lock: an empty staging directory for `out` (a stale one from a killed run is
+    removed)."""
+    staging = staging_dir(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    except OSError as e:
+        raise CkptconvError(
+            f"{e.filename or staging}: cannot create ({e.strerror}); check permissions and free space"
+        ) from None
+    return staging
+
+
+def publish(staging: Path, out: Path, fsync: bool = True) -> None:
+    """Rank 0, holding the lock: move the finished `staging` to `out`, replacing what was there.
+
+    An existing OUT is swapped with the staging directory in one step (renameat2 RENAME_EXCHANGE), so OUT
+    is always one complete result; where the file system cannot swap, OUT is moved aside and the result
+    moved in, with signals held in between (a failure puts OUT back). With `fsync`, OUT's parent is
+    fsynced once the result is in place: the rename itself survives a power loss. The previous OUT is
+    removed after."""
+    previous: Path | None = None
+    try:
+        with outlock.signals_held():
+            if not out.exists():
+                staging.rename(out)
+            elif _exchange(staging, out):
+                previous = staging
+            else:
+                previous = _swap_by_moving(staging, out)
+    except OSError as e:
+        raise CkptconvError(
+            f"{out}: cannot move the result into place ({e.strerror}); check permissions"
+        ) from None
+    if fsync:
+        durable.sync_dir(out.parent)
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def _swap_by_moving(staging: Path, out: Path) -> Path:
+    """Move `out` aside to its old name and `staging` in its place; the old name, to remove. Where the second
+    move fails, OUT is moved back (or the error says where it is)."""
+    old = old_dir(out)
+    if old.exists():
+        shutil.rmtree(old)
+    out.rename(old)
+    try:
+        staging.rename(out)
+    except OSError as e:
+        try:
+            old.rename(out)
+            where = "the previous OUT is back; check permissions"
+        except OSError:
+            where = f"nor the previous OUT back: move {old} back to {out} yourself"
+        cause = f"cannot move the result {staging} into place ({e.strerror})"
+        raise CkptconvError(f"{out}: {cause}; {where}") from None
+    return old
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap `a` and `b` atomically; False where the C library or the file system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def discard(out: Path, patience_s: float = 10.0) -> None:
+    """Rank 0: remove the staging directory of `out` after a failure. Under torchrun a signal reaches every
+    rank at once, and another rank may still be closing a file inside while this one removes it, so the
+    removal is tried again until the directory is gone (or `patience_s` has passed)."""
+    with outlock.signals_held():  # torchrun's SIGTERM after a Ctrl-C must not leave it half removed
+        _remove_patiently(staging_dir(out), patience_s)
+
+
+def _remove_patiently(staging: Path, patience_s: float) -> None:
+    """Remove `staging`, again and again while another rank may still write into it."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            shutil.rmtree(staging)
+            return
+        except FileNotFoundError:
+            if not staging.exists():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        time.sleep(0.05)
+
+
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Any OSError inside is a write error on `path` (a file written whole: index, stash)."""
+    try:
+        yield
+    except OSError as e:
+        raise write_failed(path, OSError(e.errno, e.strerror)) from None
+
+
+def writing(fn: Callable[[Path], T]) -> Callable[[Path], T]:
+    """`fn(staging)` with any OSError turned into the one-line write error naming the file."""
+
+    def run(staging: Path) -> T:
+        try:
+            return fn(staging)
+        except OSError as e:
+            raise _os_error(staging, e) from None
+
+    return run
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def _os_error(staging: Path, e: OSError) -> CkptconvError:
+    """A write error naming the file written; an error on a file outside the staging directory (and not
+    one only writing gives) is an input's, named as such. shutil names the source first, the copy second."""
+    names = [Path(os.fsdecode(n)) for n in (e.filename2, e.filename) if isinstance(n, (str, bytes))]
+    ours = [n for n in names if absolute(n).is_relative_to(absolute(staging))]
+    if ours or not names or e.errno in _WRITE_ERRNOS:
+        where = ours[0] if ours else (names[0] if names else staging)
+        return write_failed(where, OSError(e.errno, e.strerror))
+    cause = e.strerror or type(e).__name__
+    return CkptconvError(f"{names[-1]}: cannot read ({cause}); check that it exists and is readable")
+
+
+def atomically(
+    world: World,
+    out: Output,
+    write: Callable[[Path], object],
+    finish: Callable[[Path], T],
+    check: Callable[[Path], None] | None = None,
+    say: Callable[[str], None] = lambda message: None,
+    fsync: bool = True,
+) -> T | None:
+    """Collective: rank 0 locks OUT, checks it again and makes the staging directory; every rank `write`s
+    into it, rank 0 `finish`es it (index, stash, copied files), every rank `check`s it (verify), then rank 0
+    renames it into place and lets the lock go. On any rank's failure (an interrupt too) or a failed check,
+    rank 0 removes the staging directory and every rank raises: OUT is either the complete, checked result
+    or untouched. With `fsync`, `write` fsyncs each file it writes before it returns (so before the ranks
+    agree it is done), rank 0 fsyncs what `finish` wrote and every directory of the staging tree after it,
+    and OUT's parent after the rename: after this returns, the result survives a power loss."""
+    lock: outlock.OutLock | None = None
+
+    def begin() -> None:
+        nonlocal lock
+        durable.make_dirs(out.path.parent, fsync)
+        with outlock.signals_held():  # an interrupt comes after `lock` is set, so it is let go
+            lock = outlock.take(out.path)
+        note = lock.note()
+        if note:
+            say(note)
+        recover(out.path)
+        out.check()  # again, now that no other run can change OUT
+        prepare(out.path)
+
+    def finish_durably(staging: Path) -> T:
+        written = durable.tree(staging)[0] if fsync else set()  # the ranks' files, each fsynced already
+        result = finish(staging)
+        if fsync:
+            durable.seal(staging, written)  # what `finish` wrote, and the directories
+        return result
+
+    staging = staging_dir(out.path)
+    try:
+        on_main(world, begin)
+        everyone(world, writing(write), staging)
+        result = on_main(world, writing(finish_durably), staging)
+        if check is not None:
+            check(staging)  # collective, agrees by itself
+        on_main(world, publish, staging, out.path, fsync)
+        return world.all_gather_object(result)[0]
+    except BaseException:
+        if lock is not None:
+            discard(out.path)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()

@@ -1,0 +1,1 @@
+"""Moving tensor bytes: unshard, gather, place, compose, write."""

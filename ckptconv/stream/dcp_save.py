@@ -1,0 +1,118 @@
+"""hf-to-dcp's write: the plan's tensors as meta placeholders for `dcp.save`, filled row window by row window
+from the HF files (`compose.target_rows`), plus the stashed items restored where the job saved them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptconv.core.dtype_names import torch_dtype
+from ckptconv.core.dtypes import check_range
+from ckptconv.formats.safetensors_io import RowReader
+from ckptconv.job.ui import Ui
+from ckptconv.job.world import World
+from ckptconv.plan.to_hf import DcpOutTensor, DcpSavePlan
+from ckptconv.plan.writes import RankBytes
+from ckptconv.publish import remote_out
+from ckptconv.remote.urls import UrlPath
+from ckptconv.stream.compose import source_rows, target_rows
+
+
+def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui, fsync: bool = True) -> RankBytes:
+    """This rank's rows of every tensor into `staging` (collective), each file fsynced as it is written
+    unless not `fsync`; returns the bytes it read and the bytes of the data files it wrote."""
+    from ckptconv.formats.dcp_writer import write_dcp  # torch.distributed.checkpoint: about 1 s to import
+
+    state_dict, raw_items, scalars = _dcp_state_dict(plan, world)
+    by_key = {t.key: t for t in plan.tensors}
+    reader = RowReader()
+
+    def read_rows(fqn: str, lo: int, hi: int, scratch: torch.Tensor | None) -> torch.Tensor:
+        if fqn in scalars:
+            return scalars[fqn]
+        t = by_key[fqn]
+        rows = target_rows(t, lo, hi, reader, scratch)
+        check_range(fqn, t.src.dtype, rows)  # --dtype fp16 of values beyond its range: refused, not inf
+        return rows
+
+    for (
+        t
+    ) in plan.tensors:  # from object storage: what this rank reads, announced (neighbours fetched together)
+        lo, hi = plan.rows_of(t, world.rank)
+        if hi > lo:
+            for stored, a, b in source_rows(t, lo, hi):
+                reader.expect(stored, a, b)
+    mine = plan.nbytes_of(world.rank)
+    with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
+        try:
+            write_dcp(staging, state_dict, read_rows, raw_items, progress.advance, fsync=fsync)
+        finally:
+            reader.close()
+    if isinstance(staging, UrlPath):
+        written = remote_out.bytes_written()
+    else:
+        written = sum(p.stat().st_size for p in staging.glob(f"__{world.rank}_*.distcp"))
+    return RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
+
+
+def _dcp_state_dict(
+    plan: DcpSavePlan, world: World
+) -> tuple[dict[str, Any], dict[str, bytes], dict[str, torch.Tensor]]:
+    """Meta-device placeholders (DTensors with `Shard(0)` rows under torchrun) for `write_dcp` to fill, the
+    stashed items written as their original bytes, and the stashed 0-d tensors' values."""
+    mesh = None
+    if world.distributed:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        world_group = dist.group.WORLD
+        assert world_group is not None
+        mesh = DeviceMesh.from_group(world_group, "cpu")  # the world group itself: no new gloo groups
+    state: dict[str, Any] = {}
+    lead = "".join(part + "." for part in plan.nesting)
+    for t in plan.tensors:
+        _nest(state, (*plan.nesting, t.key[len(lead) :]), _placeholder(plan, t, mesh, world.rank))
+    raw_items, scalars = {}, {}
+    for item in plan.stash:
+        if item.tensor is not None and item.has_value:
+            scalars[item.key] = torch.tensor(item.value, dtype=torch_dtype(item.tensor))
+            _nest(state, item.path, _scalar_placeholder(scalars[item.key].dtype, mesh))
+            continue
+        _nest(state, item.path, item.value if item.has_value else item.raw)
+        if not item.has_value:
+            raw_items[item.key] = item.raw
+    return state, raw_items, scalars
+
+
+def _scalar_placeholder(dtype: torch.dtype, mesh: Any) -> torch.Tensor:
+    local = torch.empty((), dtype=dtype, device="meta")
+    if mesh is None:
+        return local
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+
+
+def _placeholder(plan: DcpSavePlan, t: DcpOutTensor, mesh: Any, rank: int) -> torch.Tensor:
+    if mesh is None:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not t.shape:
+        return _scalar_placeholder(t.dtype, mesh)
+    lo, hi = plan.rows_of(t, rank)
+    local = torch.empty((hi - lo, *t.shape[1:]), dtype=t.dtype, device="meta")
+    stride = torch.empty(t.shape, device="meta").stride()
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size(t.shape), stride=stride
+    )
+
+
+def _nest(state: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
+    node = state
+    for part in path[:-1]:
+        node = node.setdefault(str(part), {})
+    node[str(path[-1])] = value

@@ -1,0 +1,145 @@
+"""dcp-to-hf's write: this rank's byte ranges of the safetensors files (`writes`) from the tensors unshard (or
+gather) assembles, each in place, weights quantized on the way when the plan says so, and the copied
+config.json made to follow what was written."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from ckptconv.core.dtypes import check_range
+from ckptconv.formats.dcp import DcpCheckpoint
+from ckptconv.formats.dcp_reader import DcpReader, RowPiece
+from ckptconv.formats.durable import Syncer
+from ckptconv.formats.files import CONFIG_BYTES, read_regular
+from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter
+from ckptconv.job.ui import Ui
+from ckptconv.job.world import World
+from ckptconv.lora.settings import CONFIG_FILE as LORA_CONFIG_FILE
+from ckptconv.plan.config import edit_config, release_dtype
+from ckptconv.plan.to_hf import HfSavePlan, OutTensor
+from ckptconv.plan.writes import RankBytes, bytes_per_rank
+from ckptconv.publish import outdir
+from ckptconv.quant import fp8
+from ckptconv.quant.policy import scale_key
+from ckptconv.stream.buffers import BufferPool
+from ckptconv.stream.gather import gather_tensors
+from ckptconv.stream.unshard import Item, direct_rows, direct_tensors
+
+ReadPath = Literal["direct", "gather"]
+
+
+def write_shards(
+    plan: HfSavePlan,
+    ckpt: DcpCheckpoint,
+    staging: Path,
+    world: World,
+    ui: Ui,
+    bucket: int,
+    read_path: ReadPath,
+    fsync: bool = True,
+) -> tuple[list[RowPiece], RankBytes]:
+    """This rank's writes into `staging`, each file fsynced once this rank has written it (unless not
+    `fsync`); returns the chunks' pieces it read (some rows of a chunk) and the bytes it read and wrote."""
+    with DcpReader(ckpt, cache_bytes=bucket) as reader:
+        if read_path == "gather":
+            items = gather_tensors(plan, world, direct_rows(reader), bucket)
+            pool = None
+        else:
+            pool = BufferPool.for_bucket(bucket)
+            items = direct_tensors(plan, world, reader, bucket, pool)
+        written = write_files(plan, items, staging, world, ui, pool, fsync)
+        return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
+
+
+def write_files(
+    plan: HfSavePlan,
+    items: Iterator[Item],
+    staging: Path,
+    world: World,
+    ui: Ui,
+    pool: BufferPool | None = None,
+    fsync: bool = True,
+) -> int:
+    """Write this rank's byte ranges of the plan's files (`plan.writes_of`) from `items` (its writes with
+    their data, in order, as unshard yields them), each in place; returns the bytes written. Tensors made
+    in `pool` go back to it once written. With `fsync`, each file is fsynced as soon as this rank's writes to
+    it are done, on a thread of its own while the next file is written, and all before this returns."""
+    mine = plan.writes_of(world.rank)
+    files = len({w.file.name for w in mine})
+    nbytes = bytes_per_rank(plan.writes, plan.world_size)[world.rank]
+    written = done = 0
+    with (
+        ui.bytes_progress(f"writing {files} of {len(plan.files)} files", nbytes) as progress,
+        Syncer(fsync) as syncer,
+    ):
+        writer: SafetensorsWriter | None = None
+        try:
+            for w, tensor in items:
+                if writer is None or writer.path.name != w.file.name:
+                    if writer is not None:
+                        finished, writer = writer, None  # its file is the syncer's to close now
+                        finished.close(syncer)
+                        written += finished.bytes_written
+                    entries = [Entry(x.hf_key, x.dtype, x.shape) for x in w.file.tensors]
+                    # a rank's writes to a file are one run, so the write with the header opens it
+                    writer = SafetensorsWriter(staging / w.file.name, entries, header=w.header)
+                if w.tensor.quant:
+                    progress.advance(_write_quantized(writer, w.tensor, tensor))
+                else:
+                    check_range(w.tensor.hf_key, w.tensor.src.dtype, tensor)
+                    writer.write(w.tensor.hf_key, tensor, w.start)
+                    progress.advance(w.nbytes)
+                done += 1
+                if pool is not None:
+                    pool.give(tensor)  # written: its memory makes a later tensor
+                del tensor  # not held while the next tensor is assembled
+            if writer is not None:
+                finished, writer = writer, None
+                finished.close(syncer)
+                written += finished.bytes_written
+            syncer.wait()  # every file this rank wrote is on the device before it says it is done
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+    assert done == len(mine), f"rank {world.rank}: {len(mine) - done} planned writes never came"
+    return written
+
+
+def _write_quantized(writer: SafetensorsWriter, t: OutTensor, tensor: torch.Tensor) -> int:
+    """`--quantize fp8`: the weight [R, C] (in its source dtype) as FP8 and its `weight_scale_inv`, quantized
+    one 128-row slab at a time; returns the bytes written."""
+    q, scale = fp8.quantize_whole(tensor)
+    writer.write(t.hf_key, q)
+    writer.write(scale_key(t.hf_key), scale)
+    return q.nbytes + scale.nbytes
+
+
+def follow_config(path: Path, plan: HfSavePlan, target: torch.dtype | None) -> list[str]:
+    """Rank 0: the copied config.json made to name the dtype written and the quantization (config_edit)."""
+    name: str | None
+    if target is not None:
+        name = str(target).removeprefix("torch.")
+    else:
+        name = release_dtype(
+            (str(t.dtype).removeprefix("torch."), t.nbytes) for f in plan.files for t in f.tensors
+        )
+    raw, edits = edit_config(read_regular(path, limit=CONFIG_BYTES), name, plan.quantization)
+    if edits:
+        with outdir.naming(path):
+            path.write_bytes(raw)
+    return edits
+
+
+def write_adapter_config(staging: Path, plan: HfSavePlan) -> None:
+    """Rank 0, `--lora adapter`: the adapter_config.json PEFT reads beside adapter_model.safetensors."""
+    if plan.lora is None or plan.lora.config is None:
+        return
+    path = staging / LORA_CONFIG_FILE
+    with outdir.naming(path):
+        path.write_text(json.dumps(plan.lora.config, indent=2) + "\n")

@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from ckptconv.cli.app import main
-from ckptconv.publish.outcheck import OLD_SUFFIX, PARTIAL_SUFFIX
+from ckptconv.formats.names import OLD_SUFFIX, PARTIAL_SUFFIX
 from ckptconv.publish.outlock import LOCK_SUFFIX
 
 EXAMPLES = int(os.environ.get("CKPTCONV_FUZZ_EXAMPLES", "20"))

@@ -374,7 +374,7 @@ def test_inspect_and_dry_run_show_the_mapped_view(runtime_ckpt, tmp_path: Path, 
 def test_one_expert_reads_only_its_rows(shard_dim: int) -> None:
     """Unstacking expert e of [E, F, D] reads only expert e's rows of the chunks that hold it."""
     from ckptconv.core.specs import ChunkSpec, TensorSpec
-    from ckptconv.plan.to_hf import OutTensor, SourcePart
+    from ckptconv.plan.types import OutTensor, SourcePart
     from ckptconv.stream.unshard import assemble
 
     full = torch.arange(E * F * D, dtype=torch.float32).reshape(E, F, D)

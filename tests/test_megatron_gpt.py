@@ -32,11 +32,8 @@ from test_dcp_to_hf import load_dir, same_bits
 
 from ckptconv.cli.app import main
 from ckptconv.formats.dcp import open_dcp
-from ckptconv.plan.megatron import (
-    BACKENDS,
-    CHECKPOINT_VERSION,
-    extra_state_objects,
-)
+from ckptconv.formats.megatron import BACKENDS, CHECKPOINT_VERSION
+from ckptconv.plan.megatron import extra_state_objects
 
 PRESET = "megatron-gpt"
 # name -> the worker's gpt options

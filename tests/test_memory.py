@@ -200,7 +200,7 @@ def test_a_round_bigger_than_the_bucket_is_cut_into_steps_of_rows() -> None:
     stays one step, as it is."""
     from ckptconv.core.specs import ChunkSpec, TensorSpec
     from ckptconv.mapping.rules import whole
-    from ckptconv.plan.to_hf import OutTensor, SourcePart
+    from ckptconv.plan.types import OutTensor, SourcePart
     from ckptconv.stream.gather import Transfer, split_round
 
     chunks = (ChunkSpec((0, 0), (10, 8), "__0_0.distcp", 0, 1, "torch_save"),)

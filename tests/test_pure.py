@@ -16,9 +16,8 @@ from ckptconv.core.dtype_names import short_name
 from ckptconv.core.dtypes import DtypePolicy, st_layout_rank
 from ckptconv.core.layout import tiling_problem
 from ckptconv.core.sizes import parse_size
-from ckptconv.core.specs import ChunkSpec, TensorSpec
+from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, TensorSpec
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint
 from ckptconv.formats.hf import read_header
 from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter, header_bytes
 from ckptconv.plan.to_hf import assign_owners, plan_dcp_to_hf

@@ -24,9 +24,9 @@ from test_dcp_to_hf import load_dir, same_bits
 from test_hf_to_dcp import load_plain
 
 from ckptconv.cli.app import main
+from ckptconv.core.layout import shard_rows
 from ckptconv.formats.hf import open_hf
 from ckptconv.formats.safetensors_io import RowReader
-from ckptconv.plan.to_hf import shard_rows
 from ckptconv.quant import fp8, mxfp4
 
 LLAMA = {"hidden_size": 200, "intermediate_size": 328}  # no dim a multiple of 128: edge blocks everywhere

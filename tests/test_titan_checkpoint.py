@@ -30,7 +30,8 @@ from titan import run_adapter, run_titan_job
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ckptconv.formats.stash import StashedItem, read_stash
+from ckptconv.core.specs import StashedItem
+from ckptconv.formats.stash import read_stash
 
 WORKER = Path(__file__).resolve().parent / "workers" / "titan_checkpoint.py"
 STEP_DIR = "step-1"

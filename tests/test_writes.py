@@ -20,7 +20,8 @@ from ckptconv.formats.dcp_reader import DcpReader
 from ckptconv.formats.safetensors_io import Entry, header_bytes
 from ckptconv.mapping import load_config, load_mapping
 from ckptconv.plan.to_hf import plan_dcp_to_hf
-from ckptconv.plan.writes import MIN_PIECE, bytes_per_rank, plan_writes, rows_of
+from ckptconv.plan.types import rows_of
+from ckptconv.plan.writes import MIN_PIECE, bytes_per_rank, plan_writes
 from ckptconv.publish.parts import PART_BYTES, plan_pieces
 from ckptconv.stream.unshard import assemble, direct_rows
 

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from ckptconv.cli import flags as opt
+from ckptconv.cli.exits import say_agreed
 from ckptconv.cli.flags import (
     AllowUnmappedOpt,
     BucketOpt,
@@ -78,9 +79,10 @@ def _options(
     ] = False,
 ) -> None:
     """Convert LLM checkpoints between PyTorch Distributed Checkpoint (DCP) and Hugging Face safetensors."""
-    from ckptconv.job.env import check_all
+    from ckptconv.job import env, limits
 
-    check_all()  # a bad CKPTCONV_* variable fails before any work, with one line
+    env.check_all()  # a bad CKPTCONV_* variable fails before any work, with one line
+    limits.check_all()
 
 
 @app.command("dcp-to-hf")
@@ -152,7 +154,7 @@ def dcp_to_hf_cmd(
         early = open_early(source, None if dry_run else target, overwrite, sizes)  # before torch (early_open)
         from ckptconv.run.dcp_to_hf import dcp_to_hf
 
-        with world_from_env() as world:
+        with world_from_env(say_agreed=say_agreed) as world:
             ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
             result = dcp_to_hf(
                 source,
@@ -232,7 +234,7 @@ def hf_to_dcp_cmd(
 
     use_storage(storage_options, coalesce_gap)
     target = location(out, "OUT")  # as a string: a Path makes s3: of s3://
-    with world_from_env() as world:
+    with world_from_env(say_agreed=say_agreed) as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         result = hf_to_dcp(
             src,
@@ -304,7 +306,7 @@ def verify_cmd(
     tolerance = Tolerance(atol or 0.0, rtol or 0.0) if atol is not None or rtol is not None else None
     lora_req = opt.lora_request(lora, lora_name, lora_alpha, lora_config, lora_rslora, None)
     use_storage(storage_options, coalesce_gap)
-    with _trust(trust_pickle), world_from_env() as world:
+    with _trust(trust_pickle), world_from_env(say_agreed=say_agreed) as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         report = verify(
             a,

@@ -15,19 +15,13 @@ from typing import TYPE_CHECKING, NoReturn
 import typer
 
 from ckptconv.cli.pipes import closed_pipes_dropped
-from ckptconv.job.env import debug
+from ckptconv.job.env import debug, rank
 
 if TYPE_CHECKING:
     from ckptconv.errors import CkptconvError
 
 # how the command `call` runs says an error (set while it runs; None in library use)
 _say: Callable[[CkptconvError], None] | None = None
-
-
-def rank() -> int:
-    """This process's rank under torchrun (0 outside it, or when RANK is not a number)."""
-    raw = os.environ.get("RANK", "0").strip()
-    return int(raw) if raw.isdigit() else 0
 
 
 def _typer_errors() -> tuple[type[Exception], type[Exception]]:

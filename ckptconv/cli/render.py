@@ -12,7 +12,7 @@ from typing import Any
 
 
 def rank() -> int:
-    from ckptconv.cli.exits import rank
+    from ckptconv.job.env import rank
 
     return rank()
 

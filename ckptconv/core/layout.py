@@ -174,3 +174,9 @@ def intersect(a: Box, b: Box) -> Box | None:
         offsets.append(lo)
         sizes.append(hi - lo)
     return tuple(offsets), tuple(sizes)
+
+
+def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The rows [lo, hi) `rank` holds under `Shard(0)`: torch.chunk's split, as DTensor and FSDP2 use it."""
+    step = -(-rows // world_size) if rows else 0
+    return min(rank * step, rows), min((rank + 1) * step, rows)

@@ -6,9 +6,10 @@ Key spaces: `fqn` is a runtime / DCP key (as the training job saved it), `hf_key
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ckptconv.core.dtype_names import ITEMSIZE, torch_dtype
 
@@ -79,3 +80,92 @@ class NonTensorItem:
     file: str
     byte_offset: int
     byte_length: int
+
+
+Stamp = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) of a file when it was first read
+
+
+@dataclass(frozen=True)
+class Common:
+    """Megatron's common state: `values[key]` is the readable part of each top-level entry (None when
+    nothing of it is readable); `unreadable[key]` lists `key.path (what)` for each part of it left out."""
+
+    values: dict[str, Any]
+    unreadable: dict[str, tuple[str, ...]]
+    raw: bytes
+
+
+@dataclass(frozen=True)
+class DcpCheckpoint:
+    """Everything `.metadata` says, validated; tensors and items keep the order the job saved them in."""
+
+    path: Path
+    tensors: dict[str, TensorSpec]
+    items: dict[str, NonTensorItem]
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # fqn -> nesting in the saved dict
+    stamps: dict[str, Stamp] = field(default_factory=dict)  # file -> identity when .metadata was read
+    kind: str = "dcp"  # "megatron": Megatron-Core torch_dist (keys without nesting, common.pt beside)
+    common: Common | None = None  # Megatron's common.pt, read without running it
+    file_split: dict[str, int] | None = None  # key -> output file number, from torch's distributed HF writer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """How a logical tensor is stored: scheme "fp8" (parts: weight, scale; `block` rows and columns per scale)
+    or "mxfp4" (parts: blocks, scales; `block` values per scale)."""
+
+    scheme: str
+    parts: tuple[StoredTensor, StoredTensor]
+    block: int
+
+    @property
+    def scale(self) -> StoredTensor:
+        return self.parts[1]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes stored: the quantized values and their scales."""
+        return sum(p.nbytes for p in self.parts)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    key: str
+    dtype_name: str  # torch's name (`bfloat16`), as `specs.TensorSpec` keeps it
+    shape: tuple[int, ...]
+    file: Path
+    data_offset: int  # absolute offset of the first byte in `file`
+    nbytes: int
+    stamp: Stamp | None = None  # the file's identity when its header was read: a reader refuses another
+    quant: Quantized | None = None  # a dequantized weight: its stored parts (then file.. is its first part's)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
+
+
+@dataclass(frozen=True)
+class HfCheckpoint:
+    path: Path  # the directory, or the single .safetensors file
+    tensors: dict[str, StoredTensor]  # in file order, then header order; a quantized weight as one (hf_quant)
+    files: tuple[Path, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class StashedItem:
+    key: str
+    path: tuple[str | int, ...]
+    raw: bytes  # torch.save bytes as stored in the DCP checkpoint (kept in the file when value is not JSON)
+    value: Any = None
+    has_value: bool = False  # `value` holds the item exactly as JSON
+    note: str | None = None  # why the value was not loaded
+    tensor: str | None = None  # the dtype name when the item was a 0-d tensor (`value` is its number)
+    readable: Any = None  # of an item kept as bytes: what JSON holds of it, read without running it

@@ -12,7 +12,6 @@ import os
 import stat
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import add, attrgetter, gt, mul
 from pathlib import Path, PurePosixPath
@@ -20,13 +19,19 @@ from typing import Any
 
 from ckptconv.core.dtype_names import CONVERTIBLE, ITEMSIZE
 from ckptconv.core.layout import tiling_problem
-from ckptconv.core.specs import ChunkFormat, NonTensorItem, TensorSpec, new_chunk
+from ckptconv.core.specs import (
+    ChunkFormat,
+    DcpCheckpoint,
+    NonTensorItem,
+    Stamp,
+    TensorSpec,
+    new_chunk,
+)
 from ckptconv.errors import CkptconvError
 from ckptconv.formats import safe_pickle as md
 from ckptconv.formats.dcp_columns import Columns, load_dcp_metadata
 from ckptconv.formats.files import (
     BoundedReader,
-    Stamp,
     inside,
     mode_of,
     open_regular,
@@ -38,30 +43,12 @@ from ckptconv.formats.hf import (
     MAX_HEADER_BYTES,  # a larger safetensors header inside a .distcp is refused too
 )
 from ckptconv.formats.megatron import MARKER_FILE as MEGATRON_MARKER
-from ckptconv.formats.megatron import Common, is_megatron, read_common
+from ckptconv.formats.megatron import is_megatron, read_common
 from ckptconv.job.gcpause import paused
 from ckptconv.remote.files import RemoteFiles
 from ckptconv.remote.urls import UrlPath
 
 METADATA_FILE = ".metadata"
-
-
-@dataclass(frozen=True)
-class DcpCheckpoint:
-    """Everything `.metadata` says, validated; tensors and items keep the order the job saved them in."""
-
-    path: Path
-    tensors: dict[str, TensorSpec]
-    items: dict[str, NonTensorItem]
-    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # fqn -> nesting in the saved dict
-    stamps: dict[str, Stamp] = field(default_factory=dict)  # file -> identity when .metadata was read
-    kind: str = "dcp"  # "megatron": Megatron-Core torch_dist (keys without nesting, common.pt beside)
-    common: Common | None = None  # Megatron's common.pt, read without running it
-    file_split: dict[str, int] | None = None  # key -> output file number, from torch's distributed HF writer
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
 
 
 def is_dcp_dir(path: Path) -> bool:

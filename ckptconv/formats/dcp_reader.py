@@ -21,11 +21,10 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptconv.core.crc32 import crc32, whole_crc
-from ckptconv.core.specs import ChunkSpec, NonTensorItem, TensorSpec
+from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, NonTensorItem, StoredTensor, TensorSpec
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint
 from ckptconv.formats.files import check_unchanged, open_regular, pread_exact, read_error
-from ckptconv.formats.hf import MAX_HEADER_BYTES, StoredTensor, header_tensors, parse_header
+from ckptconv.formats.hf import MAX_HEADER_BYTES, header_tensors, parse_header
 from ckptconv.formats.items import load_item
 from ckptconv.formats.torch_record import MAX_RECORD_PICKLE, TensorRecord, read_tensor_record
 from ckptconv.formats.torch_zip import TorchZip

@@ -27,9 +27,9 @@ from torch.futures import Future
 
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp_reader import byte_view
+from ckptconv.formats.sinks import ObjectStore
 from ckptconv.formats.torch_record import fast_path, write_tensor_record
 from ckptconv.job.env import env_int
-from ckptconv.publish import remote_out
 from ckptconv.remote.urls import UrlPath
 
 SLAB_BYTES = 8 * 2**20  # read, checksummed and written at once per writer thread (4-8 MiB measured best)
@@ -43,6 +43,7 @@ def write_dcp(
     raw_items: dict[str, bytes],
     on_bytes: Callable[[int], None] = lambda n: None,
     fsync: bool = True,
+    store: ObjectStore | None = None,
 ) -> None:
     """Collective: `dcp.save` the `state_dict` of meta tensors / meta-backed DTensors into `directory`.
 
@@ -54,10 +55,11 @@ def write_dcp(
     `fsync` (torch's default, and ckptconv's): each writer thread fsyncs each data file as soon as it is
     written, before `dcp.save` gathers the results and writes `.metadata` (which torch fsyncs too); the
     directory entries are `outdir`'s to fsync. `--no-fsync` turns it off for scratch work.
+    `store`: an OUT in object storage (`directory` a URL), which takes the data files as uploads.
     """
     threads = env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
     single = not (dist.is_available() and dist.is_initialized())
-    writer = _RecordWriter(directory, threads, read_rows, raw_items, on_bytes)
+    writer = _RecordWriter(directory, threads, read_rows, raw_items, on_bytes, store)
     writer.sync_files = fsync
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -137,10 +139,12 @@ class _RecordWriter(FileSystemWriter):
         read_rows: ReadRows,
         raw_items: dict[str, bytes],
         on_bytes: Callable[[int], None],
+        store: ObjectStore | None,
     ) -> None:
         # object storage: data files streamed to the URL, torch's `.metadata` left in the run's local
-        # directory for remote.out to upload last
-        local = remote_out.local_dir() if isinstance(directory, UrlPath) else directory
+        # directory for the store to upload last
+        self.store = store
+        local = store.local_dir() if store is not None else directory
         super().__init__(str(local), thread_count=threads)
         self.directory, self.read_rows, self.raw_items = directory, read_rows, raw_items
         self.on_bytes = on_bytes
@@ -177,7 +181,8 @@ class _RecordWriter(FileSystemWriter):
     def _write_items(self, path: Path, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
         results = []
         f: Any
-        with remote_out.whole(path) if isinstance(path, UrlPath) else open(path, "wb") as f:
+        sink = self.store.whole(path) if self.store is not None and isinstance(path, UrlPath) else None
+        with sink if sink is not None else open(path, "wb") as f:
             for item in items:
                 offset = f.tell()
                 if item.tensor_data is None:
@@ -188,7 +193,7 @@ class _RecordWriter(FileSystemWriter):
                     self._write_tensor(f, item)
                 length = f.tell() - offset
                 results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
-            if self.sync_files and not isinstance(path, UrlPath):
+            if self.sync_files and self.store is None:
                 f.flush()
                 os.fsync(f.fileno())
         return results

@@ -15,15 +15,20 @@ expert), so the temporaries are a slab's, whatever the block. Values are the fp3
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from ckptconv.formats.hf import StoredTensor
+from ckptconv.core.specs import StoredTensor
 from ckptconv.quant import fp8, mxfp4
 
-if TYPE_CHECKING:
-    from ckptconv.formats.safetensors_io import RowReader
+
+class RowReader(Protocol):
+    """What dequantizing reads through (`safetensors_io.RowReader` is one): a block of a stored tensor."""
+
+    def block(
+        self, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int], dtype: torch.dtype | None = None
+    ) -> torch.Tensor: ...
 
 MX_VALUES = 2**20  # MXFP4 values decoded at a time (fp32 temporaries of a few MiB)
 

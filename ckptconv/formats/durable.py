@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 
-from ckptconv.publish.outlock import write_failed
+from ckptconv.formats.files import write_failed
 
 SYNC_THREADS = 4  # rank 0's small files (index, config, tokenizer, stash), fsynced at once
 # a directory fsync that the file system does not do (some FUSE and network file systems): nothing to wait for

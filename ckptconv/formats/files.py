@@ -24,13 +24,14 @@ import fcntl
 import os
 import re
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from ckptconv.core.specs import Stamp
 from ckptconv.errors import CkptconvError
 from ckptconv.remote.urls import UrlPath
-
-Stamp = tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) of a file when it was first read
 
 # The most a file beside a checkpoint (or named by a flag) may hold, checked before it is read or copied:
 CONFIG_BYTES = 16 * 2**20  # read whole: config.json, adapter_config.json, --config, --lora-config, --mapping
@@ -307,3 +308,19 @@ def listdir(path: Path) -> list[str]:
         return sorted(os.listdir(path))
     except OSError as e:
         raise read_error(path, e) from None
+
+
+def write_failed(path: object, e: OSError) -> CkptconvError:
+    """The one-line error for a failed write: the file and the cause."""
+    where = e.filename if e.filename is not None else path
+    cause = e.strerror or type(e).__name__
+    return CkptconvError(f"{where}: cannot write ({cause}); check free space and permissions")
+
+
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Any OSError inside is a write error on `path` (a file written whole: index, stash)."""
+    try:
+        yield
+    except OSError as e:
+        raise write_failed(path, OSError(e.errno, e.strerror)) from None

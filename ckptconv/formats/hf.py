@@ -11,16 +11,15 @@ import math
 import os
 import stat
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptconv.core.dtype_names import ITEMSIZE, ST_TO_NAME, torch_dtype
+from ckptconv.core.dtype_names import ITEMSIZE, ST_TO_NAME
 from ckptconv.core.jsonkeys import DuplicateKey
+from ckptconv.core.specs import HfCheckpoint, Stamp, StoredTensor
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.documents import load_json
 from ckptconv.formats.files import (
-    Stamp,
     inside,
     listdir,
     mode_of,
@@ -33,9 +32,8 @@ from ckptconv.formats.files import (
 from ckptconv.remote.urls import UrlPath
 
 if TYPE_CHECKING:
-    import torch
 
-    from ckptconv.formats.hf_quant import Quantized
+    pass
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -47,22 +45,6 @@ def write_index(directory: Path, weight_map: dict[str, str], total_size: int) ->
     """`model.safetensors.index.json` as transformers' save_pretrained writes it."""
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    key: str
-    dtype_name: str  # torch's name (`bfloat16`), as `specs.TensorSpec` keeps it
-    shape: tuple[int, ...]
-    file: Path
-    data_offset: int  # absolute offset of the first byte in `file`
-    nbytes: int
-    stamp: Stamp | None = None  # the file's identity when its header was read: a reader refuses another
-    quant: Quantized | None = None  # a dequantized weight: its stored parts (then file.. is its first part's)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype_name)
 
 
 def parse_header(raw: bytes, path: object) -> dict[str, Any]:
@@ -262,17 +244,6 @@ def _stored(path: Path, key: str, info: Any, start: int, end: int) -> StoredTens
 def _counts(value: Any) -> bool:
     """Whether `value` is a list of JSON integers in u64 (not bools, not floats), as serde reads `usize`."""
     return isinstance(value, list) and all(type(x) is int and 0 <= x < _U64 for x in value)
-
-
-@dataclass(frozen=True)
-class HfCheckpoint:
-    path: Path  # the directory, or the single .safetensors file
-    tensors: dict[str, StoredTensor]  # in file order, then header order; a quantized weight as one (hf_quant)
-    files: tuple[Path, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
 
 
 def is_hf_dir(path: Path) -> bool:

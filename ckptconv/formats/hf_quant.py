@@ -17,15 +17,14 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptconv.core.dtype_names import ITEMSIZE
+from ckptconv.core.specs import Quantized, StoredTensor
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.documents import load_json
 from ckptconv.formats.files import CONFIG_BYTES, mode_of, read_regular
-from ckptconv.formats.hf import StoredTensor
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size, the default of torch's quantized reader
 MAX_FP8_BLOCK = 2**31  # past every real weight's dims (a larger block is the same one block): refused
@@ -37,25 +36,6 @@ SCALE_DTYPES = ("float32", "bfloat16", "float16", "float8_e8m0fnu")
 NOMINAL_DTYPES = ("bfloat16", "float16", "float32")
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = CONFIG_BYTES  # files.py holds the limits of every file read beside a checkpoint
-
-
-@dataclass(frozen=True)
-class Quantized:
-    """How a logical tensor is stored: scheme "fp8" (parts: weight, scale; `block` rows and columns per scale)
-    or "mxfp4" (parts: blocks, scales; `block` values per scale)."""
-
-    scheme: str
-    parts: tuple[StoredTensor, StoredTensor]
-    block: int
-
-    @property
-    def scale(self) -> StoredTensor:
-        return self.parts[1]
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes stored: the quantized values and their scales."""
-        return sum(p.nbytes for p in self.parts)
 
 
 def read_config(directory: Path | None, root: Path | None) -> dict[str, Any]:

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.core.layout import tiling_problem
-from ckptconv.core.specs import ChunkSpec, TensorSpec
+from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, TensorSpec
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint
 from ckptconv.formats.documents import load_json
 from ckptconv.formats.files import KEY_MAP_BYTES, inside, is_directory, listdir, mode_of, read_regular
 from ckptconv.formats.hf import SHARDING_KEY, read_header

@@ -16,15 +16,17 @@ can say which parts were left out.
 
 from __future__ import annotations
 
+import io
+import json
 import pickle
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptconv.core.specs import Common
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.documents import load_json
-from ckptconv.formats.files import mode_of, read_regular
+from ckptconv.formats.files import mode_of, naming, read_regular
 from ckptconv.formats.opaque import load_opaque, readable
 from ckptconv.formats.safe_pickle import short
 from ckptconv.job.limits import Budget
@@ -46,16 +48,6 @@ def is_megatron(root: Path) -> bool:
     except (CkptconvError, ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist"
-
-
-@dataclass(frozen=True)
-class Common:
-    """Megatron's common state: `values[key]` is the readable part of each top-level entry (None when
-    nothing of it is readable); `unreadable[key]` lists `key.path (what)` for each part of it left out."""
-
-    values: dict[str, Any]
-    unreadable: dict[str, tuple[str, ...]]
-    raw: bytes
 
 
 def read_common(root: Path) -> Common | None:
@@ -82,3 +74,28 @@ def read_common(root: Path) -> Common | None:
         values[name] = readable(item, name, left_out, budget)
         unreadable[name] = tuple(left_out)
     return Common(values, unreadable, raw)
+
+BACKENDS = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+CHECKPOINT_VERSION = 3.0
+
+
+def common_state(iteration: int | None) -> dict[str, float | int]:
+    """The plain values `common.pt` holds (floats and ints only: no pickled class)."""
+    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0 if iteration is None else int(iteration)}
+
+
+def write_side_files(directory: Path, iteration: int | None) -> None:
+    """Rank 0, once the DCP files are in `directory`: Megatron-Core's `metadata.json` and `common.pt`."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(common_state(iteration), buffer)
+    with naming(directory / COMMON_FILE):
+        (directory / COMMON_FILE).write_bytes(buffer.getvalue())
+    with naming(directory / MARKER_FILE):  # megatron writes it last: a directory with it is complete
+        (directory / MARKER_FILE).write_text(json.dumps(BACKENDS))

@@ -27,13 +27,14 @@ from typing import Any
 import torch
 
 from ckptconv.core.dtypes import st_name
+from ckptconv.core.specs import StoredTensor
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp_reader import byte_view
 from ckptconv.formats.dequant import quantized_block
 from ckptconv.formats.durable import Syncer, sync_fd
 from ckptconv.formats.files import check_unchanged, open_regular, pread_exact
-from ckptconv.formats.hf import StoredTensor
 from ckptconv.formats.pieces import PIECE_BYTES
+from ckptconv.formats.sinks import PositionedSink
 from ckptconv.remote.files import RemoteFiles
 from ckptconv.remote.urls import UrlPath
 
@@ -69,7 +70,10 @@ def header_bytes(entries: Sequence[Entry], metadata: dict[str, str] | None = Non
 
 
 class SafetensorsWriter:
-    def __init__(self, path: Path, entries: Sequence[Entry], *, header: bool = True) -> None:
+    def __init__(
+        self, path: Path, entries: Sequence[Entry], *, header: bool = True, sink: PositionedSink | None = None
+    ) -> None:
+        """`sink`: where the bytes go instead of the local file `path` (object storage)."""
         self.path = path
         self.bytes_written = 0
         self.entries = {e.key: e for e in entries}
@@ -81,12 +85,8 @@ class SafetensorsWriter:
                 strict=False,
             )
         )
-        self._stream = None
-        if isinstance(path, UrlPath):  # object storage: streamed in order (remote.out)
-            from ckptconv.publish.remote_out import stream
-
-            self._stream = stream(path)
-        else:
+        self._stream = sink
+        if sink is None:
             try:
                 self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as e:

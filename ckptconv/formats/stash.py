@@ -13,34 +13,18 @@ import base64
 import itertools
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptconv.core.specs import DcpCheckpoint, NonTensorItem, StashedItem, TensorSpec
 from ckptconv.errors import CkptconvError
+from ckptconv.formats.files import write_failed
 from ckptconv.job.limits import MAX_INT_BITS, Budget
-from ckptconv.publish.outlock import write_failed
-
-if TYPE_CHECKING:
-    from ckptconv.formats.dcp import DcpCheckpoint
-    from ckptconv.plan.to_hf import HfSavePlan
 
 STASH_FILE = "ckptconv_state.json"
 STASH_FORMAT = "ckptconv-stash"
 STASH_VERSION = 1
-
-
-@dataclass(frozen=True)
-class StashedItem:
-    key: str
-    path: tuple[str | int, ...]
-    raw: bytes  # torch.save bytes as stored in the DCP checkpoint (kept in the file when value is not JSON)
-    value: Any = None
-    has_value: bool = False  # `value` holds the item exactly as JSON
-    note: str | None = None  # why the value was not loaded
-    tensor: str | None = None  # the dtype name when the item was a 0-d tensor (`value` is its number)
-    readable: Any = None  # of an item kept as bytes: what JSON holds of it, read without running it
 
 
 def json_exact(value: Any, where: object = "a value") -> bool:
@@ -232,9 +216,16 @@ def _check_keys(path: Path, items: list[StashedItem]) -> None:
             )
 
 
-def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], None]) -> list[StashedItem]:
-    """What dcp-to-hf stashes: the plan's non-tensor items (loaded with weights_only, or kept as bytes),
-    its 0-d progress tensors as numbers, and Megatron's common.pt values."""
+def collect_stash(
+    ckpt: DcpCheckpoint,
+    stash: Sequence[NonTensorItem],
+    scalars: Sequence[TensorSpec],
+    common: Sequence[StashedItem],
+    warn: Callable[[str], None],
+) -> list[StashedItem]:
+    """What dcp-to-hf stashes (the plan's choice): the non-tensor items `stash` (loaded with weights_only,
+    or kept as bytes), the 0-d progress tensors `scalars` as numbers, and Megatron's common.pt values
+    `common`."""
     import io
 
     import torch
@@ -243,7 +234,7 @@ def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], N
 
     items = []
     with DcpReader(ckpt) as reader:
-        for item in plan.stash:
+        for item in stash:
             raw, value, why = reader.load_item(item)
             if why is not None:
                 warn(
@@ -253,7 +244,7 @@ def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], N
             part = None if why is None else readable_part(raw, ckpt.path / item.file)
             exact = why is None and json_exact(value, f"{ckpt.path / item.file}: {item.fqn!r}")
             items.append(StashedItem(item.fqn, item.path, raw, value, exact, why, readable=part))
-        for spec in plan.scalars:
+        for spec in scalars:
             tensor = reader.read_chunk(spec, spec.chunks[0])
             path = ckpt.paths.get(spec.fqn, (spec.fqn,))
             number = tensor.item()
@@ -263,7 +254,7 @@ def collect_stash(plan: HfSavePlan, ckpt: DcpCheckpoint, warn: Callable[[str], N
                 buf = io.BytesIO()
                 torch.save(tensor.clone(), buf)
                 items.append(StashedItem(spec.fqn, path, buf.getvalue(), tensor))
-    return items + list(plan.common)
+    return items + list(common)
 
 
 def readable_part(raw: bytes, where: object = "a non-tensor item") -> Any:

@@ -69,13 +69,15 @@ def _show(x: float) -> str:
 
 
 def check_all() -> None:
-    """Validate every variable a command may read, before any work: a bad one fails at once, on every rank."""
+    """Validate every variable a command may read, before any work: a bad one fails at once, on every rank
+    (the read budget's variables are checked by `limits.check_all`, which reads them through this module)."""
     env_int("CKPTCONV_TIMEOUT_S", 600, maximum=10**7)
     env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
     env_float("CKPTCONV_LOG_EVERY_S", 10.0)
     env_flag("CKPTCONV_DEBUG")
-    from ckptconv.job.limits import (
-        check_all as check_limits,  # limits reads its variables through this module
-    )
 
-    check_limits()
+
+def rank() -> int:
+    """This process's rank under torchrun (0 outside it, or when RANK is not a number)."""
+    raw = os.environ.get("RANK", "0").strip()
+    return int(raw) if raw.isdigit() else 0

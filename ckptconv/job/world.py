@@ -166,23 +166,25 @@ def collective_failure(error: BaseException, rank: int, timeout_s: int) -> Ckptc
     )
 
 
-def _say_before_parting(error: CkptconvError) -> None:
-    """Rank 0 says an error every rank raised together, then the ranks wait for each other: torchrun stops
-    the others (SIGTERM) as soon as one rank ends with an error, and a rank that ended first would otherwise
-    kill rank 0 before its message and `--json` report are out."""
+def _say_before_parting(error: CkptconvError, say: Callable[[CkptconvError], None]) -> None:
+    """Rank 0 says (`say`) an error every rank raised together, then the ranks wait for each other: torchrun
+    stops the others (SIGTERM) as soon as one rank ends with an error, and a rank that ended first would
+    otherwise kill rank 0 before its message and `--json` report are out."""
     import torch.distributed as dist
 
-    from ckptconv.cli.exits import say_agreed
-
-    say_agreed(error)
+    say(error)
     with contextlib.suppress(RuntimeError):  # a peer died meanwhile: each rank still ends with the error
         dist.barrier()
 
 
 @contextmanager
-def world_from_env(timeout_s: int | None = None) -> Iterator[World]:
+def world_from_env(
+    timeout_s: int | None = None, say_agreed: Callable[[CkptconvError], None] = lambda e: None
+) -> Iterator[World]:
     """The world torchrun describes in the environment; a process group only when WORLD_SIZE > 1.
 
+    `say_agreed` reports an error every rank raised together before the ranks part (the CLI's exit path,
+    `cli.exits.say_agreed`; nothing by default, as in library use).
     `timeout_s` (default CKPTCONV_TIMEOUT_S, 600) bounds every collective; a collective that fails because a
     peer died or stalled becomes one line naming this rank (`collective_failure`)."""
     size = env_int("WORLD_SIZE", 1)
@@ -209,7 +211,7 @@ def world_from_env(timeout_s: int | None = None) -> Iterator[World]:
         raise failure from None
     except CkptconvError as e:
         if owned and e.agreed:
-            _say_before_parting(e)
+            _say_before_parting(e, say_agreed)
         raise
     finally:
         if owned and dist.is_initialized():

@@ -27,8 +27,7 @@ from ckptconv.live.host import to_host
 from ckptconv.lora.merge import LoraParts
 from ckptconv.mapping.types import whole
 from ckptconv.plan.schedule import Holding, Job, Placement, Round, ShardStep, plan_job, shard_steps, slabs
-from ckptconv.plan.to_hf import HfSavePlan, OutTensor, SourcePart
-from ckptconv.plan.writes import Write
+from ckptconv.plan.types import HfSavePlan, OutTensor, SourcePart, Write
 from ckptconv.stream.unshard import assemble, narrow, needed_box
 
 Item = tuple[Write, torch.Tensor]

@@ -24,12 +24,11 @@ from ckptconv.core.dtype_names import short_name
 from ckptconv.core.dtypes import DtypePolicy, parse_dtype_flag
 from ckptconv.core.layout import tiling_problem
 from ckptconv.core.sizes import parse_size
-from ckptconv.core.specs import ChunkSpec, TensorSpec
+from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, StashedItem, TensorSpec
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint
-from ckptconv.formats.files import refuse_url
+from ckptconv.formats.files import naming, refuse_url
 from ckptconv.formats.hf import INDEX_FILE, write_index
-from ckptconv.formats.stash import StashedItem, json_exact, write_stash
+from ckptconv.formats.stash import json_exact, write_stash
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone
 from ckptconv.live.allgather import (
@@ -44,9 +43,11 @@ from ckptconv.live.allgather import (
 from ckptconv.live.host import release_host_memory
 from ckptconv.lora.select import LoraRequest
 from ckptconv.mapping import CONFIG_FILE, load_mapping
+from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.schedule import Holding, ShardStep, plan_rounds
-from ckptconv.plan.to_hf import mapped_tensors, plan_dcp_to_hf
-from ckptconv.plan.writes import GRANULARITIES, Granularity
+from ckptconv.plan.to_hf import plan_dcp_to_hf
+from ckptconv.plan.types import Granularity
+from ckptconv.plan.writes import GRANULARITIES
 from ckptconv.publish import outcheck, outdir, remote_out
 from ckptconv.publish.copy_from import copy_non_weights
 from ckptconv.publish.remote_out import RemoteTarget
@@ -254,7 +255,7 @@ def save_hf(
 
     def finish(staging: Path) -> None:
         if plan.sharded:
-            with outdir.naming(staging / INDEX_FILE):
+            with naming(staging / INDEX_FILE):
                 write_index(staging, plan.weight_map, plan.total_size)
         write_adapter_config(staging, plan)
         if others:

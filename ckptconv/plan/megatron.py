@@ -34,47 +34,17 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
-import json
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptconv.formats.stash import StashedItem
+from ckptconv.core.specs import StashedItem
 
 if TYPE_CHECKING:
-    from ckptconv.plan.to_hf import DcpSavePlan
+    from ckptconv.plan.types import DcpSavePlan
 
-METADATA_FILE = "metadata.json"
-COMMON_FILE = "common.pt"
-BACKENDS = {
-    "sharded_backend": "torch_dist",
-    "sharded_backend_version": 1,
-    "common_backend": "torch",
-    "common_backend_version": 1,
-}
-CHECKPOINT_VERSION = 3.0
 # a linear layer's weight: its module, then (with singleton_local_shards) the SwiGLU half
 _LINEAR = re.compile(r"(decoder\.layers\..*\.linear_(?:qkv|proj|fc1|fc2))\.weight(?:_w|_v)?")
-
-
-def common_state(iteration: int | None) -> dict[str, float | int]:
-    """The plain values `common.pt` holds (floats and ints only: no pickled class)."""
-    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0 if iteration is None else int(iteration)}
-
-
-def write_side_files(directory: Path, iteration: int | None) -> None:
-    """Rank 0, once the DCP files are in `directory`: Megatron-Core's `metadata.json` and `common.pt`."""
-    import torch
-
-    from ckptconv.publish.outdir import naming
-
-    buffer = io.BytesIO()
-    torch.save(common_state(iteration), buffer)
-    with naming(directory / COMMON_FILE):
-        (directory / COMMON_FILE).write_bytes(buffer.getvalue())
-    with naming(directory / METADATA_FILE):  # megatron writes it last: a directory with it is complete
-        (directory / METADATA_FILE).write_text(json.dumps(BACKENDS))
 
 
 def extra_state_objects(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[None]]:

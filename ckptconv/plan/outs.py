@@ -5,17 +5,12 @@ Pure. `plan.plan_dcp_to_hf` lays them out in files; `verify` compares them."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ckptconv.core.dtypes import DtypePolicy
-from ckptconv.core.specs import TensorSpec
+from ckptconv.core.specs import DcpCheckpoint
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint
 from ckptconv.lora.keys import PEFT_PREFIX
 from ckptconv.lora.mapped import factor_targets
 from ckptconv.lora.merge import LoraParts
@@ -23,74 +18,8 @@ from ckptconv.lora.select import LoraPlan, LoraRequest, Merge, lora_plan
 from ckptconv.lora.settings import mapped_config
 from ckptconv.mapping.rules import KeyMapping, Part, Target, map_keys
 from ckptconv.plan.release import Selection, select_tensors
+from ckptconv.plan.types import OutTensor, SourcePart, TiedHead
 from ckptconv.remote.urls import UrlPath
-
-
-@dataclass(frozen=True)
-class SourcePart:
-    """A block of a stored tensor that lands in a block of an output tensor (see mapping.rules.Part)."""
-
-    spec: TensorSpec
-    part: Part
-    lora: LoraParts | None = None  # --lora merge through a mapping: the source block gets its LoRA update
-
-    @property
-    def whole(self) -> bool:
-        """The whole stored tensor, unpermuted, lands at the origin of the output (alone, if shapes match)."""
-        p = self.part
-        return p.plain and p.src_sizes == self.spec.shape == p.dst_sizes and not any(p.dst_offsets)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.part.src_sizes) * self.spec.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class OutTensor:
-    hf_key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    parts: tuple[SourcePart, ...]
-    op: str = "rename"
-    layout: tuple[int, ...] | None = None  # the shape the parts address (a reshape), when not `shape`
-    padded: bool = False  # some elements come from no part: zeros
-    quant: str | None = None  # "fp8": assembled in the source dtype, written quantized with its scale
-    lora: LoraParts | None = None  # --lora merge: W + scaling * B @ A, assembled in fp32, cast once
-
-    @property
-    def work_dtype(self) -> torch.dtype:
-        """The dtype the tensor is assembled in: its own; for a quantized one its source's (fp32 when LoRA is
-        merged into it, which is then quantized from the merged values); fp32 to merge LoRA into it whole."""
-        merged = self.lora is not None or any(sp.lora is not None for sp in self.parts)
-        if self.quant:
-            return torch.float32 if merged else self.src.dtype
-        return torch.float32 if self.lora is not None else self.dtype
-
-    @property
-    def src(self) -> TensorSpec:
-        """The (first) stored tensor this one comes from."""
-        return self.parts[0].spec
-
-    @property
-    def src_nbytes(self) -> int:
-        """Bytes read from the checkpoint to make this tensor (its LoRA factors too)."""
-        extra = sum(s.nbytes for s in self.lora.specs) if self.lora is not None else 0
-        return sum(p.nbytes for p in self.parts) + extra
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class TiedHead:
-    """An output head `tie_word_embeddings` leaves out of the release (`mapping.rules`): as its rule would
-    write it untied (None when the rule cannot map it), and the HF key it is tied to. Dropping it loses
-    nothing only when it holds what that key holds (`tied.differing`)."""
-
-    head: OutTensor | None
-    source: str  # its key in the checkpoint (as selected)
-    embedding: str  # the HF key it is tied to
 
 
 def _out_tensors(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ckptconv.core.dtypes import DtypePolicy
-from ckptconv.plan.to_hf import OutTensor
+from ckptconv.plan.types import OutTensor
 from ckptconv.quant import fp8
 from ckptconv.quant.policy import QuantPolicy, scale_key
 

@@ -20,14 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from ckptconv.core.specs import NonTensorItem, TensorSpec
+from ckptconv.core.specs import DcpCheckpoint, NonTensorItem, StashedItem, TensorSpec
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint
-from ckptconv.formats.stash import StashedItem
 
 if TYPE_CHECKING:
     from ckptconv.lora.select import LoraPlan
-    from ckptconv.plan.outs import TiedHead
+    from ckptconv.plan.types import TiedHead
 
 MODEL_GROUP = "model"
 OPTIMIZER_GROUPS = frozenset({"optim", "optimizer", "optimizers", "optim_state", "optimizer_state"})

@@ -11,79 +11,35 @@ which bytes, never what a file contains.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ckptconv.core.dtypes import DtypePolicy, st_layout_rank
 from ckptconv.core.keyorder import natural_key
-from ckptconv.core.specs import NonTensorItem, TensorSpec
+from ckptconv.core.specs import (
+    DcpCheckpoint,
+    HfCheckpoint,
+    StashedItem,
+)
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint
-from ckptconv.formats.hf import HfCheckpoint, StoredTensor
-from ckptconv.formats.stash import StashedItem
-from ckptconv.lora.select import ADAPTER_FILE, LoraPlan, LoraRequest
-from ckptconv.mapping.rules import KeyMapping, Part, Target, map_keys
+from ckptconv.lora.select import ADAPTER_FILE, LoraRequest
+from ckptconv.mapping.rules import KeyMapping, Target, map_keys
 from ckptconv.mapping.rules import whole as _whole
-from ckptconv.plan.outs import OutTensor as OutTensor
-from ckptconv.plan.outs import SourcePart as SourcePart
-from ckptconv.plan.outs import TiedHead as TiedHead
-from ckptconv.plan.outs import mapped_tensors as mapped_tensors
-from ckptconv.plan.writes import Granularity, Write, plan_writes
+from ckptconv.plan.outs import mapped_tensors
+from ckptconv.plan.types import (
+    DcpOutTensor,
+    DcpSavePlan,
+    Granularity,
+    HfSavePlan,
+    OutFile,
+    OutTensor,
+)
+from ckptconv.plan.writes import plan_writes
 from ckptconv.quant.policy import QuantPolicy
 
 SAFETENSORS_PATTERN = "model{suffix}.safetensors"
-
-
-@dataclass(frozen=True)
-class OutFile:
-    name: str
-    tensors: tuple[OutTensor, ...]  # in the order safetensors lays out data (see data_order)
-    owner: int  # the rank that writes this file whole under --write-granularity file
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-@dataclass(frozen=True)
-class HfSavePlan:
-    files: tuple[OutFile, ...]
-    stash: tuple[NonTensorItem, ...]
-    notes: tuple[str, ...]
-    warnings: tuple[str, ...]
-    world_size: int
-    scalars: tuple[TensorSpec, ...] = ()  # 0-d progress tensors (`train_state.step`), stashed as values
-    common: tuple[StashedItem, ...] = ()  # Megatron's common.pt values
-    quantization: dict[str, Any] | None = None  # --quantize: the release's config.json quantization_config
-    writes: tuple[Write, ...] = ()  # every byte range of the files' data and the rank that writes it
-    lora: LoraPlan | None = None  # what --lora made of the checkpoint's LoRA factors
-    tied: tuple[TiedHead, ...] = ()  # heads tie_word_embeddings leaves out, checked before writing (`tied`)
-
-    @property
-    def total_size(self) -> int:
-        return sum(f.nbytes for f in self.files)
-
-    @property
-    def stashed(self) -> list[str]:
-        """The keys `ckptconv_state.json` will hold."""
-        return [i.fqn for i in self.stash] + [s.fqn for s in self.scalars] + [i.key for i in self.common]
-
-    @property
-    def sharded(self) -> bool:
-        return len(self.files) > 1
-
-    @property
-    def weight_map(self) -> dict[str, str]:
-        return {t.hf_key: f.name for f in self.files for t in f.tensors}
-
-    def writes_of(self, rank: int) -> list[Write]:
-        """`rank`'s writes, in file order."""
-        return [w for w in self.writes if w.rank == rank]
 
 
 def data_order(tensors: Sequence[OutTensor]) -> tuple[OutTensor, ...]:
@@ -200,59 +156,6 @@ def split_as_source(outs: dict[str, OutTensor], file_split: dict[str, int]) -> d
     for key, number in index.items():
         out[name[number]].append(key)
     return out
-
-
-@dataclass(frozen=True)
-class DcpOutTensor:
-    key: str  # the DCP key, prefix included
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    parts: tuple[tuple[StoredTensor, Part], ...]
-    op: str = "rename"
-    layout: tuple[int, ...] | None = None  # the shape the parts address (a reshape), when not `shape`
-    padded: bool = False  # some elements come from no part: zeros
-
-    @property
-    def src(self) -> StoredTensor:
-        """The (first) HF tensor this one comes from."""
-        return self.parts[0][0]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class DcpSavePlan:
-    """hf-to-dcp: every tensor is saved as `Shard(0)` rows over all ranks (0-d tensors replicated)."""
-
-    tensors: tuple[DcpOutTensor, ...]
-    nesting: tuple[str, ...]  # the prefix as nested groups: "model." -> ("model",)
-    stash: tuple[StashedItem, ...]
-    warnings: tuple[str, ...]
-    world_size: int
-    same: tuple[tuple[str, str], ...] = ()  # (copy, primary) HF tensors that must hold equal values
-
-    @property
-    def total_size(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-    def rows_of(self, t: DcpOutTensor, rank: int) -> tuple[int, int]:
-        return shard_rows(t.shape[0], self.world_size, rank) if t.shape else (0, 1)
-
-    def nbytes_of(self, rank: int) -> int:
-        """The bytes `rank` saves (0-d tensors count on every rank)."""
-        total = 0
-        for t in self.tensors:
-            lo, hi = self.rows_of(t, rank)
-            total += t.nbytes if not t.shape else (hi - lo) * (t.nbytes // t.shape[0] if t.shape[0] else 0)
-        return total
-
-
-def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """The rows [lo, hi) `rank` holds under `Shard(0)`: torch.chunk's split, as DTensor and FSDP2 use it."""
-    step = -(-rows // world_size) if rows else 0
-    return min(rank * step, rows), min((rank + 1) * step, rows)
 
 
 def plan_hf_to_dcp(

@@ -22,87 +22,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from dataclasses import replace
 
-if TYPE_CHECKING:
-    from ckptconv.plan.to_hf import OutFile, OutTensor
+from ckptconv.plan.types import Granularity, OutFile, OutTensor, Write, rows_of
 
-Granularity = Literal["tensor", "file", "parts"]
 GRANULARITIES: tuple[str, ...] = ("tensor", "file")  # the user's choices
 MIN_PIECE = 5 << 20  # "parts": S3's smallest part but an object's last
-
-
-def rows_of(t: OutTensor) -> int:
-    """The rows of `t` a write splits: its laid-out dim 0 (a 0-d tensor is one row)."""
-    shape = t.layout or t.shape
-    return shape[0] if shape else 1
 
 
 def stored_nbytes(t: OutTensor, scales: dict[str, int]) -> int:
     """Bytes a write of the whole `t` puts in its file: a quantized weight's scale comes with it."""
     return t.nbytes + (scales.get(t.hf_key, 0) if t.quant else 0)
-
-
-@dataclass(frozen=True)
-class Write:
-    """Rows [lo, hi) of `tensor` (its laid-out dim 0), written by `rank` into `file` (`lo`, `hi` = 0,
-    rows_of(tensor): the whole tensor, and with a quantized weight its scale too). The first write of each
-    file also writes the file's header (`header`)."""
-
-    file: OutFile
-    tensor: OutTensor
-    lo: int
-    hi: int
-    rank: int
-    header: bool = False
-
-    @property
-    def whole(self) -> bool:
-        return self.lo == 0 and self.hi == rows_of(self.tensor)
-
-    @property
-    def window(self) -> tuple[int, int] | None:
-        """The rows this write covers, or None for the whole tensor."""
-        return None if self.whole else (self.lo, self.hi)
-
-    @property
-    def row_bytes(self) -> int:
-        return self.tensor.nbytes // rows_of(self.tensor) if rows_of(self.tensor) else 0
-
-    @property
-    def start(self) -> int:
-        """Byte offset of this write within its tensor's data."""
-        return self.lo * self.row_bytes
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor written (the scale of a quantized weight not included)."""
-        return self.tensor.nbytes if self.whole else (self.hi - self.lo) * self.row_bytes
-
-    @property
-    def src_nbytes(self) -> int:
-        """Bytes of the checkpoint this write reads (in proportion, for a slab)."""
-        rows = rows_of(self.tensor)
-        return (
-            self.tensor.src_nbytes if self.whole else -(-self.tensor.src_nbytes * (self.hi - self.lo) // rows)
-        )
-
-
-class RankBytes(NamedTuple):
-    """What one rank read from the source and wrote to the output (the `ranks` of the --json report)."""
-
-    rank: int
-    bytes_read: int
-    bytes_written: int
-    bytes_fetched: int = 0  # from object storage: bytes_read, plus the gaps coalesced requests read across
-    requests: int = 0  # ranged reads sent to object storage
-
-    def to_json(self) -> dict[str, int]:
-        doc = self._asdict()
-        if not self.requests:  # a file system: nothing fetched
-            del doc["bytes_fetched"], doc["requests"]
-        return doc
 
 
 def plan_writes(files: Sequence[OutFile], world_size: int, granularity: Granularity) -> tuple[Write, ...]:

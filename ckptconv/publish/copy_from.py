@@ -29,9 +29,9 @@ from ckptconv.formats.files import (
     read_error,
     stat_regular,
     too_large,
+    write_failed,
 )
 from ckptconv.formats.hf import checkpoint_root
-from ckptconv.publish.outlock import write_failed
 
 _WEIGHT_SUFFIXES = (
     *(".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp"),

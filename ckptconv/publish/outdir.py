@@ -14,17 +14,17 @@ import errno
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from ckptconv.errors import CkptconvError
 from ckptconv.formats import durable
+from ckptconv.formats.files import write_failed
+from ckptconv.formats.names import OLD_SUFFIX, PARTIAL_SUFFIX
 from ckptconv.job.world import World, everyone, on_main
 from ckptconv.publish import outlock
-from ckptconv.publish.outcheck import OLD_SUFFIX, PARTIAL_SUFFIX, Output, absolute
-from ckptconv.publish.outlock import write_failed
+from ckptconv.publish.outcheck import Output, absolute
 
 T = TypeVar("T")
 
@@ -161,15 +161,6 @@ def _remove_patiently(staging: Path, patience_s: float) -> None:
             shutil.rmtree(staging, ignore_errors=True)
             return
         time.sleep(0.05)
-
-
-@contextmanager
-def naming(path: Path) -> Iterator[None]:
-    """Any OSError inside is a write error on `path` (a file written whole: index, stash)."""
-    try:
-        yield
-    except OSError as e:
-        raise write_failed(path, OSError(e.errno, e.strerror)) from None
 
 
 def writing(fn: Callable[[Path], T]) -> Callable[[Path], T]:

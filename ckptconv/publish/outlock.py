@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import CkptconvError
+from ckptconv.formats.files import write_failed
 from ckptconv.remote.urls import redact
 
 LOCK_SUFFIX = ".ckptconv-lock"
@@ -38,13 +39,6 @@ _HELD_ATTEMPTS = 3  # a held lock is looked at this many times first (a `peek` h
 def lock_path(out: Path) -> Path:
     """The lock file of OUT, beside it."""
     return out.parent / f".{out.name}{LOCK_SUFFIX}"
-
-
-def write_failed(path: object, e: OSError) -> CkptconvError:
-    """The one-line error for a failed write: the file and the cause."""
-    where = e.filename if e.filename is not None else path
-    cause = e.strerror or type(e).__name__
-    return CkptconvError(f"{where}: cannot write ({cause}); check free space and permissions")
 
 
 @dataclass

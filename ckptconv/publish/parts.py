@@ -24,8 +24,7 @@ from ckptconv.errors import CkptconvError
 from ckptconv.plan.writes import MIN_PIECE
 
 if TYPE_CHECKING:
-    from ckptconv.plan.to_hf import OutFile
-    from ckptconv.plan.writes import Write
+    from ckptconv.plan.types import OutFile, Write
 
 PART_BYTES = 16 << 20  # 10,000 parts (S3's limit per object) hold 156 GiB, far above a shard
 MAX_PARTS = 10_000

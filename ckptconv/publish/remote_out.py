@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from ckptconv.errors import CkptconvError
+from ckptconv.formats.names import not_a_checkpoint
 from ckptconv.job.signals import deferred
 from ckptconv.job.world import World, everyone, from_main, on_main
 from ckptconv.publish import multipart
@@ -47,8 +48,7 @@ from ckptconv.remote.files import RemoteFiles, forget
 from ckptconv.remote.urls import UrlPath, filesystem, redact, url_path
 
 if TYPE_CHECKING:
-    from ckptconv.plan.to_hf import OutFile
-    from ckptconv.plan.writes import Granularity, Write
+    from ckptconv.plan.types import Granularity, OutFile, Write
 
 T = TypeVar("T")
 PART_BYTES = 16 << 20  # multipart part size: 10,000 parts (S3's limit) hold 160 GiB, far above a shard
@@ -67,8 +67,6 @@ class RemoteTarget:
     def check(self) -> list[str]:
         """Rank 0: refuse an OUT prefix holding anything but a previous result (or one without
         --overwrite); the names of the objects there."""
-        from ckptconv.publish.outcheck import not_a_checkpoint
-
         filesystem(self.url)  # a missing extra is named with OUT, not with its lock
         peek_lock(self.url)
         names = sorted(listing(self.url))

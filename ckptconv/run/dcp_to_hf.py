@@ -14,11 +14,13 @@ from typing import Any
 
 from ckptconv.core.dtypes import DtypePolicy, parse_dtype_flag
 from ckptconv.core.sizes import parse_size
+from ckptconv.core.specs import DcpCheckpoint, HfCheckpoint
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import METADATA_FILE, DcpCheckpoint
+from ckptconv.formats import megatron as megatron_files
+from ckptconv.formats.dcp import METADATA_FILE
 from ckptconv.formats.dcp_reader import RowPiece
-from ckptconv.formats.files import exists, is_directory, read_regular
-from ckptconv.formats.hf import INDEX_FILE, HfCheckpoint, checkpoint_root, open_hf, write_index
+from ckptconv.formats.files import exists, is_directory, naming, read_regular
+from ckptconv.formats.hf import INDEX_FILE, checkpoint_root, open_hf, write_index
 from ckptconv.formats.hf_sharded import metadata_dir
 from ckptconv.formats.stash import collect_stash, read_stash, write_stash
 from ckptconv.job import gcpause
@@ -28,8 +30,9 @@ from ckptconv.lora.select import AS_STORED, LoraRequest
 from ckptconv.mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from ckptconv.plan import megatron as megatron_out
 from ckptconv.plan.quant_config import dequantized_config
-from ckptconv.plan.to_hf import DcpSavePlan, HfSavePlan, plan_dcp_to_hf, plan_hf_to_dcp
-from ckptconv.plan.writes import GRANULARITIES, Granularity, RankBytes
+from ckptconv.plan.to_hf import plan_dcp_to_hf, plan_hf_to_dcp
+from ckptconv.plan.types import DcpSavePlan, Granularity, HfSavePlan, RankBytes
+from ckptconv.plan.writes import GRANULARITIES
 from ckptconv.publish import hub_push, outcheck, outdir, remote_out
 from ckptconv.publish.copy_from import check_copy, copy_non_weights
 from ckptconv.publish.hub_push import PushRequest
@@ -271,10 +274,10 @@ def _finish(
 ) -> list[str]:
     """Rank 0, after every shard is written: index, stash, copied files."""
     if plan.sharded:
-        with outdir.naming(staging / INDEX_FILE):
+        with naming(staging / INDEX_FILE):
             write_index(staging, plan.weight_map, plan.total_size)
     if plan.stashed:
-        write_stash(staging, collect_stash(plan, ckpt, ui.warn))
+        write_stash(staging, collect_stash(ckpt, plan.stash, plan.scalars, plan.common, ui.warn))
     write_adapter_config(staging, plan)
     return copy_non_weights(copy_from[0], staging, copy_from[1]) if copy_from is not None else []
 
@@ -404,7 +407,7 @@ def _finish_dcp(staging: Path, plan: DcpSavePlan, config_file: ConfigFile) -> No
     """Rank 0, hf-to-dcp: the config a mapping read, and Megatron's side files for a megatron mapping."""
     _keep_config(staging, config_file)
     if any(megatron_out.is_extra_state(item.key) for item in plan.stash):  # with_extra_state added them
-        megatron_out.write_side_files(staging, megatron_out.iteration_of(plan.stash))
+        megatron_files.write_side_files(staging, megatron_out.iteration_of(plan.stash))
 
 
 def _keep_config(staging: Path, config_file: ConfigFile) -> None:
@@ -414,7 +417,7 @@ def _keep_config(staging: Path, config_file: ConfigFile) -> None:
     if path is None or not exists(path):
         return
     raw = dequantized_config(read_regular(path, root, limit=MAX_CONFIG_BYTES))
-    with outdir.naming(staging / CONFIG_FILE):
+    with naming(staging / CONFIG_FILE):
         (staging / CONFIG_FILE).write_bytes(raw)
 
 

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from ckptconv.core.dtype_names import short_name
+from ckptconv.core.specs import DcpCheckpoint, StoredTensor
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint, is_dcp_dir, open_dcp
+from ckptconv.formats.dcp import is_dcp_dir, open_dcp
 from ckptconv.formats.files import exists, is_directory
-from ckptconv.formats.hf import StoredTensor, is_hf_dir, open_hf
+from ckptconv.formats.hf import is_hf_dir, open_hf
 from ckptconv.job.gcpause import paused
 from ckptconv.job.ui import human_bytes
 from ckptconv.plan.writes import bytes_per_rank
@@ -20,7 +21,7 @@ from ckptconv.remote.urls import is_url
 
 if TYPE_CHECKING:
     from ckptconv.mapping.rules import KeyMapping, Mapped, Target
-    from ckptconv.plan.to_hf import DcpSavePlan, HfSavePlan
+    from ckptconv.plan.types import DcpSavePlan, HfSavePlan
 
 
 def inspect(path: Path) -> dict[str, Any]:

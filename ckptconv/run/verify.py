@@ -24,17 +24,19 @@ import torch
 
 from ckptconv.core.dtypes import DtypePolicy
 from ckptconv.core.keyorder import natural_key
+from ckptconv.core.specs import HfCheckpoint
 from ckptconv.errors import CkptconvError, VerifyMismatch
 from ckptconv.formats.dcp import is_dcp_dir, open_dcp
 from ckptconv.formats.dcp_reader import DcpReader
 from ckptconv.formats.files import exists
-from ckptconv.formats.hf import HfCheckpoint, checkpoint_root, open_hf
+from ckptconv.formats.hf import checkpoint_root, open_hf
 from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone
 from ckptconv.lora.select import LoraRequest
 from ckptconv.mapping import VARIANTS, load_config, load_mapping
-from ckptconv.plan.to_hf import assign_owners, mapped_tensors
+from ckptconv.plan.outs import mapped_tensors
+from ckptconv.plan.to_hf import assign_owners
 from ckptconv.quant import fp8
 from ckptconv.remote.urls import is_url
 from ckptconv.run.compare import Finding, Tolerance, compare, describe

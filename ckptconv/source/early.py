@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckptconv.cli.exits import rank
 from ckptconv.core.sizes import parse_size
+from ckptconv.core.specs import DcpCheckpoint
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint, open_dcp
-from ckptconv.job.env import env_int
+from ckptconv.formats.dcp import open_dcp
+from ckptconv.job.env import env_int, rank
 from ckptconv.publish.outcheck import check_out
 from ckptconv.remote.urls import url_path
 from ckptconv.source.locate import dcp_source

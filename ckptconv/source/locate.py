@@ -12,8 +12,8 @@ from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import METADATA_FILE, is_dcp_dir
 from ckptconv.formats.files import exists, is_directory, is_regular, listdir
 from ckptconv.formats.hf import is_hf_dir
+from ckptconv.formats.names import refuse_partial
 from ckptconv.job.world import World, everyone, from_main
-from ckptconv.publish.outcheck import refuse_partial
 from ckptconv.remote.files import RemoteFiles
 from ckptconv.remote.urls import UrlPath, file_path, location
 from ckptconv.source.hub import download, looks_like_repo_id

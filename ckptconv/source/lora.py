@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ckptconv.formats.hf import HfCheckpoint, open_hf
+from ckptconv.core.specs import HfCheckpoint
+from ckptconv.formats.hf import open_hf
 from ckptconv.lora.wrap import wrap
 
 

@@ -21,9 +21,9 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptconv.core.specs import TensorSpec, new_chunk
+from ckptconv.core.specs import DcpCheckpoint, TensorSpec, new_chunk
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint, open_dcp
+from ckptconv.formats.dcp import open_dcp
 from ckptconv.job.world import World, from_main
 
 if TYPE_CHECKING:

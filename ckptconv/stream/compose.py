@@ -15,10 +15,10 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ckptconv.core.dtype_names import short_name
-from ckptconv.formats.hf import StoredTensor
+from ckptconv.core.specs import StoredTensor
 from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.mapping.parts import Part, src_rows
-from ckptconv.plan.to_hf import DcpOutTensor
+from ckptconv.plan.types import DcpOutTensor
 from ckptconv.stream.blocks import place
 
 SLAB_BYTES = 32 * 2**20  # source rows are read and placed this many bytes at a time

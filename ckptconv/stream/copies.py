@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ckptconv.core.specs import HfCheckpoint
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.hf import HfCheckpoint
 from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.job.world import World, everyone
 

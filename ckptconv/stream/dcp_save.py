@@ -14,8 +14,7 @@ from ckptconv.core.dtypes import check_range
 from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World
-from ckptconv.plan.to_hf import DcpOutTensor, DcpSavePlan
-from ckptconv.plan.writes import RankBytes
+from ckptconv.plan.types import DcpOutTensor, DcpSavePlan, RankBytes
 from ckptconv.publish import remote_out
 from ckptconv.remote.urls import UrlPath
 from ckptconv.stream.compose import source_rows, target_rows
@@ -48,7 +47,8 @@ def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui, fsync: bool
     mine = plan.nbytes_of(world.rank)
     with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
         try:
-            write_dcp(staging, state_dict, read_rows, raw_items, progress.advance, fsync=fsync)
+            store = remote_out if isinstance(staging, UrlPath) else None
+            write_dcp(staging, state_dict, read_rows, raw_items, progress.advance, fsync=fsync, store=store)
         finally:
             reader.close()
     if isinstance(staging, UrlPath):

@@ -20,8 +20,7 @@ import torch
 from ckptconv.core.specs import ChunkSpec, TensorSpec
 from ckptconv.job.world import World
 from ckptconv.plan.schedule import plan_rounds
-from ckptconv.plan.to_hf import HfSavePlan
-from ckptconv.plan.writes import Write
+from ckptconv.plan.types import HfSavePlan, Write
 from ckptconv.stream.unshard import Item, RowsFn, laid_out, needed_chunks, new_out, place, row_slabs, rows_box
 
 

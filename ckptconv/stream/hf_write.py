@@ -12,20 +12,21 @@ from typing import Literal
 import torch
 
 from ckptconv.core.dtypes import check_range
-from ckptconv.formats.dcp import DcpCheckpoint
+from ckptconv.core.specs import DcpCheckpoint
 from ckptconv.formats.dcp_reader import DcpReader, RowPiece
 from ckptconv.formats.durable import Syncer
-from ckptconv.formats.files import CONFIG_BYTES, read_regular
+from ckptconv.formats.files import CONFIG_BYTES, naming, read_regular
 from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World
 from ckptconv.lora.settings import CONFIG_FILE as LORA_CONFIG_FILE
 from ckptconv.plan.config import edit_config, release_dtype
-from ckptconv.plan.to_hf import HfSavePlan, OutTensor
-from ckptconv.plan.writes import RankBytes, bytes_per_rank
-from ckptconv.publish import outdir
+from ckptconv.plan.types import HfSavePlan, OutTensor, RankBytes
+from ckptconv.plan.writes import bytes_per_rank
+from ckptconv.publish import remote_out
 from ckptconv.quant import fp8
 from ckptconv.quant.policy import scale_key
+from ckptconv.remote.urls import UrlPath
 from ckptconv.stream.buffers import BufferPool
 from ckptconv.stream.gather import gather_tensors
 from ckptconv.stream.unshard import Item, direct_rows, direct_tensors
@@ -87,7 +88,9 @@ def write_files(
                         written += finished.bytes_written
                     entries = [Entry(x.hf_key, x.dtype, x.shape) for x in w.file.tensors]
                     # a rank's writes to a file are one run, so the write with the header opens it
-                    writer = SafetensorsWriter(staging / w.file.name, entries, header=w.header)
+                    path = staging / w.file.name
+                    sink = remote_out.stream(path) if isinstance(path, UrlPath) else None
+                    writer = SafetensorsWriter(path, entries, header=w.header, sink=sink)
                 if w.tensor.quant:
                     progress.advance(_write_quantized(writer, w.tensor, tensor))
                 else:
@@ -131,7 +134,7 @@ def follow_config(path: Path, plan: HfSavePlan, target: torch.dtype | None) -> l
         )
     raw, edits = edit_config(read_regular(path, limit=CONFIG_BYTES), name, plan.quantization)
     if edits:
-        with outdir.naming(path):
+        with naming(path):
             path.write_bytes(raw)
     return edits
 
@@ -141,5 +144,5 @@ def write_adapter_config(staging: Path, plan: HfSavePlan) -> None:
     if plan.lora is None or plan.lora.config is None:
         return
     path = staging / LORA_CONFIG_FILE
-    with outdir.naming(path):
+    with naming(path):
         path.write_text(json.dumps(plan.lora.config, indent=2) + "\n")

@@ -16,12 +16,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ckptconv.core.specs import DcpCheckpoint
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp import DcpCheckpoint
 from ckptconv.formats.dcp_reader import DcpReader, RowPiece
 from ckptconv.job.world import World, everyone
-from ckptconv.plan.outs import OutTensor, TiedHead
-from ckptconv.plan.to_hf import HfSavePlan
+from ckptconv.plan.types import HfSavePlan, OutTensor, TiedHead
 from ckptconv.stream.unshard import RowsFn, assemble, check_read_pieces, direct_rows
 
 SLAB_BYTES = 32 * 2**20  # rows of each side compared at a time

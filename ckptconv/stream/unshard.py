@@ -22,15 +22,13 @@ import torch
 
 from ckptconv.core.crc32 import crc32
 from ckptconv.core.layout import Box, intersect
-from ckptconv.core.specs import ChunkSpec, TensorSpec
-from ckptconv.formats.dcp import DcpCheckpoint
+from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, TensorSpec
 from ckptconv.formats.dcp_reader import DcpReader, RowPiece, byte_view, check_pieces
 from ckptconv.job.world import World, on_main
 from ckptconv.lora.merge import ReadFn, check_finite, delta_box, merge_rows
 from ckptconv.mapping.parts import src_rows
 from ckptconv.mapping.types import whole as _whole
-from ckptconv.plan.to_hf import HfSavePlan, OutTensor, SourcePart
-from ckptconv.plan.writes import Write
+from ckptconv.plan.types import HfSavePlan, OutTensor, SourcePart, Write
 from ckptconv.stream import blocks
 from ckptconv.stream.buffers import BufferPool
 

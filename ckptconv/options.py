@@ -1,0 +1,1 @@
+"""Options objects: what each command reads, checked in one place."""

@@ -412,7 +412,7 @@ def test_plain_fp8_tensors_without_scales_are_not_quantized(tmp_path: Path) -> N
 
 
 def test_the_kept_config_drops_the_quantization_config() -> None:
-    from ckptconv.plan.quant_config import dequantized_config
+    from ckptconv.plan.config import dequantized_config
 
     raw = json.dumps({"dtype": "bfloat16", "quantization_config": {"quant_method": "fp8"}, "a": 1}).encode()
     assert json.loads(dequantized_config(raw)) == {"a": 1, "dtype": "bfloat16"}

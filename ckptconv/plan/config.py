@@ -11,6 +11,14 @@ directory. `edit_config` makes it say what was written:
 
 The edits are returned as lines for the report; a config that needs none keeps its bytes. The other copied
 files are never touched.
+
+hf-to-dcp from a quantized source (`dequantized_config`) keeps config.json without the
+`quantization_config` that described weights the DCP now holds dequantized:
+
+    {"dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", ...}, ...}
+    ->  {"dtype": "bfloat16", ...}            (re-serialized by `edit_config`, as transformers writes it)
+
+Any other config (no quantization_config, or one of a scheme hf-to-dcp does not dequantize) keeps its bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from ckptconv.formats.documents import load_json
 
 DTYPE_FIELDS = ("dtype", "torch_dtype")
 QUANT_FIELD = "quantization_config"
+DEQUANTIZED_METHODS = ("fp8", "mxfp4")  # what `formats.hf_quant` reads dequantized
 
 
 def edit_config(
@@ -75,3 +84,17 @@ def release_dtype(written: Iterable[tuple[str, int]]) -> str | None:
         if name in ("float64", "float32", "float16", "bfloat16") and ITEMSIZE[name] > 1:
             totals[name] = totals.get(name, 0) + nbytes
     return max(totals, key=lambda n: (totals[n], n)) if totals else None
+
+
+def dequantized_config(raw: bytes) -> bytes:
+    """`raw` config.json bytes -> the same config without a top-level `quantization_config` whose
+    `quant_method` hf-to-dcp dequantizes; the same bytes otherwise (and for what is not a JSON object:
+    whoever reads the config reports that)."""
+    try:
+        doc = load_json(raw, "config.json")
+    except (ValueError, RecursionError):
+        return raw
+    section = doc.get(QUANT_FIELD) if isinstance(doc, dict) else None
+    if not isinstance(section, dict) or section.get("quant_method") not in DEQUANTIZED_METHODS:
+        return raw
+    return edit_config(raw, None, None)[0]

@@ -29,7 +29,7 @@ from ckptconv.job.world import World, everyone, from_main, on_main
 from ckptconv.lora.select import AS_STORED, LoraRequest
 from ckptconv.mapping import CONFIG_FILE, MAX_CONFIG_BYTES, load_config, load_mapping
 from ckptconv.plan import megatron as megatron_out
-from ckptconv.plan.quant_config import dequantized_config
+from ckptconv.plan.config import dequantized_config
 from ckptconv.plan.to_hf import plan_dcp_to_hf, plan_hf_to_dcp
 from ckptconv.plan.types import DcpSavePlan, Granularity, HfSavePlan, RankBytes
 from ckptconv.plan.writes import GRANULARITIES

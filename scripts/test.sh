@@ -8,6 +8,8 @@ venv=.venv
 [ "${CKPTCONV_DEPS:-locked}" = latest ] && venv=.venv-latest
 "$venv/bin/ruff" check ckptconv tests scripts
 "$venv/bin/mypy"
+# the layers: a folder of ckptconv/ imports only folders below it, and no import cycle ([tool.importlinter])
+PYTHONPATH=$PWD "$venv/bin/lint-imports"
 # the documentation site: a broken link or reference fails (--strict); the CLI reference is generated from the app
 NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
 # two workers (CKPTCONV_TEST_WORKERS): each test module runs whole on one of them (`--dist loadfile`), so its

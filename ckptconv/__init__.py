@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 # The public names, each with the module it lives in, imported on first use: torch is slow to import, and
 # `import ckptconv` or `ckptconv --help` should not pay for it. Anything not named here is internal, whatever
-# its module's name. tests/test_public_api.py holds this table, `__all__` and the imports under
+# its module's name. tests/unit/test_public_api.py holds this table, `__all__` and the imports under
 # TYPE_CHECKING (which type checkers and the docs' reference read) to one another.
 _SUBMOD_ATTRS: dict[str, list[str]] = {
     "ckptconv.run.dcp_to_hf": ["dcp_to_hf"],

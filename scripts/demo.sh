@@ -8,7 +8,7 @@ rm -rf demo && mkdir -p demo
 export OMP_NUM_THREADS=1
 run() { echo "+ $*" >&2; "$@"; }
 run .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \
-  tests/workers/make_dcp.py demo/ckpt fsdp2 2> >(grep -v "^W1\|\*\*\*\*\|OMP_NUM_THREADS" >&2)
+  tests/support/workers/make_dcp.py demo/ckpt fsdp2 2> >(grep -v "^W1\|\*\*\*\*\|OMP_NUM_THREADS" >&2)
 run .venv/bin/ckptconv inspect demo/ckpt
 run .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \
   -m ckptconv dcp-to-hf demo/ckpt demo/hf --fp32 'A_log$' 2> >(grep -v "^W1\|\*\*\*\*\|OMP_NUM_THREADS" >&2)

@@ -3,7 +3,7 @@
 # (torch pinned to the CPU build tested), then write every installed version to constraints.txt.
 # scripts/setup.sh installs from that file; `CKPTCONV_DEPS=latest` ignores it. The same versions, with each
 # file's URL and sha256, go to pylock.toml (PEP 751, `pip lock`) for tools that read the standard format;
-# tests/test_pure.py checks that the two agree.
+# tests/unit/test_pure.py checks that the two agree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)

@@ -7,4 +7,4 @@ bash scripts/setup.sh >/dev/null
 export CKPTCONV_FUZZ_EXAMPLES=${1:-2000}
 export CKPTCONV_ROUNDTRIP_SEEDS=${2:-20}
 export CKPTCONV_MAPPING_EXAMPLES=${3:-500}
-.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_fuzz.py tests/test_roundtrip.py tests/test_mapping_property.py tests/test_faults.py
+.venv/bin/python -m pytest -q -p no:cacheprovider tests/fuzz/test_fuzz.py tests/jobs/test_roundtrip.py tests/commands/test_mapping_property.py tests/jobs/test_faults.py

@@ -17,13 +17,21 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from forkserver import ForkServer
 
 T = TypeVar("T")
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKERS = Path(__file__).resolve().parent / "workers"
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+SUPPORT = TESTS / "support"  # the helper modules, the pinned requirements and the workers
+WORKERS = SUPPORT / "workers"
 
+# Tests import the helpers and one another by bare name (`from families import tiny`, `from test_bad_input
+# import run`), whichever folder holds them: support/ and every folder with a test module go on sys.path here,
+# since pytest's default ("prepend") import mode puts a folder there only when it collects a test from it.
+FOLDERS = [SUPPORT, *sorted({path.parent for path in TESTS.rglob("test_*.py")})]
+sys.path[:0] = [str(folder) for folder in FOLDERS if str(folder) not in sys.path]
+
+from forkserver import ForkServer  # noqa: E402
 
 # The modules that take longest (seconds of one run, summed over their tests), started first: with
 # `--dist loadfile` each module runs whole on one worker, in collection order, so a long module collected
@@ -46,6 +54,13 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def on_path(env: dict[str, str]) -> dict[str, str]:
+    """`env` with tests/ and FOLDERS in front of its PYTHONPATH: for a process that imports test modules by
+    name (`python -m test_bounded_readers`, or the fork server that runs it)."""
+    folders = [str(TESTS), *map(str, FOLDERS)]
+    return {**env, "PYTHONPATH": os.pathsep.join([*folders, env.get("PYTHONPATH", "")])}
 
 
 def _env() -> dict[str, str]:
@@ -80,7 +95,7 @@ def _forked() -> bool:
     if os.environ.get("CKPTCONV_TEST_FORKSERVER", "1") != "1":
         return False
     if not _forkserver:
-        _forkserver.append(ForkServer(_env()))
+        _forkserver.append(ForkServer(on_path(_env())))
     return True
 
 
@@ -281,7 +296,7 @@ def s3(s3_endpoint: str) -> Any:
     return client
 
 
-# -- the structured fuzzers' counts (tests/fuzz_oracle.py), shown at the end of the run --------------------
+# -- the structured fuzzers' counts (tests/fuzz/fuzz_oracle.py), shown at the end of the run -----------------
 
 _fuzzed: dict[str, dict[str, int]] = {}
 
@@ -320,7 +335,7 @@ def fuzzer(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Any]:
-    """The structured fuzzers' Fuzzer (tests/fuzz_oracle.py) for one test; test_fuzz_oracle has its own."""
+    """The structured fuzzers' Fuzzer (fuzz/fuzz_oracle.py) for one test; test_fuzz_oracle has its own."""
     from fuzz_oracle import fuzzing
 
     yield from fuzzing(request, capsys, tmp_path, monkeypatch)

@@ -24,7 +24,7 @@ from ckptconv.formats.names import OLD_SUFFIX, PARTIAL_SUFFIX, not_a_checkpoint
 from ckptconv.formats.sinks import ObjectStore, PositionedSink
 from ckptconv.job.world import World
 from ckptconv.publish import outlock
-from ckptconv.publish.outdir import absolute, atomically, staging_dir
+from ckptconv.publish.outdir import absolute, atomically
 from ckptconv.publish.remote_out import RemoteTarget
 from ckptconv.publish.target import LOCAL, quiet
 from ckptconv.remote.urls import UrlPath, identity, location, url_path
@@ -75,9 +75,6 @@ class Output:
     def notes(self, world_size: int, granularity: Granularity | None = None) -> list[str]:
         """That OUT is a symlink whose target is written, when it is one."""
         return [self.note] if self.note else []
-
-    def staging(self) -> Path:
-        return staging_dir(self.path)
 
     def sink(self, path: Path) -> PositionedSink | None:
         return LOCAL.sink(path)

@@ -123,9 +123,6 @@ class RemoteTarget:
             return [f"{self.url}: each file is uploaded whole by one rank (--write-granularity file)"]
         return []
 
-    def staging(self) -> Path:
-        return self.url  # no rename in object storage: written in place, completed last
-
     def sink(self, path: Path) -> PositionedSink | None:
         return stream(self._under(path))
 

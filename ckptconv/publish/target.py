@@ -10,17 +10,21 @@ Call order (every call collective unless a rank is named; under torchrun the sam
   3) (all ranks) `publish(world, write, finish, check, last=..., layout=..., say=..., fsync=...)`:
      a) (rank 0) takes OUT's lock and checks OUT again under it (a local OUT: makes the staging directory;
         with --overwrite in object storage: removes the previous result, its completing object first);
-     b) (all ranks) `write(staging)`: each rank's data files, into `staging()`, through `sink(path)` (a
-        safetensors file) or `store()` (torch's DCP writer), counted by `written(...)`;
-     c) (all ranks) `check(staging)`, (rank 0) `finish(tmp)` (index, stash, copied files) and its upload, in
-        the order the target can read its files back: a local OUT finishes first, then checks the staging
-        directory; object storage checks the data files first, unless `last` is one of them;
-     d) (rank 0) publishes: a local staging directory renamed into place; in object storage the completing
-        object `last` written last. On any failure what this run wrote is removed and every rank raises;
+     b) (all ranks) `write(staging)`: each rank's data files, into a hidden staging directory beside a local
+        OUT or into OUT's URL itself, through `sink(path)` (a safetensors file) or `store()` (torch's DCP
+        writer), counted by `written(...)`;
+     c) (all ranks) `check(staging)`, (rank 0) `finish(dir)` (index, stash, copied files; in object storage
+        made in a local temporary directory and uploaded), in the order the target can read its files back:
+        a local OUT finishes first, then checks the staging directory; object storage checks first when
+        `last` is the index, else once `last` is complete (a one-file result, a DCP's `.metadata`);
+     d) publishes: (rank 0) a local staging directory renamed into place; in object storage the completing
+        object `last`, completed last (by the rank holding its upload, or rank 0). On any failure what this
+        run wrote is removed and every rank raises;
   4) (rank 0) `local_path`: the published result on this machine (what --push-to-hub uploads), or None;
      `names()`: what OUT holds once published.
 
-`writing()` is the target whose `publish` runs in this process: what a writer not handed its target asks.
+`writing()`: the sinks of the `publish` running in this process (object storage's registers itself; local
+files otherwise), for a writer not handed its target.
 """
 
 from __future__ import annotations
@@ -69,9 +73,6 @@ class Target(Sinks, Protocol):
     def notes(self, world_size: int, granularity: Granularity | None = None) -> list[str]:
         """What to tell the user before writing (a symlink followed; files uploaded whole by one rank)."""
 
-    def staging(self) -> Path:
-        """Where `write` writes: a hidden directory beside a local OUT, or OUT's URL itself."""
-
     def publish(
         self,
         world: World,
@@ -115,7 +116,7 @@ _publishing: list[Sinks] = []
 
 
 def writing() -> Sinks:
-    """The target whose `publish` runs in this process; local files outside one."""
+    """The target whose `publish` runs in this process (object storage's); local files otherwise."""
     return _publishing[-1] if _publishing else LOCAL
 
 

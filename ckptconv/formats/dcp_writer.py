@@ -30,7 +30,6 @@ from ckptconv.formats.dcp_reader import byte_view
 from ckptconv.formats.sinks import ObjectStore
 from ckptconv.formats.torch_record import fast_path, write_tensor_record
 from ckptconv.job.env import env_int
-from ckptconv.remote.urls import UrlPath
 
 SLAB_BYTES = 8 * 2**20  # read, checksummed and written at once per writer thread (4-8 MiB measured best)
 ReadRows = Callable[[str, int, int, "torch.Tensor | None"], torch.Tensor]
@@ -181,7 +180,7 @@ class _RecordWriter(FileSystemWriter):
     def _write_items(self, path: Path, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
         results = []
         f: Any
-        sink = self.store.whole(path) if self.store is not None and isinstance(path, UrlPath) else None
+        sink = self.store.whole(path) if self.store is not None else None
         with sink if sink is not None else open(path, "wb") as f:
             for item in items:
                 offset = f.tell()

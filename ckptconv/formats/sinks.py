@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from ckptconv.remote.urls import UrlPath
-
 
 class PositionedSink(Protocol):
     """One output file taken in pieces at byte offsets, as `SafetensorsWriter` writes them."""
@@ -38,8 +36,8 @@ class StreamSink(Protocol):
 class ObjectStore(Protocol):
     """An OUT in object storage, as `dcp_writer.write_dcp` writes to it (`publish.remote_out` is one)."""
 
-    def whole(self, url: UrlPath) -> StreamSink:
-        """The upload of all of `url` by this rank, written front to back."""
+    def whole(self, path: Path) -> StreamSink:
+        """The upload of all of `path` (a file under OUT) by this rank, written front to back."""
 
     def local_dir(self) -> Path:
         """A local directory for the files rank 0 finishes and uploads last (`.metadata`)."""

@@ -1,6 +1,7 @@
 """What OUT may be, checked before any work and again under the lock: never an input, never holding one
 or inside one, never a name ckptconv keeps for itself; with `--overwrite`, only a directory that holds a
-checkpoint (or nothing); a symlink at OUT is followed and its target written. Pure checks, no writes.
+checkpoint (or nothing); a symlink at OUT is followed and its target written. Pure checks, no writes: a
+checked local `Output` is published by `outdir` (both OUT kinds are a `publish.target.Target`).
 
 Inputs are every path the command reads (SRC, each flag's file or directory, a hub snapshot's cache folder),
 compared by identity: local paths by device and inode along every spelling (symlinks, bind mounts, `..`;
@@ -11,17 +12,27 @@ are one store), a `file://` URL as the local path it names.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.files import exists, refuse_url
 from ckptconv.formats.names import OLD_SUFFIX, PARTIAL_SUFFIX, not_a_checkpoint
+from ckptconv.formats.sinks import ObjectStore, PositionedSink
+from ckptconv.job.world import World
 from ckptconv.publish import outlock
+from ckptconv.publish.outdir import absolute, atomically
 from ckptconv.publish.remote_out import RemoteTarget
+from ckptconv.publish.target import LOCAL, quiet
 from ckptconv.remote.urls import UrlPath, identity, location, url_path
+
+if TYPE_CHECKING:
+    from ckptconv.plan.types import Granularity, OutFile, Write
+
+T = TypeVar("T")
 
 Inputs = Sequence[tuple[str, Path | None]]  # (what it is, e.g. "SRC" or "--config"; its path)
 
@@ -55,6 +66,47 @@ class Output:
             _check_not_input(self.path, label, path)
         check_out(self.path, self.overwrite, self.flag)
 
+    # the rest is `publish.target.Target`: a local OUT is staged beside it and renamed into place (`outdir`)
+
+    def granularity(self, asked: Granularity, quantize: bool) -> Granularity:
+        """As asked: every rank can write its byte ranges of any local file."""
+        return asked
+
+    def notes(self, world_size: int, granularity: Granularity | None = None) -> list[str]:
+        """That OUT is a symlink whose target is written, when it is one."""
+        return [self.note] if self.note else []
+
+    def sink(self, path: Path) -> PositionedSink | None:
+        return LOCAL.sink(path)
+
+    def store(self) -> ObjectStore | None:
+        return LOCAL.store()
+
+    def written(self, staging: Path, files: str) -> int:
+        return LOCAL.written(staging, files)
+
+    def publish(
+        self,
+        world: World,
+        write: Callable[[Path], object],
+        finish: Callable[[Path], T],
+        check: Callable[[Path], None] | None = None,
+        *,
+        last: str,
+        layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
+        say: Callable[[str], None] = quiet,
+        fsync: bool = True,
+    ) -> T | None:
+        """Collective: `outdir.atomically` (`last` and `layout` are object storage's)."""
+        return atomically(world, self, write, finish, check, say, fsync)
+
+    @property
+    def local_path(self) -> Path | None:
+        return self.path
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.path.iterdir())
+
 
 def target(
     out: Path, overwrite: bool, inputs: Inputs = (), flag: str = "--overwrite", main: bool = True
@@ -81,10 +133,6 @@ def mapping_input(mapping: str | None, flag: str = "--mapping") -> tuple[str, Pa
     """A mapping that names a file (not a preset), as an input OUT must keep clear of."""
     path = location(mapping, flag) if mapping else None
     return flag, path if path is not None and not isinstance(path, UrlPath) and exists(path) else None
-
-
-def absolute(p: Path) -> Path:
-    return Path(os.path.abspath(p))
 
 
 def _resolve_out(out: Path) -> Path:
@@ -213,6 +261,7 @@ def _within(inner: Path, outer: Path) -> bool:
     return False
 
 
+# Both are `publish.target.Target`s: the union stays while callers still ask which one they hold.
 Target = Output | RemoteTarget
 
 
@@ -227,16 +276,17 @@ def hf_target(
     """Where a conversion writes: a checked local OUT, or a prefix in object storage (checked on rank 0),
     where --push-to-hub is refused by name."""
     out = location(out, "OUT")
-    if not isinstance(out, UrlPath):
+    url = url_path(out)
+    if url is None:
         return target(out, overwrite, inputs, flag, main=main)
     if push:
         raise CkptconvError(
-            f"--push-to-hub with OUT {out}: pushing from object storage is not supported; write OUT to a "
+            f"--push-to-hub with OUT {url}: pushing from object storage is not supported; write OUT to a "
             "local path to push it"
         )
     for label, path in located(inputs):
-        _url_not_input(out, label, path)
-    remote = RemoteTarget(out, overwrite)
+        _url_not_input(url, label, path)
+    remote = RemoteTarget(url, overwrite)
     if main:
         remote.check()
     return remote

@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from ckptconv.errors import CkptconvError
 from ckptconv.formats import durable
@@ -24,9 +24,22 @@ from ckptconv.formats.files import write_failed
 from ckptconv.formats.names import OLD_SUFFIX, PARTIAL_SUFFIX
 from ckptconv.job.world import World, everyone, on_main
 from ckptconv.publish import outlock
-from ckptconv.publish.outcheck import Output, absolute
 
 T = TypeVar("T")
+
+
+class Checked(Protocol):
+    """The OUT `atomically` publishes (`outcheck.Output`): its real path, and its checks, which rank 0
+    repeats under the lock."""
+
+    @property
+    def path(self) -> Path: ...
+
+    def check(self) -> None: ...
+
+
+def absolute(p: Path) -> Path:
+    return Path(os.path.abspath(p))
 
 
 def staging_dir(out: Path) -> Path:
@@ -192,7 +205,7 @@ def _os_error(staging: Path, e: OSError) -> CkptconvError:
 
 def atomically(
     world: World,
-    out: Output,
+    out: Checked,
     write: Callable[[Path], object],
     finish: Callable[[Path], T],
     check: Callable[[Path], None] | None = None,

@@ -21,20 +21,21 @@ whole run (remote.lock): a second run writing the same OUT stops with a line nam
 directly under OUT/: a neighbouring prefix such as `release-v2/` is never touched), so old and new are never
 seen mixed as complete; after that point a failure leaves OUT visibly incomplete, and the error says so.
 
-Call order: `RemoteTarget.check()` on rank 0 before any work; `publish(...)` on every rank.
+Call order (`publish.target`): `RemoteTarget.check()` on rank 0 before any work; `publish(...)` on every
+rank.
 """
 
 from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.names import not_a_checkpoint
+from ckptconv.formats.sinks import ObjectStore, PositionedSink
 from ckptconv.job.signals import deferred
 from ckptconv.job.world import World, everyone, from_main, on_main
 from ckptconv.publish import multipart
@@ -44,6 +45,8 @@ from ckptconv.publish.remote_lock import NAME as LOCK_NAME
 from ckptconv.publish.remote_lock import RemoteLock
 from ckptconv.publish.remote_lock import peek as peek_lock
 from ckptconv.publish.remote_lock import take as take_lock
+from ckptconv.publish.target import publishing, quiet
+from ckptconv.publish.upload import Ledger, Stream
 from ckptconv.remote.files import RemoteFiles, forget
 from ckptconv.remote.urls import UrlPath, filesystem, redact, url_path
 
@@ -51,7 +54,6 @@ if TYPE_CHECKING:
     from ckptconv.plan.types import Granularity, OutFile, Write
 
 T = TypeVar("T")
-PART_BYTES = 16 << 20  # multipart part size: 10,000 parts (S3's limit) hold 160 GiB, far above a shard
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_FILE = "adapter_model.safetensors"  # --lora adapter's one file
@@ -61,12 +63,20 @@ COMPLETING = (INDEX_FILE, ".metadata", SINGLE_FILE, ADAPTER_FILE)
 
 @dataclass(frozen=True)
 class RemoteTarget:
-    url: UrlPath
-    overwrite: bool
+    """An OUT prefix in object storage (a `publish.target.Target`), written in place and completed last."""
 
-    def check(self) -> list[str]:
+    url: UrlPath
+    """OUT."""
+    overwrite: bool
+    """--overwrite: a previous result there is replaced."""
+
+    def check(self) -> None:
         """Rank 0: refuse an OUT prefix holding anything but a previous result (or one without
-        --overwrite); the names of the objects there."""
+        --overwrite)."""
+        self._checked()
+
+    def _checked(self) -> list[str]:
+        """`check()`; the names of the objects there."""
         filesystem(self.url)  # a missing extra is named with OUT, not with its lock
         peek_lock(self.url)
         names = sorted(listing(self.url))
@@ -88,7 +98,7 @@ class RemoteTarget:
     def clear(self) -> bool:
         """Rank 0, before writing: with --overwrite, the previous result's completing object goes first,
         then the rest of it; whether there was one."""
-        names = self.check()
+        names = self._checked()
         fs = filesystem(self.url)
         first = [n for n in COMPLETING if n in names]
         for group in (first, [n for n in names if n not in first]):
@@ -102,15 +112,66 @@ class RemoteTarget:
         forget(self.url)
         return bool(names)
 
+    def granularity(self, asked: Granularity, quantize: bool) -> Granularity:
+        """In S3 "parts" (tensor-level, every piece a multipart upload's parts) unless asked for "file" or
+        quantizing (a weight's scale lies apart from it); one rank a file in other stores."""
+        return "parts" if asked == "tensor" and not quantize and multipart.supported(self.url) else "file"
+
+    def notes(self, world_size: int, granularity: Granularity | None = None) -> list[str]:
+        """That each file goes up whole from one rank, when several ranks write by file."""
+        if world_size > 1 and granularity == "file":
+            return [f"{self.url}: each file is uploaded whole by one rank (--write-granularity file)"]
+        return []
+
+    def sink(self, path: Path) -> PositionedSink | None:
+        return stream(self._under(path))
+
+    def store(self) -> ObjectStore | None:
+        return self
+
+    def whole(self, path: Path) -> Stream:
+        """`ObjectStore`'s: the upload of all of `path` (under OUT) by this rank."""
+        return whole(self._under(path))
+
+    def local_dir(self) -> Path:
+        """`ObjectStore`'s: the run's local temporary directory."""
+        return local_dir()
+
+    def written(self, staging: Path, files: str) -> int:
+        return bytes_written()  # a rank's streams are its data files
+
+    def publish(
+        self,
+        world: World,
+        write: Callable[[Path], object],
+        finish: Callable[[Path], T],
+        check: Callable[[Path], None] | None = None,
+        *,
+        last: str,
+        layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
+        say: Callable[[str], None] = quiet,
+        fsync: bool = True,
+    ) -> T | None:
+        """Collective: `publish` below (`say` and `fsync` are a local OUT's)."""
+        return publish(world, self, last, write, finish, check, layout)
+
+    @property
+    def local_path(self) -> Path | None:
+        return None
+
+    def names(self) -> list[str]:
+        return sorted(listing(self.url))
+
+    def _under(self, path: Path) -> UrlPath:
+        """`path`, a file written under OUT, as the URL it is."""
+        return self.url / path.relative_to(self.url)
+
 
 def granularity(out: str | Path, asked: Granularity, quantize: bool) -> Granularity:
-    """The write granularity for OUT: as asked on a file system; in S3 "parts" (tensor-level, every piece
-    a multipart upload's parts) unless asked for "file" or quantizing (a weight's scale lies apart from it);
-    one rank a file in other stores."""
+    """The write granularity for OUT: as asked on a file system, else `RemoteTarget.granularity` (what a
+    plan made before OUT's target takes)."""
     url = url_path(out)
-    if url is None:
-        return asked
-    return "parts" if asked == "tensor" and not quantize and multipart.supported(url) else "file"
+    return asked if url is None else RemoteTarget(url, False).granularity(asked, quantize)
 
 
 def listing(url: UrlPath) -> dict[str, int]:
@@ -119,83 +180,12 @@ def listing(url: UrlPath) -> dict[str, int]:
     return {n: size for n, size in RemoteFiles(url).sizes().items() if n != LOCK_NAME}  # a bucket's lock
 
 
-class Stream:
-    """One object written front to back as a multipart upload. `close()` completes it, unless it is the
-    completing object of the run, which `commit()` completes last."""
-
-    def __init__(self, url: UrlPath, hold: bool) -> None:
-        self.url, self.hold, self.pos = url, hold, 0
-        try:
-            self._file = filesystem(url).open(url.key, "wb", block_size=PART_BYTES)
-        except Exception as e:
-            raise write_error(url, e) from None
-
-    def write_at(self, offset: int, data: memoryview) -> None:
-        if offset != self.pos:  # a rank writes its file in order (file granularity): a bug otherwise
-            raise CkptconvError(f"{self.url}: write at byte {offset}, expected {self.pos} (internal error)")
-        try:
-            for at in range(0, len(data), PART_BYTES):  # a signal waits for one part's upload at most
-                with deferred():  # s3fs starts the multipart upload in a write: kept, to be aborted
-                    self._file.write(data[at : at + PART_BYTES])
-        except Exception as e:
-            raise write_error(self.url, e) from None
-        self.pos += len(data)
-
-    @property
-    def written(self) -> int:
-        """Bytes streamed (as `PartStream.written`)."""
-        return self.pos
-
-    def write(self, data: bytes | memoryview) -> int:
-        """File-like: append (torch_record's writer)."""
-        self.write_at(self.pos, memoryview(data).cast("B"))
-        return len(data)
-
-    def tell(self) -> int:
-        return self.pos
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, kind: object, *rest: object) -> None:
-        if kind is None:
-            self.close()
-        else:
-            self.discard()
-
-    def close(self) -> None:
-        if not self.hold:
-            self.commit()
-
-    def commit(self) -> None:
-        """Complete the upload: done once the store has it whole (`confirm`: its size read back)."""
-        try:
-            with deferred():
-                self._file.close()
-                _run.completed.append(self.url)
-        except Exception as e:
-            raise write_error(self.url, e) from None
-        _run.held = [s for s in _run.held if s is not self]
-        confirm(self.url, self.pos)
-
-    def discard(self) -> None:
-        try:
-            if hasattr(self._file, "discard"):
-                self._file.discard()  # aborts the multipart upload
-        except Exception:
-            _run.left.append(f"{self.url} (an unfinished multipart upload)")
-        with suppress(AttributeError):  # fsspec's file would otherwise commit what it holds when collected
-            self._file.closed = True
-
-
-class _Run:
+class _Run(Ledger):
     """This process's objects of the current run: completed, held open, and what could not be removed."""
 
     def __init__(self) -> None:
-        self.completed: list[UrlPath] = []
-        self.held: list[Stream] = []
+        super().__init__()
         self.open: list[Stream | multipart.PartStream] = []
-        self.left: list[str] = []
         self.completing = ""
         self.local: Path | None = None  # rank's temporary directory: small files, hf-to-dcp's .metadata
         self.uploads: dict[str, str] = {}  # S3, written by parts: {file: upload id}
@@ -221,7 +211,7 @@ def stream(url: UrlPath) -> Stream | multipart.PartStream:
 
 def whole(url: UrlPath) -> Stream:
     """The upload of all of `url` by this rank, written front to back."""
-    s = Stream(url, hold=url.name == _run.completing)
+    s = Stream(url, url.name == _run.completing, _run)
     _run.open.append(s)
     if s.hold:
         _run.held.append(s)
@@ -250,7 +240,7 @@ def publish(
     cleared = False
     held: list[RemoteLock] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
+        with publishing(target), tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
             _run.local = Path(tmp)
             on_main(world, lambda: _take(target.url, held))
             cleared = bool(on_main(world, target.clear))

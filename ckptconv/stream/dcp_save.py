@@ -15,16 +15,24 @@ from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World
 from ckptconv.plan.types import DcpOutTensor, DcpSavePlan, RankBytes
-from ckptconv.publish import remote_out
-from ckptconv.remote.urls import UrlPath
+from ckptconv.publish.target import Sinks, writing
 from ckptconv.stream.compose import source_rows, target_rows
 
 
-def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui, fsync: bool = True) -> RankBytes:
+def save_dcp(
+    plan: DcpSavePlan,
+    staging: Path,
+    world: World,
+    ui: Ui,
+    fsync: bool = True,
+    target: Sinks | None = None,
+) -> RankBytes:
     """This rank's rows of every tensor into `staging` (collective), each file fsynced as it is written
-    unless not `fsync`; returns the bytes it read and the bytes of the data files it wrote."""
+    unless not `fsync`; returns the bytes it read and the bytes of the data files it wrote. `target`: where
+    the files go (`publish.target`; by default the one publishing in this process)."""
     from ckptconv.formats.dcp_writer import write_dcp  # torch.distributed.checkpoint: about 1 s to import
 
+    sinks = target if target is not None else writing()
     state_dict, raw_items, scalars = _dcp_state_dict(plan, world)
     by_key = {t.key: t for t in plan.tensors}
     reader = RowReader()
@@ -47,14 +55,11 @@ def save_dcp(plan: DcpSavePlan, staging: Path, world: World, ui: Ui, fsync: bool
     mine = plan.nbytes_of(world.rank)
     with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
         try:
-            store = remote_out if isinstance(staging, UrlPath) else None
+            store = sinks.store()
             write_dcp(staging, state_dict, read_rows, raw_items, progress.advance, fsync=fsync, store=store)
         finally:
             reader.close()
-    if isinstance(staging, UrlPath):
-        written = remote_out.bytes_written()
-    else:
-        written = sum(p.stat().st_size for p in staging.glob(f"__{world.rank}_*.distcp"))
+    written = sinks.written(staging, f"__{world.rank}_*.distcp")
     return RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
 
 

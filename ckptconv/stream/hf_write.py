@@ -23,10 +23,9 @@ from ckptconv.lora.settings import CONFIG_FILE as LORA_CONFIG_FILE
 from ckptconv.plan.config import edit_config, release_dtype
 from ckptconv.plan.types import HfSavePlan, OutTensor, RankBytes
 from ckptconv.plan.writes import bytes_per_rank
-from ckptconv.publish import remote_out
+from ckptconv.publish.target import Sinks, writing
 from ckptconv.quant import fp8
 from ckptconv.quant.policy import scale_key
-from ckptconv.remote.urls import UrlPath
 from ckptconv.stream.buffers import BufferPool
 from ckptconv.stream.gather import gather_tensors
 from ckptconv.stream.unshard import Item, direct_rows, direct_tensors
@@ -43,9 +42,11 @@ def write_shards(
     bucket: int,
     read_path: ReadPath,
     fsync: bool = True,
+    target: Sinks | None = None,
 ) -> tuple[list[RowPiece], RankBytes]:
     """This rank's writes into `staging`, each file fsynced once this rank has written it (unless not
-    `fsync`); returns the chunks' pieces it read (some rows of a chunk) and the bytes it read and wrote."""
+    `fsync`); returns the chunks' pieces it read (some rows of a chunk) and the bytes it read and wrote.
+    `target`: where the files go (`publish.target`; by default the one publishing in this process)."""
     with DcpReader(ckpt, cache_bytes=bucket) as reader:
         if read_path == "gather":
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
@@ -53,7 +54,7 @@ def write_shards(
         else:
             pool = BufferPool.for_bucket(bucket)
             items = direct_tensors(plan, world, reader, bucket, pool)
-        written = write_files(plan, items, staging, world, ui, pool, fsync)
+        written = write_files(plan, items, staging, world, ui, pool, fsync, target)
         return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
 
 
@@ -65,11 +66,14 @@ def write_files(
     ui: Ui,
     pool: BufferPool | None = None,
     fsync: bool = True,
+    target: Sinks | None = None,
 ) -> int:
     """Write this rank's byte ranges of the plan's files (`plan.writes_of`) from `items` (its writes with
     their data, in order, as unshard yields them), each in place; returns the bytes written. Tensors made
     in `pool` go back to it once written. With `fsync`, each file is fsynced as soon as this rank's writes to
-    it are done, on a thread of its own while the next file is written, and all before this returns."""
+    it are done, on a thread of its own while the next file is written, and all before this returns.
+    `target`: the files' sinks (`publish.target`; by default those of the one publishing in this process)."""
+    sinks = target if target is not None else writing()
     mine = plan.writes_of(world.rank)
     files = len({w.file.name for w in mine})
     nbytes = bytes_per_rank(plan.writes, plan.world_size)[world.rank]
@@ -89,8 +93,7 @@ def write_files(
                     entries = [Entry(x.hf_key, x.dtype, x.shape) for x in w.file.tensors]
                     # a rank's writes to a file are one run, so the write with the header opens it
                     path = staging / w.file.name
-                    sink = remote_out.stream(path) if isinstance(path, UrlPath) else None
-                    writer = SafetensorsWriter(path, entries, header=w.header, sink=sink)
+                    writer = SafetensorsWriter(path, entries, header=w.header, sink=sinks.sink(path))
                 if w.tensor.quant:
                     progress.advance(_write_quantized(writer, w.tensor, tensor))
                 else:

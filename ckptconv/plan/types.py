@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ckptconv.core.layout import shard_rows
 from ckptconv.core.specs import (
@@ -16,9 +14,13 @@ from ckptconv.core.specs import (
     StoredTensor,
     TensorSpec,
 )
-from ckptconv.lora.merge import LoraParts
-from ckptconv.lora.select import LoraPlan
 from ckptconv.mapping.rules import Part
+
+if TYPE_CHECKING:  # annotations only: a plan is made before torch is imported (source/early.py)
+    import torch
+
+    from ckptconv.lora.merge import LoraParts
+    from ckptconv.lora.select import LoraPlan
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class OutTensor:
     def work_dtype(self) -> torch.dtype:
         """The dtype the tensor is assembled in: its own; for a quantized one its source's (fp32 when LoRA is
         merged into it, which is then quantized from the merged values); fp32 to merge LoRA into it whole."""
+        import torch
+
         merged = self.lora is not None or any(sp.lora is not None for sp in self.parts)
         if self.quant:
             return torch.float32 if merged else self.src.dtype

@@ -75,6 +75,13 @@ def test_help_does_not_import_torch(argv: tuple[str, ...]) -> None:
     assert "ckptconv.cli.app" in modules and not _torch(modules)
 
 
+def test_early_open_does_not_import_torch() -> None:
+    """What dcp-to-hf runs before torch (source.early: `.metadata` read and OUT checked, so that the read's
+    peak and torch's do not add up) imports no torch, nor does the OUT check it calls (publish.outcheck)."""
+    modules = _imported("-c", "import ckptconv.source.early, ckptconv.publish.outcheck")
+    assert "ckptconv.source.early" in modules and not _torch(modules)
+
+
 @pytest.mark.parametrize("name", ckptconv.__all__)
 def test_public_name_resolves(name: str) -> None:
     """Every name of `__all__` is an attribute of the package, and `from ckptconv import NAME` gives the

@@ -12,7 +12,7 @@ from ckptconv.options import DcpToHfOptions, DtypeOptions, HfToDcpOptions, Mappi
 
 
 def _dtype(flags: Mapping[str, Any]) -> DtypeOptions:
-    return DtypeOptions(dtype=flags["dtype"], fp32=tuple(flags["fp32"] or ()))
+    return DtypeOptions(dtype=flags["dtype"] or None, fp32=tuple(flags["fp32"] or ()))
 
 
 def _mapping(flags: Mapping[str, Any]) -> MappingOptions:
@@ -62,7 +62,7 @@ def dcp_to_hf_options(flags: Mapping[str, Any]) -> DcpToHfOptions:
         copy_from=flags["copy_from"],
         drop_untied_head=flags["drop_untied_head"],
         push=push,
-        lora=lora,
+        lora=None if lora == LoraRequest() else lora,  # no --lora flag: as the library's default
     )
 
 

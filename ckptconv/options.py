@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 ReadPath = Literal["direct", "gather"]  # as stream.hf_write names it
 READ_PATHS: tuple[str, ...] = ("direct", "gather")
-WRITE_GRANULARITIES: tuple[str, ...] = ("tensor", "file")  # the user's choices (plan.writes has "parts" too)
+WRITE_GRANULARITIES: tuple[str, ...] = ("tensor", "file")  # the user's choices (a plan also has "parts")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -136,21 +136,23 @@ def dcp_to_hf_cmd(
 ) -> None:
     """Convert a DCP checkpoint to Hugging Face safetensors (under torchrun: every rank shares the work)."""
     flags = dict(locals())  # the command's parameters by name, for `build`
-    from ckptconv.cli.build import dcp_to_hf_options
+    from ckptconv.cli.build import dcp_to_hf_options, refuses
     from ckptconv.cli.render import show_dcp_to_hf
     from ckptconv.job.ui import Ui
-    from ckptconv.job.world import world_from_env
+    from ckptconv.job.world import everyone, world_from_env
     from ckptconv.remote.urls import location
     from ckptconv.source.early import open_early
 
     source, target = location(src, "SRC"), location(out, "OUT")  # as strings: a Path makes s3: of s3://
-    options = dcp_to_hf_options(flags)
     use_storage(storage_options, coalesce_gap)
     with _trust(trust_pickle):
-        early = open_early(source, None if dry_run else target, overwrite)  # before torch (early_open)
-        from ckptconv.run.dcp_to_hf import dcp_to_hf
-
+        early = None
+        if not refuses(dcp_to_hf_options, flags):  # a refused flag comes first, with nothing read
+            early = open_early(source, None if dry_run else target, overwrite)  # before torch (early_open)
         with world_from_env(say_agreed=say_agreed) as world:
+            options = everyone(world, dcp_to_hf_options, flags)  # refused: one line for the job (rank 0)
+            from ckptconv.run.dcp_to_hf import dcp_to_hf
+
             ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
             result = dcp_to_hf(source, target, options, world=world, ui=ui, early=early)
             show_dcp_to_hf(
@@ -197,14 +199,15 @@ def hf_to_dcp_cmd(
     from ckptconv.cli.build import hf_to_dcp_options
     from ckptconv.cli.render import show_hf_to_dcp
     from ckptconv.job.ui import Ui
-    from ckptconv.job.world import world_from_env
+    from ckptconv.job.world import everyone, world_from_env
     from ckptconv.remote.urls import location
-    from ckptconv.run.hf_to_dcp import hf_to_dcp
 
-    options = hf_to_dcp_options(flags)
     use_storage(storage_options, coalesce_gap)
     target = location(out, "OUT")  # as a string: a Path makes s3: of s3://
     with world_from_env(say_agreed=say_agreed) as world:
+        options = everyone(world, hf_to_dcp_options, flags)  # refused: one line for the job (rank 0)
+        from ckptconv.run.hf_to_dcp import hf_to_dcp
+
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
         result = hf_to_dcp(src, target, options, world=world, ui=ui)
         show_hf_to_dcp(result, src, target, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)

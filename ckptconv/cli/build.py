@@ -1,12 +1,14 @@
-"""The options objects (`ckptconv.options`) of each command, built from its flags; their checks run here,
-before any work (each refusal one line, exit 2)."""
+"""The options objects (`ckptconv.options`) of each command, built from its flags: their checks run before
+any work (each refusal one line, exit 2). The commands build them on every rank, inside `everyone`, so that a
+refusal under torchrun is said once for the job, as every other error all ranks raise together."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptconv.cli.flags import push_request
+from ckptconv.errors import CkptconvError
 from ckptconv.lora.select import LoraRequest
 from ckptconv.options import DcpToHfOptions, DtypeOptions, HfToDcpOptions, MappingOptions, OutputOptions
 
@@ -76,3 +78,12 @@ def hf_to_dcp_options(flags: Mapping[str, Any]) -> HfToDcpOptions:
         lora_adapter=flags["lora_adapter"],
         lora_name=flags["lora_name"],
     )
+
+
+def refuses(build: Callable[[Mapping[str, Any]], object], flags: Mapping[str, Any]) -> bool:
+    """Whether `build(flags)` refuses the flags (dcp-to-hf then reads nothing early: the refusal first)."""
+    try:
+        build(flags)
+    except CkptconvError:
+        return True
+    return False

@@ -1,1 +1,215 @@
-"""Options objects: what each command reads, checked in one place."""
+"""Options objects: what each conversion is asked to do, every check of the values alone made in one place.
+
+The CLI builds them from its flags (`cli.build`), `save_hf` and `load_hf` from their keywords, and the run
+steps read them. A value refused here is refused before any work, with one line (exit 2). What needs the file
+system or the network (OUT, a `--copy-from` directory, a download) is checked by the step that does that I/O.
+Nothing here imports torch: the CLI builds its options before the early `.metadata` read (`source.early`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from ckptconv.core.dtype_names import check_dtype_flag
+from ckptconv.core.sizes import parse_size
+from ckptconv.core.user_regex import UserRegex
+from ckptconv.errors import CkptconvError
+from ckptconv.lora.select import LoraRequest
+from ckptconv.publish.hub_push import PushRequest
+from ckptconv.quant.schemes import check_scheme
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptconv.core.dtypes import DtypePolicy
+    from ckptconv.plan.types import Granularity
+    from ckptconv.quant.policy import QuantPolicy
+
+ReadPath = Literal["direct", "gather"]  # as stream.hf_write names it
+READ_PATHS: tuple[str, ...] = ("direct", "gather")
+WRITE_GRANULARITIES: tuple[str, ...] = ("tensor", "file")  # the user's choices (a plan also has "parts")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Wording:
+    """How the checks' messages name what they refuse: the command's flags, or (`SAVE_HF`, `LOAD_HF`) the
+    keywords of a library function, worded as that function always worded them."""
+
+    dtype: str = "--dtype"
+    """The name of the dtype option."""
+    bucket_size: str = "--bucket-size"
+    """The name of the bucket size option."""
+    quantize_skip: str = "--quantize-skip applies with --quantize fp8"
+    """The message for skip patterns given without quantizing."""
+    write_granularity: str = "--write-granularity {!r} is not one of tensor, file"
+    """The message for an unknown write granularity (`{!r}`: the value)."""
+
+
+FLAGS = Wording()
+SAVE_HF = Wording(
+    bucket_size="bucket_size",
+    quantize_skip="save_hf: quantize_skip applies with quantize='fp8'",
+    write_granularity="save_hf: write_granularity={!r} is not one of 'tensor', 'file'",
+)
+LOAD_HF = Wording(dtype="dtype")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DtypeOptions:
+    """`--dtype` and `--fp32`: the dtype of each floating output tensor."""
+
+    dtype: str | None = None
+    """bf16, fp16, fp32 or keep; None: the command's default (the options object holding this fills it in;
+    `load_hf`: each key's promoted dtype)."""
+    fp32: tuple[str, ...] = ()
+    """Regexes (RE2) searched in the output key: the tensors they match are kept fp32, whatever `dtype`."""
+    wording: Wording = field(default=FLAGS, repr=False)
+    """How messages name the options (library-only)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp32", tuple(self.fp32))
+        if self.dtype is not None:
+            check_dtype_flag(self.dtype, self.wording.dtype)
+        for pattern in self.fp32:
+            UserRegex(pattern, "--fp32")
+
+    def target(self) -> torch.dtype | None:
+        """The torch dtype `dtype` names (None: keep, or no dtype given)."""
+        from ckptconv.core.dtypes import parse_dtype_flag
+
+        return None if self.dtype is None else parse_dtype_flag(self.dtype, self.wording.dtype)
+
+    def policy(self) -> DtypePolicy:
+        """The dtype each output tensor gets (`core.dtypes.DtypePolicy`; imports torch)."""
+        from ckptconv.core.dtypes import DtypePolicy
+
+        return DtypePolicy(self.target(), self.fp32)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MappingOptions:
+    """Which keys are converted and what they are called: `--mapping`, its config, `--prefix`."""
+
+    mapping: str | None = None
+    """A key mapping: a preset name or a TOML file of rules; None: the keys as they are."""
+    config: Path | None = None
+    """The config.json the mapping reads sizes from; None: the one found beside the model."""
+    allow_unmapped: bool = False
+    """Pass keys no mapping rule covers through unchanged (refused otherwise)."""
+    prefix: str | None = None
+    """dcp-to-hf: convert only the keys under it, stripped; hf-to-dcp: prepended to every key."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OutputOptions:
+    """How OUT is written: replaced or not, written at all, checked before it is published, fsynced."""
+
+    overwrite: bool = False
+    """Replace an OUT that holds a checkpoint (atomically, at the end); other directories are refused."""
+    dry_run: bool = False
+    """Plan only: nothing is written."""
+    verify: bool = False
+    """Re-read the staged output and compare it with the source before publishing OUT."""
+    fsync: bool = True
+    """Fsync OUT's files and directories before publishing it (False: `--no-fsync`, scratch work)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DcpToHfOptions:
+    """What `dcp_to_hf` (the `dcp-to-hf` command) and `save_hf` are asked to write."""
+
+    dtype: DtypeOptions = field(default_factory=DtypeOptions)
+    """The output dtypes; no dtype given: bf16, or keep with `lora` in adapter mode (its trained dtype)."""
+    mapping: MappingOptions = field(default_factory=MappingOptions)
+    """The keys converted and their names."""
+    output: OutputOptions = field(default_factory=OutputOptions)
+    """How OUT is written."""
+    max_shard_size: str | int = "5GB"
+    """The largest output file, HF notation ('500MB', '5GB') or bytes."""
+    bucket_size: str | int = "128MB"
+    """Bytes in flight per rank while reading or gathering."""
+    read_path: ReadPath = "direct"
+    """direct: writers read chunks from storage; gather: ranks read and send."""
+    write_granularity: Granularity = "tensor"
+    """tensor: every rank writes its share of every file; file: each file written whole by one rank."""
+    hf_experts: str | None = None
+    """per_expert or fused: how a mapping writes MoE experts (None: the mapping's default)."""
+    keep_trainer_state: bool = False
+    """Also stash the dataloader, LR-scheduler, RNG and module extra state."""
+    keep_file_split: bool = False
+    """Write each tensor to the file the source's writer put it in, not split by `max_shard_size`."""
+    quantize: str | None = None
+    """fp8: linear weights written as block FP8; None: no quantization."""
+    quantize_skip: tuple[str, ...] = ()
+    """Regexes on the output key: weights left unquantized (with `quantize` only)."""
+    copy_from: Path | None = None
+    """An HF directory whose config, tokenizer and other files are copied."""
+    drop_untied_head: bool = False
+    """Leave out an output head that differs from the embedding config.json ties it to (refused otherwise)."""
+    push: PushRequest | None = None
+    """After OUT is published, upload it to this hub repo."""
+    lora: LoraRequest | None = None
+    """What to write of LoRA factors (`lora.select`); None: a checkpoint holding them is refused."""
+    wording: Wording = field(default=FLAGS, repr=False)
+    """How messages name the options (library-only)."""
+    shard_bytes: int = field(init=False, repr=False, compare=False)
+    """`max_shard_size` in bytes (derived)."""
+    bucket_bytes: int = field(init=False, repr=False, compare=False)
+    """`bucket_size` in bytes (derived)."""
+
+    def __post_init__(self) -> None:
+        wording = self.wording
+        if self.read_path not in READ_PATHS:
+            raise CkptconvError(f"--read {self.read_path!r} is not one of direct, gather")
+        if self.lora is not None:
+            self.lora.check()
+        if self.dtype.dtype is None:  # the one place this default lives (the CLI and save_hf share it)
+            adapter = self.lora is not None and self.lora.mode == "adapter"
+            object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep" if adapter else "bf16"))
+        if self.lora is not None and self.lora.mode == "merge" and self.read_path == "gather":
+            raise CkptconvError("--lora merge reads with --read direct (the default) only, for now")
+        object.__setattr__(self, "quantize_skip", tuple(self.quantize_skip))
+        if self.quantize_skip and not self.quantize:
+            raise CkptconvError(wording.quantize_skip)
+        if self.quantize:
+            check_scheme(self.quantize)
+            for pattern in self.quantize_skip:
+                UserRegex(pattern, "--quantize-skip")
+        if self.write_granularity not in WRITE_GRANULARITIES:
+            raise CkptconvError(wording.write_granularity.format(self.write_granularity))
+        if self.push is not None:
+            self.push.check()
+        object.__setattr__(self, "shard_bytes", parse_size(self.max_shard_size))
+        object.__setattr__(self, "bucket_bytes", parse_size(self.bucket_size, wording.bucket_size))
+
+    def quant_policy(self) -> QuantPolicy | None:
+        """Which output tensors become block FP8 (`quant.policy`; imports torch); None without `quantize`."""
+        from ckptconv.quant.policy import QuantPolicy
+
+        return QuantPolicy(self.quantize, self.quantize_skip) if self.quantize else None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HfToDcpOptions:
+    """What `hf_to_dcp` (the `hf-to-dcp` command) is asked to write."""
+
+    dtype: DtypeOptions = field(default_factory=DtypeOptions)
+    """The output dtypes; no dtype given: keep."""
+    mapping: MappingOptions = field(default_factory=MappingOptions)
+    """The keys converted and their names."""
+    output: OutputOptions = field(default_factory=OutputOptions)
+    """How OUT is written."""
+    revision: str | None = None
+    """The hub revision (branch, tag or commit) of a repo id SRC."""
+    lora_adapter: str | None = None
+    """A PEFT adapter (directory or hub repo id) added: the DCP holds the PEFT-wrapped model's keys."""
+    lora_name: str = "default"
+    """The adapter's name in the PEFT-wrapped keys (with `lora_adapter`)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype.dtype is None:
+            object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep"))
+        if self.lora_adapter is not None and self.mapping.mapping:
+            raise CkptconvError("--lora-adapter with --mapping is not supported yet; leave --mapping out")

@@ -47,7 +47,6 @@ from ckptconv.cli.flags import (
     TrustOpt,
     VerifyOpt,
     WriteGranularityOpt,
-    push_request,
     use_storage,
 )
 from ckptconv.cli.render import print_json as _print_json
@@ -136,56 +135,26 @@ def dcp_to_hf_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a DCP checkpoint to Hugging Face safetensors (under torchrun: every rank shares the work)."""
+    flags = dict(locals())  # the command's parameters by name, for `build`
+    from ckptconv.cli.build import dcp_to_hf_options, refuses
     from ckptconv.cli.render import show_dcp_to_hf
-    from ckptconv.errors import CkptconvError
     from ckptconv.job.ui import Ui
-    from ckptconv.job.world import world_from_env
+    from ckptconv.job.world import everyone, world_from_env
     from ckptconv.remote.urls import location
     from ckptconv.source.early import open_early
 
     source, target = location(src, "SRC"), location(out, "OUT")  # as strings: a Path makes s3: of s3://
-    if read not in ("direct", "gather"):
-        raise CkptconvError(f"--read {read!r} is not one of direct, gather")
     use_storage(storage_options, coalesce_gap)
-    push = push_request(push_to_hub, revision, private, commit_message, create_pr)
-    lora_req = opt.lora_request(lora, lora_name, lora_alpha, lora_config, lora_rslora, lora_base)
     with _trust(trust_pickle):
-        sizes = [(max_shard_size, "--max-shard-size"), (bucket_size, "--bucket-size")]
-        early = open_early(source, None if dry_run else target, overwrite, sizes)  # before torch (early_open)
-        from ckptconv.run.dcp_to_hf import dcp_to_hf
-
+        early = None
+        if not refuses(dcp_to_hf_options, flags):  # a refused flag comes first, with nothing read
+            early = open_early(source, None if dry_run else target, overwrite)  # before torch (early_open)
         with world_from_env(say_agreed=say_agreed) as world:
+            options = everyone(world, dcp_to_hf_options, flags)  # refused: one line for the job (rank 0)
+            from ckptconv.run.dcp_to_hf import dcp_to_hf
+
             ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
-            result = dcp_to_hf(
-                source,
-                target,
-                world=world,
-                ui=ui,
-                dtype=dtype or ("keep" if lora == "adapter" else "bf16"),
-                fp32=fp32 or (),
-                max_shard_size=max_shard_size,
-                prefix=prefix,
-                copy_from=copy_from,
-                overwrite=overwrite,
-                dry_run=dry_run,
-                bucket_size=bucket_size,
-                read_path=read,  # type: ignore[arg-type]
-                mapping=mapping,
-                config=config,
-                allow_unmapped=allow_unmapped,
-                hf_experts=hf_experts,
-                keep_trainer_state=keep_trainer_state,
-                keep_file_split=keep_file_split,
-                quantize=quantize,
-                quantize_skip=quantize_skip or (),
-                verify=verify,
-                write_granularity=write_granularity,  # type: ignore[arg-type]
-                push=push,
-                lora=lora_req,
-                early=early,
-                fsync=not no_fsync,
-                drop_untied_head=drop_untied_head,
-            )
+            result = dcp_to_hf(source, target, options, world=world, ui=ui, early=early)
             show_dcp_to_hf(
                 result, source, target, world, ui, dry_run=dry_run, verify=verify, json_out=json_out
             )
@@ -226,35 +195,21 @@ def hf_to_dcp_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a Hugging Face model to a DCP checkpoint that dcp.load reads at any world size."""
+    flags = dict(locals())  # the command's parameters by name, for `build`
+    from ckptconv.cli.build import hf_to_dcp_options
     from ckptconv.cli.render import show_hf_to_dcp
     from ckptconv.job.ui import Ui
-    from ckptconv.job.world import world_from_env
+    from ckptconv.job.world import everyone, world_from_env
     from ckptconv.remote.urls import location
-    from ckptconv.run.dcp_to_hf import hf_to_dcp
 
     use_storage(storage_options, coalesce_gap)
     target = location(out, "OUT")  # as a string: a Path makes s3: of s3://
     with world_from_env(say_agreed=say_agreed) as world:
+        options = everyone(world, hf_to_dcp_options, flags)  # refused: one line for the job (rank 0)
+        from ckptconv.run.hf_to_dcp import hf_to_dcp
+
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
-        result = hf_to_dcp(
-            src,
-            target,
-            world=world,
-            ui=ui,
-            dtype=dtype,
-            fp32=fp32 or (),
-            prefix=prefix,
-            revision=revision,
-            overwrite=overwrite,
-            dry_run=dry_run,
-            mapping=mapping,
-            config=config,
-            allow_unmapped=allow_unmapped,
-            verify=verify,
-            lora_adapter=lora_adapter,
-            lora_name=lora_name,
-            fsync=not no_fsync,
-        )
+        result = hf_to_dcp(src, target, options, world=world, ui=ui)
         show_hf_to_dcp(result, src, target, world, ui, dry_run=dry_run, verify=verify, json_out=json_out)
 
 

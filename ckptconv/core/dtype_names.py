@@ -10,8 +10,13 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+from ckptconv.errors import CkptconvError
+
 if TYPE_CHECKING:
     import torch
+
+# the values of --dtype: the dtype of floating output tensors, or keep (core.dtypes maps them to torch's)
+DTYPE_FLAG_NAMES = ("bf16", "fp16", "fp32", "keep")
 
 # every dtype torch 2.13 has, by its name (`str(dtype)` without "torch."), with its bytes per element
 ITEMSIZE: dict[str, int] = {
@@ -92,3 +97,10 @@ def torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name)
     assert isinstance(dtype, torch.dtype), name
     return dtype
+
+
+def check_dtype_flag(value: str, flag: str = "--dtype") -> str:
+    """`value` when it is one of `DTYPE_FLAG_NAMES`; refused with one line naming `flag` otherwise."""
+    if value not in DTYPE_FLAG_NAMES:
+        raise CkptconvError(f"{flag} {value!r} is not one of {', '.join(DTYPE_FLAG_NAMES)}")
+    return value

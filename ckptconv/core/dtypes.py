@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckptconv.core.dtype_names import NAME_TO_ST
+from ckptconv.core.dtype_names import DTYPE_FLAG_NAMES, NAME_TO_ST, check_dtype_flag
 from ckptconv.core.user_regex import UserRegex
 from ckptconv.errors import CkptconvError
 
@@ -21,6 +21,7 @@ DTYPE_NAMES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
     "keep": None,
 }
+assert tuple(DTYPE_NAMES) == DTYPE_FLAG_NAMES  # one list of names, checked without torch (dtype_names)
 
 CASTABLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
@@ -64,10 +65,8 @@ def st_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype_flag(value: str, flag: str = "--dtype") -> torch.dtype | None:
-    try:
-        return DTYPE_NAMES[value]
-    except KeyError:
-        raise CkptconvError(f"{flag} {value!r} is not one of {', '.join(DTYPE_NAMES)}") from None
+    """The torch dtype a --dtype value names (None: keep); refused with one line naming `flag`."""
+    return DTYPE_NAMES[check_dtype_flag(value, flag)]
 
 
 @dataclass

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.dtypes import DtypePolicy, parse_dtype_flag
+from ckptconv.core.dtypes import DtypePolicy
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.hf import open_hf
 from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.live.save import LoadSpec, flatten, local_data
 from ckptconv.mapping import load_mapping
+from ckptconv.options import LOAD_HF, DtypeOptions
 from ckptconv.plan.to_hf import plan_hf_to_dcp
 from ckptconv.remote import urls
 from ckptconv.source.lora import with_adapter
@@ -62,10 +63,10 @@ def load_hf(
     PEFT-wrapped model's state dict (`base_layer`, `lora_A.<lora_name>`, ...), as hf-to-dcp's --lora-adapter.
     Not collective: ranks do not talk to each other.
     """
+    dtypes = DtypeOptions(dtype=dtype, fp32=tuple(fp32), wording=LOAD_HF)  # None: each key's promoted dtype
     if storage_options is not None:
         urls.use_options(storage_options)
     hf = with_adapter(open_hf(urls.location(path, "load_hf")), lora_adapter, lora_name)
-    forced = parse_dtype_flag(dtype, "dtype") if dtype is not None else None
     plan = plan_hf_to_dcp(
         hf,
         DtypePolicy(None),
@@ -86,7 +87,7 @@ def load_hf(
             f"load_hf {path}: missing keys {report.missing[:5]}, unexpected keys {report.unexpected[:5]}"
             " (strict=False loads the rest)"
         )
-    policy = DtypePolicy(forced, fp32)
+    policy, forced = dtypes.policy(), dtypes.target()  # "keep" forces nothing: each key is promoted
     reader = RowReader()
     specs = {key: LoadSpec.from_tensor(key, target) for key, (_, target) in targets.items() if key in sources}
     for key, spec in specs.items():  # from object storage, neighbouring blocks are fetched together

@@ -21,9 +21,8 @@ from typing import Any, cast
 import torch
 
 from ckptconv.core.dtype_names import short_name
-from ckptconv.core.dtypes import DtypePolicy, parse_dtype_flag
+from ckptconv.core.dtypes import DtypePolicy
 from ckptconv.core.layout import tiling_problem
-from ckptconv.core.sizes import parse_size
 from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, StashedItem, TensorSpec
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.files import naming, refuse_url
@@ -43,15 +42,14 @@ from ckptconv.live.allgather import (
 from ckptconv.live.host import release_host_memory
 from ckptconv.lora.select import LoraRequest
 from ckptconv.mapping import CONFIG_FILE, load_mapping
+from ckptconv.options import SAVE_HF, DcpToHfOptions, DtypeOptions, MappingOptions, OutputOptions
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.schedule import Holding, ShardStep, plan_rounds
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import Granularity
-from ckptconv.plan.writes import GRANULARITIES
 from ckptconv.publish import outcheck, outdir, remote_out
 from ckptconv.publish.copy_from import copy_non_weights
 from ckptconv.publish.remote_out import RemoteTarget
-from ckptconv.quant.policy import QuantPolicy
 from ckptconv.remote import urls
 from ckptconv.stream import tied
 from ckptconv.stream.hf_write import follow_config, write_adapter_config, write_files
@@ -195,7 +193,20 @@ def save_hf(
     to the backend's file system. A local `path` is fsynced (its files and directories) before it is
     published; `fsync=False` skips that, for scratch saves (as dcp-to-hf's `--no-fsync`).
     """
-    release_dtype = dtype or ("keep" if lora == "adapter" else "bf16")  # an adapter keeps its dtype
+    options = DcpToHfOptions(  # every check of the values alone, and the defaults dcp-to-hf's flags share
+        dtype=DtypeOptions(dtype=dtype, fp32=tuple(fp32)),
+        mapping=MappingOptions(mapping=mapping),
+        output=OutputOptions(overwrite=overwrite, fsync=fsync),
+        max_shard_size=max_shard_size,
+        bucket_size=bucket_size,
+        write_granularity=cast(Granularity, write_granularity),
+        quantize=quantize,
+        quantize_skip=tuple(quantize_skip),
+        copy_from=_path(copy_from),
+        drop_untied_head=drop_untied_head,
+        lora=LoraRequest(lora, lora_name, lora_alpha, _path(lora_config, "lora_config")),  # type: ignore[arg-type]
+        wording=SAVE_HF,
+    )
     if storage_options is not None:
         urls.use_options(storage_options)
     world, out = _world(), urls.location(path, "save_hf")
@@ -216,35 +227,32 @@ def save_hf(
 
     def prepare() -> Any:
         holding = holdings(everyone_described)
-        policy = DtypePolicy(parse_dtype_flag(release_dtype), fp32)
-        if quantize_skip and not quantize:
-            raise CkptconvError("save_hf: quantize_skip applies with quantize='fp8'")
-        lora_file = _path(lora_config, "lora_config")
-        request = LoraRequest(lora, lora_name, lora_alpha, lora_file)  # type: ignore[arg-type]
-        request.check()
+        quant = options.quant_policy()
         plan = plan_dcp_to_hf(
             _live_checkpoint(holding, paths),
-            policy,
-            max_shard_size=parse_size(max_shard_size),
+            options.dtype.policy(),
+            max_shard_size=options.shard_bytes,
             world_size=world.size,
             mapping=load_mapping(mapping) if mapping else None,
             config=dict(config or {}),
-            quantize=QuantPolicy(quantize, quantize_skip) if quantize else None,
-            write_granularity=remote_out.granularity(out, _granularity(write_granularity), bool(quantize)),
-            lora=request,
+            quantize=quant,
+            write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),
+            lora=options.lora,
         )
-        inputs = [("copy_from", _path(copy_from)), ("lora_config", lora_file)]
+        lora_file = options.lora.config if options.lora is not None else None
+        inputs = [("copy_from", options.copy_from), ("lora_config", lora_file)]
         inputs.append(outcheck.mapping_input(mapping, "mapping"))
-        target = outcheck.hf_target(world.is_main, out, overwrite, inputs, False, "overwrite=True")
-        budget = parse_size(bucket_size, "bucket_size")
-        jobs, order, needs = live_jobs(plan, holding, budget)
-        return plan, jobs, order, needs, plan_rounds(jobs, budget), target
+        target = outcheck.hf_target(
+            world.is_main, out, options.output.overwrite, inputs, False, "overwrite=True"
+        )
+        jobs, order, needs = live_jobs(plan, holding, options.bucket_bytes)
+        return plan, jobs, order, needs, plan_rounds(jobs, options.bucket_bytes), target
 
     plan, jobs, order, needs, rounds, target = everyone(world, prepare)
     if plan.tied:
         outs = {t.hf_key: t for f in plan.files for t in f.tensors}
         for head in tied.live_differing(world, plan.tied, outs, tensors):
-            if not drop_untied_head:
+            if not options.drop_untied_head:
                 why = tied.refusal(head, outs, "drop_untied_head=True", "config=")
                 raise CkptconvError(f"save_hf: {why}", agreed=world.distributed)
             ui.warn(tied.dropped(head, outs))
@@ -260,21 +268,21 @@ def save_hf(
         write_adapter_config(staging, plan)
         if others:
             write_stash(staging, [_stashed(p, v) for p, v in others])
-        if copy_from is not None and CONFIG_FILE in copy_non_weights(Path(copy_from), staging):
-            follow_config(staging / CONFIG_FILE, plan, parse_dtype_flag(release_dtype))
+        if options.copy_from is not None and CONFIG_FILE in copy_non_weights(options.copy_from, staging):
+            follow_config(staging / CONFIG_FILE, plan, options.dtype.target())
 
     results = run_rounds(jobs, rounds, world.rank, local, TorchCollective(handles))
     items = emit(order, needs, world.rank, results, jobs)
 
     def write(staging: Path) -> None:
-        write_files(plan, items, staging, world, ui, fsync=fsync)
+        write_files(plan, items, staging, world, ui, fsync=options.output.fsync)
 
     try:
         if isinstance(target, RemoteTarget):
             last = INDEX_FILE if plan.sharded else plan.files[0].name
             remote_out.publish(world, target, last, write, finish, layout=(plan.files, plan.writes))
         else:
-            outdir.atomically(world, target, write, finish, fsync=fsync)
+            outdir.atomically(world, target, write, finish, fsync=options.output.fsync)
     finally:
         release_host_memory()  # what blocks leaving a GPU went through (none on the CPU)
     return SaveReport(
@@ -284,12 +292,6 @@ def save_hf(
         sum(len(r.batches) for r in rounds),
         max((sum(r.nbytes.values()) for r in rounds), default=0),
     )
-
-
-def _granularity(value: str) -> Granularity:
-    if value not in GRANULARITIES:
-        raise CkptconvError(f"save_hf: write_granularity={value!r} is not one of 'tensor', 'file'")
-    return cast(Granularity, value)
 
 
 def _path(value: str | Path | None, name: str = "copy_from") -> Path | None:

@@ -26,7 +26,6 @@ from dataclasses import replace
 
 from ckptconv.plan.types import Granularity, OutFile, OutTensor, Write, rows_of
 
-GRANULARITIES: tuple[str, ...] = ("tensor", "file")  # the user's choices
 MIN_PIECE = 5 << 20  # "parts": S3's smallest part but an object's last
 
 

@@ -24,10 +24,9 @@ import torch
 
 from ckptconv.core.dtypes import CASTABLE
 from ckptconv.core.user_regex import UserRegex
-from ckptconv.errors import CkptconvError
 from ckptconv.quant import fp8
+from ckptconv.quant.schemes import check_scheme
 
-SCHEMES = ("fp8",)
 DEFAULT_SKIP = (
     r"embed",
     r"(^|\.)lm_head\.",
@@ -48,8 +47,7 @@ class QuantPolicy:
     _compiled: list[UserRegex] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise CkptconvError(f"--quantize {self.scheme!r} is not one of {', '.join(SCHEMES)}")
+        check_scheme(self.scheme)
         self._compiled = [UserRegex(pattern, "--quantize-skip") for pattern in self.skip]
         self._compiled += [UserRegex(p, "quantize's default skip") for p in DEFAULT_SKIP]
 

@@ -11,17 +11,15 @@ rank 0 under torchrun), and the conversion takes that checkpoint instead of read
 read once either way, so nothing in it is loaded twice (`--trust-pickle`).
 
 Nothing is read early from a URL (the conversion fetches it, once), on the other ranks, when `SRC` is not a
-DCP checkpoint (the conversion says what it is), nor when the conversion will refuse OUT or a size flag
-before it reads `.metadata` (it then says so first, as it always did, with nothing read). The flags checked
-later (a dtype, LoRA or quantization flag) are refused after the read.
+DCP checkpoint (the conversion says what it is), nor when the conversion will refuse OUT before it reads
+`.metadata` (it then says so first, as it always did, with nothing read). The flags are checked before
+either, when the command builds its options (`ckptconv.options`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
-from ckptconv.core.sizes import parse_size
 from ckptconv.core.specs import DcpCheckpoint
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import open_dcp
@@ -62,17 +60,13 @@ def reads_metadata() -> bool:
     return size <= 1 or rank() == 0
 
 
-def open_early(
-    src: Path, out: Path | None = None, overwrite: bool = False, sizes: Sequence[tuple[str | int, str]] = ()
-) -> Early | None:
+def open_early(src: Path, out: Path | None = None, overwrite: bool = False) -> Early | None:
     """`open_dcp` of the checkpoint `src` names, where this process is the one that will read it and it is on
-    a file system, and the conversion will not refuse `out` (None: a dry run, nothing is checked) or the size
-    flags `sizes` ((value, flag) pairs) before reading it; None otherwise."""
+    a file system, and the conversion will not refuse `out` (None: a dry run, nothing is checked) before
+    reading it; None otherwise. Call it with checked options (`ckptconv.options`)."""
     if not reads_metadata() or url_path(src) is not None:
         return None
     try:
-        for value, flag in sizes:
-            parse_size(value, flag)
         if out is not None and url_path(out) is None:
             check_out(out, overwrite)
         path = dcp_source(src)

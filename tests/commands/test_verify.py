@@ -188,14 +188,16 @@ def test_verify_flag_refuses_to_publish_a_wrong_output(
     exit 1, and OUT does not exist."""
     from ckptconv.job.ui import Ui
     from ckptconv.job.world import World
+    from ckptconv.options import DcpToHfOptions, OutputOptions
     from ckptconv.run import dcp_to_hf as convert
 
     corrupt_one_element(monkeypatch, "layers.0.up.weight")
     out = tmp_path / "out"
     with pytest.raises(VerifyMismatch, match=r"layers\.0\.up\.weight: 1 of 60 elements differ"):
-        convert.dcp_to_hf(converted["dcp"], out, world=World(), ui=Ui(quiet=True), verify=True)
+        verified = DcpToHfOptions(output=OutputOptions(verify=True))
+        convert.dcp_to_hf(converted["dcp"], out, verified, world=World(), ui=Ui(quiet=True))
     assert not out.exists() and not list(tmp_path.iterdir())
-    convert.dcp_to_hf(converted["dcp"], out, world=World(), ui=Ui(quiet=True), verify=False)
+    convert.dcp_to_hf(converted["dcp"], out, world=World(), ui=Ui(quiet=True))
     assert (out / "model.safetensors").exists()  # without --verify the same bug goes unnoticed
 
 

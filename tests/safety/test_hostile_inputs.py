@@ -384,7 +384,7 @@ def test_hf_to_dcp_in_process_with_a_shrinking_source(
 ) -> None:
     from ckptconv.job.ui import Ui
     from ckptconv.job.world import World
-    from ckptconv.run.dcp_to_hf import hf_to_dcp
+    from ckptconv.run.hf_to_dcp import hf_to_dcp
 
     hf = hf_dir(tmp_path / "hf")
     victim = hf / "model.safetensors"

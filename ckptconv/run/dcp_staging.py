@@ -1,0 +1,91 @@
+"""hf-to-dcp's plan, and the steps that write it into the staging directory before it is published: write
+and check (--verify) on every rank, finish on rank 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptconv.core.specs import HfCheckpoint
+from ckptconv.formats import megatron as megatron_files
+from ckptconv.formats.files import exists, naming, read_regular
+from ckptconv.job.ui import Ui
+from ckptconv.job.world import World
+from ckptconv.lora.select import AS_STORED
+from ckptconv.mapping import CONFIG_FILE, MAX_CONFIG_BYTES
+from ckptconv.options import HfToDcpOptions
+from ckptconv.plan import megatron as megatron_out
+from ckptconv.plan.config import dequantized_config
+from ckptconv.plan.types import DcpSavePlan, RankBytes
+from ckptconv.run import verify as verify_mod
+from ckptconv.run.steps import ConfigFile, check_output
+from ckptconv.stream.dcp_save import save_dcp
+
+
+@dataclass
+class Planned:
+    """The plan step's outcome: the model (with its adapter), its plan, and the config a mapping read."""
+
+    path: Path  # the model's directory or file, local or in object storage
+    hf: HfCheckpoint
+    plan: DcpSavePlan
+    config: dict[str, Any]
+    config_file: ConfigFile  # where `config` came from
+
+
+class Staging:
+    """The steps run on the staging directory before it is published: `write` and `check` (--verify) on
+    every rank, `finish` on rank 0."""
+
+    def __init__(self, world: World, ui: Ui, job: Planned, options: HfToDcpOptions) -> None:
+        self.world, self.ui, self.job, self.options = world, ui, job, options
+        self.mine = RankBytes(world.rank, 0, 0)  # what this rank read and wrote
+
+    def write(self, staging: Path) -> None:
+        """This rank's rows of every tensor."""
+        self.mine = save_dcp(self.job.plan, staging, self.world, self.ui, self.options.output.fsync)
+
+    def check(self, staging: Path) -> None:
+        """--verify: the staged output against the HF tensors the plan read."""
+        check_output(self.world, self.ui, self.source, lambda hf: self.output(staging, hf))
+
+    def source(self) -> verify_mod.Side:
+        """The HF tensors the plan reads (keys a mapping drops are not output), as the plan names them."""
+        plan, hf = self.job.plan, self.job.hf
+        used = {id(stored) for t in plan.tensors for stored, _ in t.parts}
+        read = {key for key, stored in hf.tensors.items() if id(stored) in used}
+        return verify_mod.hf_side("source", self.job.path, keys=read | {copy for copy, _ in plan.same}, hf=hf)
+
+    def output(self, staging: Path, hf: verify_mod.Side) -> verify_mod.Side:
+        """The staged DCP checkpoint, read in the HF side's expert form."""
+        keys = self.options.mapping
+        lora = AS_STORED if self.options.lora_adapter is not None else None  # the wrapped names, as written
+        return verify_mod.dcp_side(
+            "output",
+            staging,
+            keys.prefix,
+            keys.mapping,
+            self.job.config,
+            keys.allow_unmapped,
+            like=hf,
+            lora=lora,
+        )
+
+    def finish(self, staging: Path) -> None:
+        """Rank 0: the config a mapping read, and Megatron's side files for a megatron mapping."""
+        plan = self.job.plan
+        _keep_config(staging, self.job.config_file if self.options.mapping.mapping else (None, None))
+        if any(megatron_out.is_extra_state(item.key) for item in plan.stash):  # with_extra_state added them
+            megatron_files.write_side_files(staging, megatron_out.iteration_of(plan.stash))
+
+
+def _keep_config(staging: Path, found: ConfigFile) -> None:
+    """Rank 0, hf-to-dcp with a mapping: the config.json the mapping read, kept beside `.metadata` (where
+    dcp.load ignores it), so dcp-to-hf, verify and inspect of this checkpoint map it back without --config."""
+    path, root = found
+    if path is None or not exists(path):
+        return
+    raw = dequantized_config(read_regular(path, root, limit=MAX_CONFIG_BYTES))
+    with naming(staging / CONFIG_FILE):
+        (staging / CONFIG_FILE).write_bytes(raw)

@@ -1,0 +1,98 @@
+"""dcp-to-hf's plan, and the steps that write it into the staging directory before it is published: write
+and check on every rank, finish on rank 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptconv.core.specs import DcpCheckpoint
+from ckptconv.formats.dcp_reader import RowPiece
+from ckptconv.formats.files import naming
+from ckptconv.formats.hf import INDEX_FILE, write_index
+from ckptconv.formats.stash import collect_stash, write_stash
+from ckptconv.job.ui import Ui
+from ckptconv.job.world import World
+from ckptconv.mapping import CONFIG_FILE
+from ckptconv.options import DcpToHfOptions
+from ckptconv.plan.types import HfSavePlan, RankBytes
+from ckptconv.publish.copy_from import copy_non_weights
+from ckptconv.run import verify as verify_mod
+from ckptconv.run.steps import check_output
+from ckptconv.stream.hf_write import follow_config, write_adapter_config, write_shards
+from ckptconv.stream.unshard import check_read_pieces
+
+
+@dataclass
+class Planned:
+    """The plan step's outcome: the checkpoint, its plan, the model's config and where its files come from."""
+
+    ckpt: DcpCheckpoint
+    plan: HfSavePlan
+    config: dict[str, Any]
+    described: tuple[Path, Path] | None  # the directory the model's files are copied from, and their root
+
+
+class Staging:
+    """The steps run on the staging directory before it is published: `write` and `check` on every rank,
+    `finish` on rank 0; what they read and changed is kept for the result."""
+
+    def __init__(self, world: World, ui: Ui, job: Planned, options: DcpToHfOptions) -> None:
+        self.world, self.ui, self.job, self.options = world, ui, job, options
+        self.pieces: list[RowPiece] = []  # the chunks' pieces this rank read (some rows of a chunk)
+        self.mine = RankBytes(world.rank, 0, 0)
+        self.config_edits: list[str] = []
+
+    def write(self, staging: Path) -> None:
+        """This rank's share of the shards."""
+        o = self.options
+        read, self.mine = write_shards(
+            self.job.plan,
+            self.job.ckpt,
+            staging,
+            self.world,
+            self.ui,
+            o.bucket_bytes,
+            o.read_path,
+            o.output.fsync,
+        )
+        self.pieces.extend(read)
+
+    def check(self, staging: Path) -> None:
+        """The CRC-32s of chunks read in pieces; with --verify, the staged output against the source."""
+        check_read_pieces(self.world, self.job.ckpt, self.pieces)
+        if self.options.output.verify:
+            output = lambda a: verify_mod.hf_side("output", staging, like=a)  # noqa: E731
+            check_output(self.world, self.ui, self.source, output)
+
+    def source(self) -> verify_mod.Side:
+        """The source side of --verify, as the plan read it."""
+        plan, keys, o = self.job.plan, self.options.mapping, self.options
+        quantized = frozenset(t.hf_key for f in plan.files for t in f.tensors if t.quant)
+        return verify_mod.dcp_side(
+            "source",
+            self.job.ckpt.path,
+            keys.prefix,
+            keys.mapping,
+            self.job.config,
+            keys.allow_unmapped,
+            o.hf_experts,
+            quantized=quantized,
+            lora=o.lora,
+            drop_untied_head=o.drop_untied_head,
+        )
+
+    def finish(self, staging: Path) -> list[str]:
+        """Rank 0, after every shard is written: index, stash, adapter config, copied files."""
+        plan, ckpt, described = self.job.plan, self.job.ckpt, self.job.described
+        if plan.sharded:
+            with naming(staging / INDEX_FILE):
+                write_index(staging, plan.weight_map, plan.total_size)
+        if plan.stashed:
+            write_stash(staging, collect_stash(ckpt, plan.stash, plan.scalars, plan.common, self.ui.warn))
+        write_adapter_config(staging, plan)
+        copied = copy_non_weights(described[0], staging, described[1]) if described is not None else []
+        if CONFIG_FILE in copied:
+            self.config_edits = follow_config(staging / CONFIG_FILE, plan, self.options.dtype.target())
+        return copied

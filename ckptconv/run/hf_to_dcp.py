@@ -1,0 +1,141 @@
+"""hf-to-dcp as named steps, in order: locate and check the inputs, open the model, plan, then write, check
+and finish in a staging directory that is published as OUT.
+
+Every function here is collective under torchrun: call it on every rank with the same arguments.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptconv.core.specs import HfCheckpoint
+from ckptconv.formats.dcp import METADATA_FILE
+from ckptconv.formats.files import is_directory
+from ckptconv.formats.hf import checkpoint_root, open_hf
+from ckptconv.formats.stash import read_stash
+from ckptconv.job import gcpause
+from ckptconv.job.ui import Ui
+from ckptconv.job.world import World, everyone, from_main
+from ckptconv.mapping import load_config, load_mapping
+from ckptconv.options import HfToDcpOptions
+from ckptconv.plan import megatron as megatron_out
+from ckptconv.plan.to_hf import plan_hf_to_dcp
+from ckptconv.plan.types import DcpSavePlan, RankBytes
+from ckptconv.publish import outcheck, outdir, remote_out
+from ckptconv.publish.remote_out import RemoteTarget
+from ckptconv.remote.urls import location
+from ckptconv.run.dcp_staging import Planned, Staging
+from ckptconv.run.steps import config_file, return_freed_memory
+from ckptconv.source import locate as sources
+from ckptconv.source.lora import with_adapter
+from ckptconv.stream.compose import dequantized_note
+from ckptconv.stream.copies import check_copies
+
+
+@dataclass
+class DcpResult:
+    """What `hf_to_dcp` planned and did."""
+
+    out: Path
+    source: Path
+    plan: DcpSavePlan
+    seconds: float = 0.0
+    written: bool = False
+    ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote
+
+
+def hf_to_dcp(
+    src: str,
+    out: str | Path,
+    options: HfToDcpOptions = HfToDcpOptions(),
+    *,
+    world: World,
+    ui: Ui,
+) -> DcpResult:
+    """Convert the HF model `src` (directory, file or hub repo id) to the DCP directory `out` as `options`
+    say; with `options.lora_adapter` (a PEFT adapter directory or repo id) the base model and the adapter
+    under a PEFT-wrapped model's names (`lora.wrap`). Collective."""
+    start = time.perf_counter()
+    return_freed_memory()
+    out = location(out, "OUT")  # a URL without a bucket: refused before anything is downloaded
+    path = sources.for_all(
+        world, lambda: sources.hf_source(src, options.revision)
+    )  # rank 0 downloads or lists
+    adapter = sources.adapter_source(world, options.lora_adapter)  # an input too: OUT must keep clear of it
+    with gcpause.paused():
+        target = everyone(world, check_inputs, world, path, adapter, out, options)
+        hf = everyone(
+            world, from_main, world, lambda: with_adapter(open_hf(path), adapter, options.lora_name)
+        )
+        job = everyone(world, make_plan, world, path, hf, options)
+    if job.plan.same and not options.output.dry_run:
+        check_copies(world, hf, job.plan.same)
+    tell(ui, job)
+    result = DcpResult(out, path, job.plan)
+    if target is not None:
+        publish(world, ui, job, target, options, result)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def check_inputs(
+    world: World, path: Path, adapter: Path | None, out: Path, options: HfToDcpOptions
+) -> outcheck.Target | None:
+    """Every rank: OUT may be written and keeps clear of every input; the target (None: a dry run)."""
+    inputs = [("SRC", path), ("--config", options.mapping.config), ("--lora-adapter", adapter)]
+    inputs.append(outcheck.mapping_input(options.mapping.mapping))
+    if options.output.dry_run:
+        return None
+    return outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, False)
+
+
+def make_plan(world: World, path: Path, hf: HfCheckpoint, options: HfToDcpOptions) -> Planned:
+    """Every rank: the stash, the mapping and its config, and the plan of every tensor's rows."""
+    keys = options.mapping
+    found = config_file(keys.config, (path, checkpoint_root(path)) if is_directory(path) else None)
+    stash = read_stash(path) if is_directory(path) else []
+    key_mapping = load_mapping(keys.mapping) if keys.mapping else None
+    model_config = load_config(*found)
+    plan = plan_hf_to_dcp(
+        hf,
+        options.dtype.policy(),
+        world_size=world.size,
+        prefix=keys.prefix,
+        stash=stash,
+        mapping=key_mapping,
+        config=model_config,
+        allow_unmapped=keys.allow_unmapped,
+    )
+    if key_mapping is not None and key_mapping.checkpoint == "megatron":
+        plan = megatron_out.with_extra_state(plan)
+    return Planned(path, hf, plan, model_config, found)
+
+
+def tell(ui: Ui, job: Planned) -> None:
+    """What the plan found worth saying: its warnings, and what was dequantized."""
+    for warning in job.plan.warnings:
+        ui.warn(warning)
+    note = dequantized_note(job.plan.tensors)
+    if note:
+        ui.info(note)
+
+
+def publish(
+    world: World, ui: Ui, job: Planned, target: outcheck.Target, options: HfToDcpOptions, result: DcpResult
+) -> None:
+    """Write, check (with --verify) and finish the staging directory, and publish it as OUT."""
+    if isinstance(target, outcheck.Output) and target.note:
+        ui.info(target.note)
+    staged = Staging(world, ui, job, options)
+    check = staged.check if options.output.verify else None
+    with gcpause.paused():
+        if isinstance(target, RemoteTarget):
+            remote_out.publish(world, target, METADATA_FILE, staged.write, staged.finish, check)
+        else:
+            outdir.atomically(
+                world, target, staged.write, staged.finish, check, ui.warn, options.output.fsync
+            )
+    result.ranks = world.all_gather_object(staged.mine)
+    result.written = True

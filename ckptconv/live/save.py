@@ -47,9 +47,8 @@ from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.schedule import Holding, ShardStep, plan_rounds
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import Granularity
-from ckptconv.publish import outcheck, outdir, remote_out
+from ckptconv.publish import outcheck, remote_out
 from ckptconv.publish.copy_from import copy_non_weights
-from ckptconv.publish.remote_out import RemoteTarget
 from ckptconv.remote import urls
 from ckptconv.stream import tied
 from ckptconv.stream.hf_write import follow_config, write_adapter_config, write_files
@@ -275,14 +274,12 @@ def save_hf(
     items = emit(order, needs, world.rank, results, jobs)
 
     def write(staging: Path) -> None:
-        write_files(plan, items, staging, world, ui, fsync=options.output.fsync)
+        write_files(plan, items, staging, world, ui, fsync=options.output.fsync, target=target)
 
     try:
-        if isinstance(target, RemoteTarget):
-            last = INDEX_FILE if plan.sharded else plan.files[0].name
-            remote_out.publish(world, target, last, write, finish, layout=(plan.files, plan.writes))
-        else:
-            outdir.atomically(world, target, write, finish, fsync=options.output.fsync)
+        last = INDEX_FILE if plan.sharded or not plan.files else plan.files[0].name
+        layout = (plan.files, plan.writes)
+        target.publish(world, write, finish, last=last, layout=layout, fsync=options.output.fsync)
     finally:
         release_host_memory()  # what blocks leaving a GPU went through (none on the CPU)
     return SaveReport(

@@ -26,7 +26,7 @@ from ckptconv.job.world import World
 from ckptconv.publish import outlock
 from ckptconv.publish.outdir import absolute, atomically
 from ckptconv.publish.remote_out import RemoteTarget
-from ckptconv.publish.target import LOCAL, quiet
+from ckptconv.publish.target import LOCAL, Target, quiet
 from ckptconv.remote.urls import UrlPath, identity, location, url_path
 
 if TYPE_CHECKING:
@@ -260,9 +260,6 @@ def _within(inner: Path, outer: Path) -> bool:
             continue
     return False
 
-
-# Both are `publish.target.Target`s: the union stays while callers still ask which one they hold.
-Target = Output | RemoteTarget
 
 
 def hf_target(

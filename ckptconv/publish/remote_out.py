@@ -45,7 +45,7 @@ from ckptconv.publish.remote_lock import NAME as LOCK_NAME
 from ckptconv.publish.remote_lock import RemoteLock
 from ckptconv.publish.remote_lock import peek as peek_lock
 from ckptconv.publish.remote_lock import take as take_lock
-from ckptconv.publish.target import publishing, quiet
+from ckptconv.publish.target import quiet
 from ckptconv.publish.upload import Ledger, Stream
 from ckptconv.remote.files import RemoteFiles, forget
 from ckptconv.remote.urls import UrlPath, filesystem, redact, url_path
@@ -240,7 +240,7 @@ def publish(
     cleared = False
     held: list[RemoteLock] = []
     try:
-        with publishing(target), tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
             _run.local = Path(tmp)
             on_main(world, lambda: _take(target.url, held))
             cleared = bool(on_main(world, target.clear))

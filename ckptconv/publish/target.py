@@ -22,15 +22,11 @@ Call order (every call collective unless a rank is named; under torchrun the sam
         run wrote is removed and every rank raises;
   4) (rank 0) `local_path`: the published result on this machine (what --push-to-hub uploads), or None;
      `names()`: what OUT holds once published.
-
-`writing()`: the sinks of the `publish` running in this process (object storage's registers itself; local
-files otherwise), for a writer not handed its target.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -112,19 +108,3 @@ class LocalFiles:
 
 
 LOCAL = LocalFiles()
-_publishing: list[Sinks] = []
-
-
-def writing() -> Sinks:
-    """The target whose `publish` runs in this process (object storage's); local files otherwise."""
-    return _publishing[-1] if _publishing else LOCAL
-
-
-@contextmanager
-def publishing(target: Sinks) -> Iterator[None]:
-    """`target` is the one written while the block runs (`writing()`)."""
-    _publishing.append(target)
-    try:
-        yield
-    finally:
-        _publishing.pop()

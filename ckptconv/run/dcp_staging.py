@@ -18,6 +18,7 @@ from ckptconv.options import HfToDcpOptions
 from ckptconv.plan import megatron as megatron_out
 from ckptconv.plan.config import dequantized_config
 from ckptconv.plan.types import DcpSavePlan, RankBytes
+from ckptconv.publish.target import Target
 from ckptconv.run import verify as verify_mod
 from ckptconv.run.steps import ConfigFile, check_output
 from ckptconv.stream.dcp_save import save_dcp
@@ -38,13 +39,14 @@ class Staging:
     """The steps run on the staging directory before it is published: `write` and `check` (--verify) on
     every rank, `finish` on rank 0."""
 
-    def __init__(self, world: World, ui: Ui, job: Planned, options: HfToDcpOptions) -> None:
-        self.world, self.ui, self.job, self.options = world, ui, job, options
+    def __init__(self, world: World, ui: Ui, job: Planned, options: HfToDcpOptions, target: Target) -> None:
+        self.world, self.ui, self.job, self.options, self.target = world, ui, job, options, target
         self.mine = RankBytes(world.rank, 0, 0)  # what this rank read and wrote
 
     def write(self, staging: Path) -> None:
         """This rank's rows of every tensor."""
-        self.mine = save_dcp(self.job.plan, staging, self.world, self.ui, self.options.output.fsync)
+        o = self.options
+        self.mine = save_dcp(self.job.plan, staging, self.world, self.ui, o.output.fsync, self.target)
 
     def check(self, staging: Path) -> None:
         """--verify: the staged output against the HF tensors the plan read."""

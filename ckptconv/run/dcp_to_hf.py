@@ -22,9 +22,9 @@ from ckptconv.mapping import load_config, load_mapping
 from ckptconv.options import DcpToHfOptions
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import HfSavePlan, RankBytes
-from ckptconv.publish import hub_push, outcheck, outdir, remote_out
+from ckptconv.publish import hub_push, outcheck, remote_out
 from ckptconv.publish.copy_from import check_copy
-from ckptconv.publish.remote_out import RemoteTarget
+from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
 from ckptconv.run.hf_staging import Planned, Staging
 from ckptconv.run.steps import config_file, return_freed_memory
@@ -81,7 +81,9 @@ def dcp_to_hf(
     return result
 
 
-def check_inputs(world: World, located: Path, out: Path, options: DcpToHfOptions) -> outcheck.Target | None:
+def check_inputs(
+    world: World, located: Path, out: Path, options: DcpToHfOptions
+) -> Target | None:
     """Every rank: `--copy-from` is a directory, and OUT may be written and keeps clear of every input;
     the target to write (None: a dry run)."""
     copy_from, lora = options.copy_from, options.lora
@@ -150,37 +152,33 @@ def publish(
     world: World,
     ui: Ui,
     job: Planned,
-    target: outcheck.Target,
+    target: Target,
     out: Path,
     options: DcpToHfOptions,
     result: Result,
 ) -> None:
     """Write, check and finish the staging directory, publish it as OUT, then push it (`options.push`)."""
     plan = job.plan
-    if isinstance(target, RemoteTarget):
-        if (
-            world.size > 1
-            and remote_out.granularity(out, options.write_granularity, bool(options.quantize)) == "file"
-        ):
-            ui.info(f"{target.url}: each file is uploaded whole by one rank (--write-granularity file)")
-    elif target.note:
-        ui.info(target.note)
-    staged = Staging(world, ui, job, options)
+    granularity = target.granularity(options.write_granularity, bool(options.quantize))
+    for note in target.notes(world.size, granularity):
+        ui.info(note)
+    staged = Staging(world, ui, job, options, target)
+    # the object completed last: model.safetensors (or an adapter's one file), else the index
+    last = INDEX_FILE if plan.sharded or not plan.files else plan.files[0].name
     with gcpause.paused():  # the plan's records are not walked again and again while the bytes move
-        if isinstance(target, RemoteTarget):
-            last = INDEX_FILE if plan.sharded else plan.files[0].name  # model.safetensors, or an adapter's
-            layout = (plan.files, plan.writes)
-            copied = remote_out.publish(
-                world, target, last, staged.write, staged.finish, staged.check, layout
-            )
-        else:
-            fsync = options.output.fsync
-            copied = outdir.atomically(
-                world, target, staged.write, staged.finish, staged.check, ui.warn, fsync
-            )
+        copied = target.publish(
+            world,
+            staged.write,
+            staged.finish,
+            staged.check,
+            last=last,
+            layout=(plan.files, plan.writes),
+            say=ui.warn,
+            fsync=options.output.fsync,
+        )
     result.copied, result.config_edits = copied or [], staged.config_edits
     result.ranks = world.all_gather_object(staged.mine)
     result.written = True
     if options.push is not None:
-        assert isinstance(target, outcheck.Output)  # a URL OUT with --push-to-hub was refused
-        result.hub = on_main(world, hub_push.push, options.push, target.path)
+        assert target.local_path is not None  # a URL OUT with --push-to-hub was refused
+        result.hub = on_main(world, hub_push.push, options.push, target.local_path)

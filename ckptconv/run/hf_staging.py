@@ -18,6 +18,7 @@ from ckptconv.mapping import CONFIG_FILE
 from ckptconv.options import DcpToHfOptions
 from ckptconv.plan.types import HfSavePlan, RankBytes
 from ckptconv.publish.copy_from import copy_non_weights
+from ckptconv.publish.target import Target
 from ckptconv.run import verify as verify_mod
 from ckptconv.run.steps import check_output
 from ckptconv.stream.hf_write import follow_config, write_adapter_config, write_shards
@@ -38,8 +39,8 @@ class Staging:
     """The steps run on the staging directory before it is published: `write` and `check` on every rank,
     `finish` on rank 0; what they read and changed is kept for the result."""
 
-    def __init__(self, world: World, ui: Ui, job: Planned, options: DcpToHfOptions) -> None:
-        self.world, self.ui, self.job, self.options = world, ui, job, options
+    def __init__(self, world: World, ui: Ui, job: Planned, options: DcpToHfOptions, target: Target) -> None:
+        self.world, self.ui, self.job, self.options, self.target = world, ui, job, options, target
         self.pieces: list[RowPiece] = []  # the chunks' pieces this rank read (some rows of a chunk)
         self.mine = RankBytes(world.rank, 0, 0)
         self.config_edits: list[str] = []
@@ -56,6 +57,7 @@ class Staging:
             o.bucket_bytes,
             o.read_path,
             o.output.fsync,
+            self.target,
         )
         self.pieces.extend(read)
 

@@ -23,8 +23,8 @@ from ckptconv.options import HfToDcpOptions
 from ckptconv.plan import megatron as megatron_out
 from ckptconv.plan.to_hf import plan_hf_to_dcp
 from ckptconv.plan.types import DcpSavePlan, RankBytes
-from ckptconv.publish import outcheck, outdir, remote_out
-from ckptconv.publish.remote_out import RemoteTarget
+from ckptconv.publish import outcheck
+from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
 from ckptconv.run.dcp_staging import Planned, Staging
 from ckptconv.run.steps import config_file, return_freed_memory
@@ -82,7 +82,7 @@ def hf_to_dcp(
 
 def check_inputs(
     world: World, path: Path, adapter: Path | None, out: Path, options: HfToDcpOptions
-) -> outcheck.Target | None:
+) -> Target | None:
     """Every rank: OUT may be written and keeps clear of every input; the target (None: a dry run)."""
     inputs = [("SRC", path), ("--config", options.mapping.config), ("--lora-adapter", adapter)]
     inputs.append(outcheck.mapping_input(options.mapping.mapping))
@@ -123,19 +123,15 @@ def tell(ui: Ui, job: Planned) -> None:
 
 
 def publish(
-    world: World, ui: Ui, job: Planned, target: outcheck.Target, options: HfToDcpOptions, result: DcpResult
+    world: World, ui: Ui, job: Planned, target: Target, options: HfToDcpOptions, result: DcpResult
 ) -> None:
     """Write, check (with --verify) and finish the staging directory, and publish it as OUT."""
-    if isinstance(target, outcheck.Output) and target.note:
-        ui.info(target.note)
-    staged = Staging(world, ui, job, options)
+    for note in target.notes(world.size):
+        ui.info(note)
+    staged = Staging(world, ui, job, options, target)
     check = staged.check if options.output.verify else None
-    with gcpause.paused():
-        if isinstance(target, RemoteTarget):
-            remote_out.publish(world, target, METADATA_FILE, staged.write, staged.finish, check)
-        else:
-            outdir.atomically(
-                world, target, staged.write, staged.finish, check, ui.warn, options.output.fsync
-            )
+    with gcpause.paused():  # `.metadata` completes a DCP checkpoint: it is published last
+        fsync, say = options.output.fsync, ui.warn
+        target.publish(world, staged.write, staged.finish, check, last=METADATA_FILE, say=say, fsync=fsync)
     result.ranks = world.all_gather_object(staged.mine)
     result.written = True

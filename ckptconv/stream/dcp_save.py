@@ -15,7 +15,7 @@ from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World
 from ckptconv.plan.types import DcpOutTensor, DcpSavePlan, RankBytes
-from ckptconv.publish.target import Sinks, writing
+from ckptconv.publish.target import Sinks
 from ckptconv.stream.compose import source_rows, target_rows
 
 
@@ -24,15 +24,15 @@ def save_dcp(
     staging: Path,
     world: World,
     ui: Ui,
-    fsync: bool = True,
-    target: Sinks | None = None,
+    fsync: bool,
+    target: Sinks,
 ) -> RankBytes:
     """This rank's rows of every tensor into `staging` (collective), each file fsynced as it is written
     unless not `fsync`; returns the bytes it read and the bytes of the data files it wrote. `target`: where
-    the files go (`publish.target`; by default the one publishing in this process)."""
+    the files go (`publish.target`)."""
     from ckptconv.formats.dcp_writer import write_dcp  # torch.distributed.checkpoint: about 1 s to import
 
-    sinks = target if target is not None else writing()
+    sinks = target
     state_dict, raw_items, scalars = _dcp_state_dict(plan, world)
     by_key = {t.key: t for t in plan.tensors}
     reader = RowReader()

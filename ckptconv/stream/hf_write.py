@@ -23,7 +23,7 @@ from ckptconv.lora.settings import CONFIG_FILE as LORA_CONFIG_FILE
 from ckptconv.plan.config import edit_config, release_dtype
 from ckptconv.plan.types import HfSavePlan, OutTensor, RankBytes
 from ckptconv.plan.writes import bytes_per_rank
-from ckptconv.publish.target import Sinks, writing
+from ckptconv.publish.target import Sinks
 from ckptconv.quant import fp8
 from ckptconv.quant.policy import scale_key
 from ckptconv.stream.buffers import BufferPool
@@ -41,12 +41,12 @@ def write_shards(
     ui: Ui,
     bucket: int,
     read_path: ReadPath,
-    fsync: bool = True,
-    target: Sinks | None = None,
+    fsync: bool,
+    target: Sinks,
 ) -> tuple[list[RowPiece], RankBytes]:
     """This rank's writes into `staging`, each file fsynced once this rank has written it (unless not
     `fsync`); returns the chunks' pieces it read (some rows of a chunk) and the bytes it read and wrote.
-    `target`: where the files go (`publish.target`; by default the one publishing in this process)."""
+    `target`: where the files go (`publish.target`)."""
     with DcpReader(ckpt, cache_bytes=bucket) as reader:
         if read_path == "gather":
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
@@ -54,7 +54,7 @@ def write_shards(
         else:
             pool = BufferPool.for_bucket(bucket)
             items = direct_tensors(plan, world, reader, bucket, pool)
-        written = write_files(plan, items, staging, world, ui, pool, fsync, target)
+        written = write_files(plan, items, staging, world, ui, pool, fsync, target=target)
         return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
 
 
@@ -66,14 +66,15 @@ def write_files(
     ui: Ui,
     pool: BufferPool | None = None,
     fsync: bool = True,
-    target: Sinks | None = None,
+    *,
+    target: Sinks,
 ) -> int:
     """Write this rank's byte ranges of the plan's files (`plan.writes_of`) from `items` (its writes with
     their data, in order, as unshard yields them), each in place; returns the bytes written. Tensors made
     in `pool` go back to it once written. With `fsync`, each file is fsynced as soon as this rank's writes to
     it are done, on a thread of its own while the next file is written, and all before this returns.
-    `target`: the files' sinks (`publish.target`; by default those of the one publishing in this process)."""
-    sinks = target if target is not None else writing()
+    `target`: the files' sinks (`publish.target`)."""
+    sinks = target
     mine = plan.writes_of(world.rank)
     files = len({w.file.name for w in mine})
     nbytes = bytes_per_rank(plan.writes, plan.world_size)[world.rank]

@@ -76,7 +76,7 @@ def dcp_to_hf(
         if options.push is not None:
             ui.info(f"--dry-run: nothing is written, nor pushed to {options.push.repo_id}")
     else:
-        publish(world, ui, job, target, out, options, result)
+        publish(world, ui, job, target, options, result)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -153,7 +153,6 @@ def publish(
     ui: Ui,
     job: Planned,
     target: Target,
-    out: Path,
     options: DcpToHfOptions,
     result: Result,
 ) -> None:

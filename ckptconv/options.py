@@ -213,3 +213,31 @@ class HfToDcpOptions:
             object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep"))
         if self.lora_adapter is not None and self.mapping.mapping:
             raise CkptconvError("--lora-adapter with --mapping is not supported yet; leave --mapping out")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerifyOptions:
+    """`verify A B`: how the two checkpoints' keys are matched and their values compared."""
+
+    mapping: MappingOptions = field(default_factory=MappingOptions)
+    """A DCP side's keys mapped as dcp-to-hf maps them (`prefix`: only the keys under it, stripped)."""
+    atol: float | None = None
+    """Absolute tolerance: |a-b| <= atol + rtol*|b| in fp32; with `rtol` also None, bit for bit."""
+    rtol: float | None = None
+    """Relative tolerance (see `atol`)."""
+    revision: str | None = None
+    """The hub revision of a repo id among A and B."""
+    lora: LoraRequest | None = None
+    """What to make of LoRA factors on a DCP side (`--lora`: merged as dcp-to-hf merges them, ...)."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--atol", self.atol), ("--rtol", self.rtol)):
+            if value is not None and not value >= 0:
+                raise CkptconvError(f"{flag} {value}: must be a number >= 0")
+        if self.lora is not None:
+            self.lora.check()
+
+    @property
+    def bit_for_bit(self) -> bool:
+        """No tolerance given: values must match bit for bit."""
+        return self.atol is None and self.rtol is None

@@ -249,34 +249,19 @@ def verify_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Compare two checkpoints tensor by tensor: exit 0 when they match, 1 on any mismatch, 2 on bad input."""
+    flags = dict(locals())
+    from ckptconv.cli.build import verify_options
     from ckptconv.cli.render import show_verify
-    from ckptconv.errors import CkptconvError
     from ckptconv.job.ui import Ui
     from ckptconv.job.world import world_from_env
-    from ckptconv.run.verify import Tolerance, verify
+    from ckptconv.run.verify import tolerance_of, verify
 
-    for flag, value in (("--atol", atol), ("--rtol", rtol)):
-        if value is not None and not value >= 0:
-            raise CkptconvError(f"{flag} {value}: must be a number >= 0")
-    tolerance = Tolerance(atol or 0.0, rtol or 0.0) if atol is not None or rtol is not None else None
-    lora_req = opt.lora_request(lora, lora_name, lora_alpha, lora_config, lora_rslora, None)
+    options = verify_options(flags)
     use_storage(storage_options, coalesce_gap)
     with _trust(trust_pickle), world_from_env(say_agreed=say_agreed) as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
-        report = verify(
-            a,
-            b,
-            world=world,
-            ui=ui,
-            revision=revision,
-            prefix=prefix,
-            mapping=mapping,
-            config=config,
-            allow_unmapped=allow_unmapped,
-            tolerance=tolerance,
-            lora=lora_req,
-        )
-        show_verify(report, a, b, world, tolerance, json_out)
+        report = verify(a, b, options, world=world, ui=ui)
+        show_verify(report, a, b, world, tolerance_of(options), json_out)
 
 
 @app.command("inspect")

@@ -10,7 +10,14 @@ from typing import Any
 from ckptconv.cli.flags import push_request
 from ckptconv.errors import CkptconvError
 from ckptconv.lora.select import LoraRequest
-from ckptconv.options import DcpToHfOptions, DtypeOptions, HfToDcpOptions, MappingOptions, OutputOptions
+from ckptconv.options import (
+    DcpToHfOptions,
+    DtypeOptions,
+    HfToDcpOptions,
+    MappingOptions,
+    OutputOptions,
+    VerifyOptions,
+)
 
 
 def _dtype(flags: Mapping[str, Any]) -> DtypeOptions:
@@ -77,6 +84,20 @@ def hf_to_dcp_options(flags: Mapping[str, Any]) -> HfToDcpOptions:
         revision=flags["revision"],
         lora_adapter=flags["lora_adapter"],
         lora_name=flags["lora_name"],
+    )
+
+
+def verify_options(flags: Mapping[str, Any]) -> VerifyOptions:
+    """`verify`'s options from its flags (the command's parameters, by name)."""
+    lora = LoraRequest(  # checked by the options
+        flags["lora"], flags["lora_name"], flags["lora_alpha"], flags["lora_config"], flags["lora_rslora"]
+    )
+    return VerifyOptions(
+        mapping=_mapping(flags),
+        atol=flags["atol"],
+        rtol=flags["rtol"],
+        revision=flags["revision"],
+        lora=None if lora == LoraRequest() else lora,  # no --lora flag: as the library's default
     )
 
 

@@ -294,22 +294,6 @@ LoraBaseOpt = Annotated[
 ]
 
 
-def lora_request(
-    mode: str | None,
-    name: str | None,
-    alpha: float | None,
-    config: Path | None,
-    rslora: bool,
-    base: str | None,
-) -> Any:
-    """`--lora` and its flags as a `lora.select.LoraRequest` (its flags without `--lora` are refused)."""
-    from ckptconv.lora.select import LoraRequest
-
-    request = LoraRequest(mode, name, alpha, config, rslora, base)  # type: ignore[arg-type]
-    request.check()
-    return request
-
-
 LoraAdapterOpt = Annotated[
     str | None,
     typer.Option(

@@ -35,6 +35,7 @@ from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone
 from ckptconv.lora.select import LoraRequest
 from ckptconv.mapping import VARIANTS, load_config, load_mapping
+from ckptconv.options import VerifyOptions
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.to_hf import assign_owners
 from ckptconv.quant import fp8
@@ -299,20 +300,12 @@ def _nbytes(side: Side, key: str) -> int:
 
 
 def verify(
-    a: str,
-    b: str,
-    *,
-    world: World,
-    ui: Ui,
-    revision: str | None = None,
-    prefix: str | None = None,
-    mapping: str | None = None,
-    config: Path | None = None,
-    allow_unmapped: bool = False,
-    tolerance: Tolerance | None = None,
-    lora: LoraRequest | None = None,
+    a: str, b: str, options: VerifyOptions = VerifyOptions(), *, world: World, ui: Ui
 ) -> Report:
-    """Collective: compare checkpoint `a` with `b` (paths or hub repo ids). Rank 0 downloads repo ids."""
+    """Collective: compare checkpoint `a` with `b` (paths or hub repo ids) as `options` say. Rank 0
+    downloads repo ids."""
+    revision, mapping = options.revision, options.mapping
+    config = mapping.config
 
     def where(src: str) -> Path:  # --revision is for the hub repo id(s) among A and B
         return any_source(src, None if exists(Path(src)) or is_url(src) else revision)
@@ -327,19 +320,24 @@ def verify(
         return open_sides(
             path_a,
             path_b,
-            prefix=prefix,
-            mapping=mapping,
+            prefix=mapping.prefix,
+            mapping=mapping.mapping,
             config=load_config(*found),
-            allow_unmapped=allow_unmapped,
-            lora=lora,
+            allow_unmapped=mapping.allow_unmapped,
+            lora=options.lora,
         )
 
     side_a, side_b = everyone(world, prepare)
     try:
-        return verify_sides(side_a, side_b, world, ui, tolerance)
+        return verify_sides(side_a, side_b, world, ui, tolerance_of(options))
     finally:
         side_a.close()
         side_b.close()
+
+
+def tolerance_of(options: VerifyOptions) -> Tolerance | None:
+    """The tolerance `options` give (None: bit for bit)."""
+    return None if options.bit_for_bit else Tolerance(options.atol or 0.0, options.rtol or 0.0)
 
 
 def check_output(source: Side, output: Side, world: World, ui: Ui) -> None:

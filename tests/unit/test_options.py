@@ -20,6 +20,7 @@ from ckptconv.options import (
     HfToDcpOptions,
     MappingOptions,
     OutputOptions,
+    VerifyOptions,
 )
 
 
@@ -73,6 +74,18 @@ def test_other_values_refused() -> None:
     with pytest.raises(CkptconvError, match=r"^bucket_size '0'"):
         DcpToHfOptions(bucket_size="0", wording=SAVE_HF)
     assert OutputOptions().fsync and not OutputOptions().overwrite
+
+
+def test_verify_values_refused_and_tolerance() -> None:
+    """verify's checks live in its options: a negative or NaN tolerance, an unknown --lora mode."""
+    for value in (-1.0, float("nan")):
+        with pytest.raises(CkptconvError, match=r"^--atol .*: must be a number >= 0"):
+            VerifyOptions(atol=value)
+        with pytest.raises(CkptconvError, match=r"^--rtol .*: must be a number >= 0"):
+            VerifyOptions(rtol=value)
+    with pytest.raises(CkptconvError, match="--lora 'fuse' is not one of"):
+        VerifyOptions(lora=LoraRequest("fuse"))  # type: ignore[arg-type]
+    assert VerifyOptions().bit_for_bit and not VerifyOptions(rtol=0.0).bit_for_bit
 
 
 def test_options_import_no_torch() -> None:

@@ -241,3 +241,19 @@ class VerifyOptions:
     def bit_for_bit(self) -> bool:
         """No tolerance given: values must match bit for bit."""
         return self.atol is None and self.rtol is None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InspectOptions:
+    """`inspect PATH`: which checkpoint is read, and how it is shown mapped."""
+
+    mapping: MappingOptions = field(default_factory=MappingOptions)
+    """With `mapping.mapping`: the keys as that mapping writes them too (the mapped view)."""
+    revision: str | None = None
+    """The hub revision when PATH is a repo id."""
+    explain: str | None = None
+    """With a mapping: which rule and operation made this key (shown instead of the checkpoint)."""
+
+    def __post_init__(self) -> None:
+        if self.explain and not self.mapping.mapping:
+            raise CkptconvError("--explain needs --mapping: name the mapping whose rules made the key")

@@ -284,42 +284,30 @@ def inspect_cmd(
     explain: ExplainOpt = None,
 ) -> None:
     """Show what a checkpoint holds (reads metadata and headers only); with --mapping, the mapped view too."""
+    flags = dict(locals())
     from rich.console import Console
 
-    from ckptconv.formats.files import is_directory
-    from ckptconv.formats.hf import checkpoint_root
-    from ckptconv.mapping import load_config, load_mapping
-    from ckptconv.remote.urls import location
-    from ckptconv.run.report import inspect, mapped_targets, mapped_view, render_inspect, render_mapped
-    from ckptconv.source.hub import download, looks_like_repo_id
+    from ckptconv.cli.build import inspect_options
+    from ckptconv.run.inspect import inspect_checkpoint
+    from ckptconv.run.report import render_inspect, render_mapped
 
-    if explain and not mapping:
-        raise typer.BadParameter("needs --mapping", param_hint="--explain")
+    options = inspect_options(flags)
     use_storage(storage_options, "0")
-    local = download(path, revision) if looks_like_repo_id(path) else location(path, "PATH")
     with _trust(trust_pickle):
-        info = inspect(local)
+        found = inspect_checkpoint(path, options)
     console = Console(highlight=False, soft_wrap=True)
-    if mapping:
-        key_mapping = load_mapping(mapping)
-        beside = (local / "config.json", checkpoint_root(local)) if is_directory(local) else (None, None)
-        model_config = load_config(config) if config else load_config(*beside)
-        targets = mapped_targets(info, key_mapping, model_config, allow_unmapped).targets
-        info["mapped"] = mapped_view(targets)
-        if explain:
-            from ckptconv.run.explain import explain as explain_key
-            from ckptconv.run.explain import render_explain
+    if found.explained is not None:
+        from ckptconv.run.explain import render_explain
 
-            doc = explain_key(key_mapping, targets, explain)
-            _print_json(doc) if json_out else render_explain(doc, console)
-            return
-    if json_out:
-        _print_json(info)
+        _print_json(found.explained) if json_out else render_explain(found.explained, console)
         return
-    render_inspect(info, console)
+    if json_out:
+        _print_json(found.info)
+        return
+    render_inspect(found.info, console)
     if mapping:
         console.print(f"mapped with {mapping}:", markup=False)
-        render_mapped(info["mapped"], console)
+        render_mapped(found.info["mapped"], console)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,7 @@ from ckptconv.options import (
     DcpToHfOptions,
     DtypeOptions,
     HfToDcpOptions,
+    InspectOptions,
     MappingOptions,
     OutputOptions,
     VerifyOptions,
@@ -99,6 +100,14 @@ def verify_options(flags: Mapping[str, Any]) -> VerifyOptions:
         revision=flags["revision"],
         lora=None if lora == LoraRequest() else lora,  # no --lora flag: as the library's default
     )
+
+
+def inspect_options(flags: Mapping[str, Any]) -> InspectOptions:
+    """`inspect`'s options from its flags (the command's parameters, by name)."""
+    mapping = MappingOptions(
+        mapping=flags["mapping"], config=flags["config"], allow_unmapped=flags["allow_unmapped"]
+    )
+    return InspectOptions(mapping=mapping, revision=flags["revision"], explain=flags["explain"])
 
 
 def refuses(build: Callable[[Mapping[str, Any]], object], flags: Mapping[str, Any]) -> bool:

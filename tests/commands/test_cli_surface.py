@@ -1,6 +1,6 @@
-"""The command line of the conversions, frozen: every flag of `dcp-to-hf`, `hf-to-dcp` and `verify` maps to
-exactly one field of its options object (ckptconv/options.py), and every field to a flag, but for the few
-listed below.
+"""The command line, frozen: every flag of `dcp-to-hf`, `hf-to-dcp`, `verify` and `inspect` maps to exactly
+one field of its options object (ckptconv/options.py), and every field to a flag, but for the few listed
+below.
 
 A new flag fails this test until it is listed here with its field (or as a flag of the command alone), and a
 new field until it has a flag (or is listed as library-only): the CLI and the library stay one surface.
@@ -15,12 +15,13 @@ import pytest
 import typer
 
 from ckptconv.cli.app import app
-from ckptconv.cli.build import dcp_to_hf_options, hf_to_dcp_options, verify_options
+from ckptconv.cli.build import dcp_to_hf_options, hf_to_dcp_options, inspect_options, verify_options
 from ckptconv.lora.select import LoraRequest
 from ckptconv.options import (
     DcpToHfOptions,
     DtypeOptions,
     HfToDcpOptions,
+    InspectOptions,
     MappingOptions,
     OutputOptions,
     VerifyOptions,
@@ -115,8 +116,16 @@ VERIFY = {
     "--lora-config": "lora.config",
     "--lora-rslora": "lora.rslora",
 }
-# per command: fields its flags do not set (verify compares factors; it writes no adapter config)
-COMMAND_LIBRARY_ONLY = {"verify": {"lora.base_model"}}
+INSPECT = {
+    "--revision": "revision",
+    "--mapping": "mapping.mapping",
+    "--config": "mapping.config",
+    "--allow-unmapped": "mapping.allow_unmapped",
+    "--explain": "explain",
+}
+# per command: fields its flags do not set (verify compares factors: it writes no adapter config; inspect
+# shows every key a checkpoint holds)
+COMMAND_LIBRARY_ONLY = {"verify": {"lora.base_model"}, "inspect": {"mapping.prefix"}}
 
 
 def _flags(command: str) -> dict[str, Any]:
@@ -143,6 +152,7 @@ def _fields(cls: type[Any]) -> set[str]:
         ("dcp-to-hf", DCP_TO_HF, DcpToHfOptions),
         ("hf-to-dcp", HF_TO_DCP, HfToDcpOptions),
         ("verify", VERIFY, VerifyOptions),
+        ("inspect", INSPECT, InspectOptions),
     ],
 )
 def test_every_flag_is_one_options_field(command: str, table: dict[str, str], cls: type[Any]) -> None:
@@ -161,6 +171,7 @@ def test_every_flag_is_one_options_field(command: str, table: dict[str, str], cl
         ("dcp-to-hf", dcp_to_hf_options, DcpToHfOptions),
         ("hf-to-dcp", hf_to_dcp_options, HfToDcpOptions),
         ("verify", verify_options, VerifyOptions),
+        ("inspect", inspect_options, InspectOptions),
     ],
 )
 def test_the_flags_defaults_are_the_library_defaults(command: str, build: Any, cls: type[Any]) -> None:

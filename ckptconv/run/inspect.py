@@ -1,0 +1,44 @@
+"""`inspect` as the command runs it: what a checkpoint holds (metadata and headers only), with a mapping its
+mapped view too, or how one key was made (`--explain`). Rendering is the CLI's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckptconv.formats.files import is_directory
+from ckptconv.formats.hf import checkpoint_root
+from ckptconv.mapping import load_config, load_mapping
+from ckptconv.options import InspectOptions
+from ckptconv.remote.urls import location
+from ckptconv.run.report import inspect, mapped_targets, mapped_view
+from ckptconv.source.hub import download, looks_like_repo_id
+
+
+@dataclass
+class Inspected:
+    """What `inspect_checkpoint` found."""
+
+    info: dict[str, Any]
+    """The checkpoint's description (`report.inspect`), with `mapped` when a mapping was given."""
+    explained: dict[str, Any] | None = None
+    """`--explain KEY`: the rule and operation that made the key (`explain.explain`)."""
+
+
+def inspect_checkpoint(path: str, options: InspectOptions = InspectOptions()) -> Inspected:
+    """The checkpoint at `path` (a directory, a file, a URL, or a hub repo id) as `options` say."""
+    local = download(path, options.revision) if looks_like_repo_id(path) else location(path, "PATH")
+    info = inspect(local)
+    m = options.mapping
+    if not m.mapping:
+        return Inspected(info)
+    key_mapping = load_mapping(m.mapping)
+    beside = (local / "config.json", checkpoint_root(local)) if is_directory(local) else (None, None)
+    model_config = load_config(m.config) if m.config else load_config(*beside)
+    targets = mapped_targets(info, key_mapping, model_config, m.allow_unmapped).targets
+    info["mapped"] = mapped_view(targets)
+    if not options.explain:
+        return Inspected(info)
+    from ckptconv.run.explain import explain
+
+    return Inspected(info, explain(key_mapping, targets, options.explain))

@@ -130,6 +130,7 @@ def dcp_to_hf_cmd(
     lora_config: opt.LoraConfigOpt = None,
     lora_rslora: opt.LoraRsloraOpt = False,
     lora_base: opt.LoraBaseOpt = None,
+    lora_targets: opt.LoraTargetsOpt = None,
     quiet: QuietOpt = False,
     progress: ProgressOpt = None,
     json_out: JsonOpt = False,

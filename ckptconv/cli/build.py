@@ -43,6 +43,12 @@ def _output(flags: Mapping[str, Any]) -> OutputOptions:
     )
 
 
+def _names(values: list[str] | None) -> tuple[str, ...]:
+    """A list flag that takes names comma-separated or repeated (`--lora-targets q_proj,v_proj`), blanks
+    around them dropped (an empty one is kept, for the options to refuse)."""
+    return tuple(name.strip() for value in values or () for name in value.split(","))
+
+
 def dcp_to_hf_options(flags: Mapping[str, Any]) -> DcpToHfOptions:
     """`dcp-to-hf`'s options from its flags (the command's parameters, by name)."""
     push = push_request(
@@ -55,6 +61,7 @@ def dcp_to_hf_options(flags: Mapping[str, Any]) -> DcpToHfOptions:
         flags["lora_config"],
         flags["lora_rslora"],
         flags["lora_base"],
+        _names(flags["lora_targets"]),
     )  # checked by the options
     return DcpToHfOptions(
         dtype=_dtype(flags),

@@ -292,6 +292,16 @@ LoraBaseOpt = Annotated[
         show_default=False,
     ),
 ]
+LoraTargetsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora-targets",
+        help="target_modules for the adapter_config.json that --lora adapter derives: module names "
+        "(comma-separated or repeated) that PEFT matches to exactly the adapted modules (default: their last "
+        "names, or a regex of their full names).",
+        show_default=False,
+    ),
+]
 
 
 LoraAdapterOpt = Annotated[

@@ -38,6 +38,7 @@ class LoraRequest:
     config: Path | None = None  # --lora-config: the trainer's adapter_config.json
     rslora: bool = False  # --lora-rslora (without a config)
     base_model: str | None = None  # --lora-base: base_model_name_or_path of the adapter's config
+    targets: tuple[str, ...] = ()  # --lora-targets: target_modules of the adapter's derived config
 
     def check(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -47,6 +48,23 @@ class LoraRequest:
             raise CkptconvError(f"{given[0]} applies with --lora {'|'.join(MODES)}")
         if self.alpha is not None:
             check_alpha(self.alpha)
+        if self.targets:
+            self._check_targets()
+
+    def _check_targets(self) -> None:
+        """`--lora-targets`: names, for the adapter_config.json adapter mode derives (no --lora-config)."""
+        if self.mode != "adapter":
+            raise CkptconvError("--lora-targets applies with --lora adapter (the config it derives)")
+        if self.config is not None:
+            raise CkptconvError(
+                f"--lora-targets: --lora-config {self.config} already says target_modules; give one of the "
+                "two"
+            )
+        if not all(self.targets):
+            raise CkptconvError(
+                "--lora-targets: an empty module name; give names separated by commas (--lora-targets "
+                "q_proj,v_proj)"
+            )
 
     def _flags(self) -> list[tuple[str, Any]]:
         return [
@@ -91,10 +109,12 @@ def lora_plan(
     request: LoraRequest | None,
     src: Path,
     read_trainer_config: bool = True,
+    mapped: bool = False,
 ) -> LoraPlan | None:
     """The keys the mode makes of `keys` (selected keys, with their `shapes`); None when there is no LoRA.
     `src`: the checkpoint directory, where an `adapter_config.json` is read when no `--lora-config` is given
-    (`read_trainer_config`; False for a checkpoint in object storage)."""
+    (`read_trainer_config`; False for a checkpoint in object storage). `mapped`: a mapping renames the
+    modules, and `settings.mapped_config` checks `--lora-targets` against the mapped names instead."""
     if request is AS_STORED:
         return None
     found = find_lora(keys)
@@ -129,7 +149,8 @@ def lora_plan(
         merges = {f.weight: _merge(f, s, shapes, dict(found.base)) for f in factors.values()}
         return LoraPlan(mode, name, base, merges, note=note + f"; merged ({_describe(s)})")
     modules = {k.removesuffix(".weight") for k, _ in base if k.endswith(".weight")}
-    config = adapter_config(s, factors, modules, request.base_model)
+    targets = () if mapped else request.targets
+    config = adapter_config(s, factors, modules, request.base_model, targets)
     written = _adapter_keys(factors, dict(found.base))
     by_weight = {f.weight: f for f in factors.values()}
     return LoraPlan(mode, name, written, {}, config, note + f" ({_describe(s)})", (), by_weight, base)
@@ -145,6 +166,8 @@ def _trainer_config(
     config = read_config(path, None if request.config else src) if path is not None else None
     if config is not None and request.alpha is not None:
         raise CkptconvError(f"--lora-alpha: the alpha comes from {path}; give one of the two")
+    if config is not None and request.targets:
+        raise CkptconvError(f"--lora-targets: target_modules come from {path}; leave --lora-targets out")
     source = f"--lora-config {path}" if request.config is not None else str(path)
     if config is not None:
         check_config(config, source)

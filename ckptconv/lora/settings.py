@@ -4,7 +4,8 @@ reads. Pure, apart from reading `--lora-config`.
 They come from the trainer's PEFT config (`--lora-config FILE`, or `adapter_config.json` in the checkpoint
 directory), else from the factors' shapes and the flags: r is A's rows (the most common one; the others go
 to `rank_pattern`), alpha is `--lora-alpha`, `target_modules` the targeted modules' last names (or, when
-that would also match an untargeted module, a regex of their full names). PEFT's scaling per module:
+that would also match an untargeted module, a regex of their full names), or `--lora-targets` when it
+names exactly the targeted modules as PEFT matches them (`chosen_targets`). PEFT's scaling per module:
 
     scaling = alpha / r            (alpha / sqrt(r) with use_rslora)
 
@@ -144,6 +145,38 @@ def _modules(targeted: set[str], modules: set[str]) -> list[str] | str:
     return "^(?:" + "|".join(re.escape(m) for m in sorted(targeted)) + ")$"
 
 
+def chosen_targets(targets: tuple[str, ...], targeted: set[str], modules: set[str]) -> list[str]:
+    """`--lora-targets` as PEFT's `target_modules` (as given, once each), when PEFT would adapt exactly the
+    `targeted` modules (those with factors) among all the model's `modules` with them; else a CkptconvError.
+    PEFT matches an entry to a module named so, or whose name ends with "." + the entry."""
+    names = list(dict.fromkeys(targets))
+    for module in sorted(targeted):
+        if not any(_matches(name, module) for name in names):
+            raise CkptconvError(
+                f"--lora-targets: no name matches {module!r}, which has LoRA factors (PEFT would not load "
+                f"them); add {module.rsplit('.', 1)[-1]!r} or its full name"
+            )
+    for name in names:
+        if not any(_matches(name, m) for m in targeted):
+            leaves = ", ".join(sorted({m.rsplit(".", 1)[-1] for m in targeted}))
+            raise CkptconvError(
+                f"--lora-targets: {name!r} matches no module with LoRA factors (PEFT refuses a target that "
+                f"matches nothing); the adapted modules are {leaves}"
+            )
+        extra = sorted(m for m in modules - targeted if _matches(name, m))
+        if extra:
+            raise CkptconvError(
+                f"--lora-targets: {name!r} also matches {extra[0]!r}, which has no LoRA factors (PEFT would "
+                "give it an untrained adapter, missing from the file); name the adapted modules more fully"
+            )
+    return names
+
+
+def _matches(name: str, module: str) -> bool:
+    """PEFT's match of a `target_modules` list entry: the module's name, or its end after a dot."""
+    return module == name or module.endswith("." + name)
+
+
 def target_parameters(factors: dict[str, Factors]) -> list[str] | None:
     """PEFT's `target_parameters`: each ParamWrapper's parameter as `parent.module.param` (PEFT matches a
     suffix of the parameter's full name), in a stable order; None without any."""
@@ -154,19 +187,25 @@ def target_parameters(factors: dict[str, Factors]) -> list[str] | None:
 
 
 def adapter_config(
-    s: LoraSettings, factors: dict[str, Factors], modules: set[str], base_model: str | None
+    s: LoraSettings,
+    factors: dict[str, Factors],
+    modules: set[str],
+    base_model: str | None,
+    targets: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The adapter_config.json written with adapter mode: the trainer's own when it was given, else one
-    derived from the shapes and the flags, with PEFT's defaults for the rest."""
+    derived from the shapes and the flags (`targets`: `--lora-targets`), with PEFT's defaults for the rest."""
     if s.config is not None:
         return s.config
+    targeted = {f.module for f in factors.values() if f.kind != "param"}
+    chosen = chosen_targets(targets, targeted, modules) if targets else target_modules(factors, modules)
     return {
         "peft_type": "LORA",
         "base_model_name_or_path": base_model,
         "task_type": None,
         "r": s.r,
         "lora_alpha": s.alpha,
-        "target_modules": target_modules(factors, modules),
+        "target_modules": chosen,
         "target_parameters": target_parameters(factors),
         "rank_pattern": s.rank_pattern,
         "alpha_pattern": {},
@@ -181,18 +220,23 @@ def adapter_config(
     }
 
 
-def mapped_config(config: dict[str, Any], ranks: dict[str, int], modules: set[str]) -> dict[str, Any]:
+def mapped_config(
+    config: dict[str, Any], ranks: dict[str, int], modules: set[str], targets: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """`config` for an adapter whose factors a mapping renamed: `target_modules` and `rank_pattern` said
     again with the mapped modules' names (`ranks`: each adapted module's r; `modules`: all of the mapped
-    model's). An `alpha_pattern`, keyed by the trainer's names, has no such translation: refused."""
+    model's); `targets` (`--lora-targets`, in the mapped names) checked against them and written as given.
+    An `alpha_pattern`, keyed by the trainer's names, has no such translation: refused."""
     if config.get("alpha_pattern"):
         raise CkptconvError(
             "--lora adapter with --mapping: the config's alpha_pattern names the trainer's modules and is "
             "not translated yet; convert without --mapping, or merge"
         )
     r = config["r"]
+    adapted = set(ranks)
+    chosen = chosen_targets(targets, adapted, modules) if targets else _modules(adapted, modules)
     return {
         **config,
-        "target_modules": _modules(set(ranks), modules),
+        "target_modules": chosen,
         "rank_pattern": {m: n for m, n in sorted(ranks.items()) if n != r},
     }

@@ -76,10 +76,11 @@ def mapped_tensors(
     selection = select_tensors(ckpt, prefix, keep_trainer_state)
     if not selection.keys:
         raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
-    selection = _with_lora(ckpt, selection, lora)
+    selection = _with_lora(ckpt, selection, lora, mapped=mapping is not None)
     plan = selection.lora
     if plan is not None and plan.mode == "adapter" and mapping is not None:
-        return _adapter_mapped(ckpt, selection, plan, policy, mapping, config or {}, allow_unmapped)
+        targets = lora.targets if lora is not None else ()
+        return _adapter_mapped(ckpt, selection, plan, policy, mapping, config or {}, allow_unmapped, targets)
     mapped, unmapped, tied = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
     if selection.lora is not None and selection.lora.merges:
         heads = [h.head for h in tied if h.head is not None]
@@ -97,9 +98,11 @@ def _adapter_mapped(
     mapping: KeyMapping,
     config: dict[str, Any],
     allow_unmapped: bool,
+    targets: tuple[str, ...],
 ) -> tuple[Selection, list[OutTensor], list[str]]:
     """`--lora adapter --mapping M`: the base weights mapped, each adapted one's factors following it
-    (`lora.mapped`), and the adapter's config saying target_modules / rank_pattern in the mapped names."""
+    (`lora.mapped`), and the adapter's config saying target_modules / rank_pattern in the mapped names
+    (`targets`: `--lora-targets`, which name the mapped modules)."""
     fqn_of = dict(plan.sources)
     base = dataclasses.replace(selection, keys=tuple((k, fqn_of[key]) for k, key in plan.base))
     shapes = {key: ckpt.tensors[fqn].shape for key, fqn in plan.sources}
@@ -115,16 +118,19 @@ def _adapter_mapped(
     ranks = {o.hf_key[len(PEFT_PREFIX) : -len(a)]: o.shape[0] for o in mapped if o.hf_key.endswith(a)}
     modules = {k.removesuffix(".weight") for k in names if k.endswith(".weight")}
     assert plan.config is not None
-    plan = dataclasses.replace(plan, config=mapped_config(plan.config, ranks, modules))
+    plan = dataclasses.replace(plan, config=mapped_config(plan.config, ranks, modules, targets))
     return dataclasses.replace(selection, lora=plan), mapped, unmapped
 
 
-def _with_lora(ckpt: DcpCheckpoint, selection: Selection, request: LoraRequest | None) -> Selection:
-    """The selection as the `--lora` mode makes it (`lora.select`); unchanged without LoRA factors."""
+def _with_lora(
+    ckpt: DcpCheckpoint, selection: Selection, request: LoraRequest | None, mapped: bool
+) -> Selection:
+    """The selection as the `--lora` mode makes it (`lora.select`); unchanged without LoRA factors.
+    `mapped`: a mapping renames the modules (`--lora-targets` then names the mapped ones)."""
     fqn_of = dict(selection.keys)
     shapes = {key: ckpt.tensors[fqn].shape for key, fqn in selection.keys}
     local = not isinstance(ckpt.path, UrlPath)
-    found = lora_plan(list(fqn_of), shapes, request, ckpt.path, read_trainer_config=local)
+    found = lora_plan(list(fqn_of), shapes, request, ckpt.path, read_trainer_config=local, mapped=mapped)
     if found is None:
         return selection
     keys = tuple((out, fqn_of[key]) for out, key in found.keys)

@@ -86,6 +86,7 @@ DCP_TO_HF = {
     "--lora-config": "lora.config",
     "--lora-rslora": "lora.rslora",
     "--lora-base": "lora.base_model",
+    "--lora-targets": "lora.targets",
 }
 HF_TO_DCP = {
     "--dtype": "dtype.dtype",
@@ -125,7 +126,7 @@ INSPECT = {
 }
 # per command: fields its flags do not set (verify compares factors: it writes no adapter config; inspect
 # shows every key a checkpoint holds)
-COMMAND_LIBRARY_ONLY = {"verify": {"lora.base_model"}, "inspect": {"mapping.prefix"}}
+COMMAND_LIBRARY_ONLY = {"verify": {"lora.base_model", "lora.targets"}, "inspect": {"mapping.prefix"}}
 
 
 def _flags(command: str) -> dict[str, Any]:

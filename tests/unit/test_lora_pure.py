@@ -1,6 +1,6 @@
-"""LoRA planning without a checkpoint (issue #21): keys, nested wrappers, scaling, and the factors a mapping
+"""LoRA planning without a checkpoint (issue #21): keys, nested wrappers, scaling, the factors a mapping
 gives an adapter, checked by executing the parts (ckptconv.stream.blocks.place) on random tensors in
-float64."""
+float64; `--lora-targets` (issue #36) against PEFT's matching of target_modules."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from ckptconv.errors import CkptconvError
 from ckptconv.lora.keys import Factors, find_lora
 from ckptconv.lora.mapped import factor_targets
-from ckptconv.lora.settings import LoraSettings
+from ckptconv.lora.select import LoraRequest
+from ckptconv.lora.settings import LoraSettings, adapter_config, chosen_targets, mapped_config
 from ckptconv.mapping import load_mapping
 from ckptconv.mapping.rules import map_keys
 from ckptconv.mapping.types import Target
@@ -189,3 +190,72 @@ def test_the_update_of_any_block_is_that_block_of_the_whole_update(kind: str) ->
         )
         box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
         assert torch.equal(delta_box(lora, offsets, sizes, read), whole[box]), (kind, offsets)
+
+
+# --- --lora-targets ----------------------------------------------------------------------------------------
+
+LAYERS = [f"model.layers.{i}" for i in range(2)]
+ADAPTED = {f"{layer}.self_attn.{p}" for layer in LAYERS for p in ("q_proj", "v_proj")} | {
+    "model.layers.0.mlp.down_proj"  # layer 1's down_proj has no factors
+}
+MODULES = ADAPTED | {f"{layer}.{p}" for layer in LAYERS for p in ("self_attn.k_proj", "mlp.down_proj")}
+
+
+@pytest.mark.parametrize(
+    ("targets", "written"),
+    [
+        (("q_proj", "v_proj", "layers.0.mlp.down_proj"), ["q_proj", "v_proj", "layers.0.mlp.down_proj"]),
+        (("self_attn.v_proj", "q_proj", "q_proj", "model.layers.0.mlp.down_proj"), None),  # once each
+    ],
+)
+def test_lora_targets_naming_exactly_the_adapted_modules_are_written_as_given(
+    targets: tuple[str, ...], written: list[str] | None
+) -> None:
+    """Each adapted module matched as PEFT matches a target_modules list (its name, or its end after a dot),
+    and no other: the names as given, in their order."""
+    want = written or list(dict.fromkeys(targets))
+    assert chosen_targets(targets, ADAPTED, MODULES) == want
+    factors = {m: Factors(m, "linear", m + ".A", m + ".B") for m in ADAPTED}
+    s = LoraSettings(r=4, alpha=8)
+    config = adapter_config(s, factors, MODULES, None, targets)
+    assert config["target_modules"] == want
+    derived = adapter_config(s, factors, MODULES, None)
+    assert isinstance(derived["target_modules"], str)  # a regex: down_proj alone would match layer 1's too
+    assert {k: v for k, v in config.items() if k != "target_modules"} == {
+        k: v for k, v in derived.items() if k != "target_modules"
+    }
+    # through a mapping, the names are the mapped model's
+    assert mapped_config(derived, {m: 4 for m in ADAPTED}, MODULES, targets)["target_modules"] == want
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (("q_proj",), r"no name matches 'model\.layers\.0\.mlp\.down_proj', .* add 'down_proj' or its full"),
+        (("q_proj", "v_proj", "layers.0.mlp.down_proj", "o_proj"), r"'o_proj' matches no module with LoRA"),
+        (("q_proj", "v_proj", "layers.0.mlp.down_proj", "v"), r"'v' matches no module"),  # not a suffix
+        (("q_proj", "v_proj", "down_proj"), r"'down_proj' also matches 'model\.layers\.1\.mlp\.down_proj'"),
+        (("q_proj", "v_proj", "layers.0.mlp.down_proj", "self_attn"), r"'self_attn' matches no module"),
+    ],
+)
+def test_lora_targets_that_peft_would_not_load_exactly_are_refused(
+    targets: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(CkptconvError, match="^--lora-targets: " + message):
+        chosen_targets(targets, ADAPTED, MODULES)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (dict(targets=("q_proj",)), "--lora-targets applies with --lora adapter"),
+        (dict(mode="merge", targets=("q_proj",)), "--lora-targets applies with --lora adapter"),
+        (dict(mode="drop", targets=("q_proj",)), "--lora-targets applies with --lora adapter"),
+        (dict(mode="adapter", config=Path("a.json"), targets=("q_proj",)), "a.json already says target_mod"),
+        (dict(mode="adapter", targets=("q_proj", "")), "--lora-targets: an empty module name"),
+    ],
+)
+def test_lora_targets_flag_refusals(request_: dict[str, object], message: str) -> None:
+    with pytest.raises(CkptconvError, match=message):
+        LoraRequest(**request_).check()  # type: ignore[arg-type]
+    LoraRequest("adapter", targets=("q_proj",)).check()

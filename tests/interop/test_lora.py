@@ -133,6 +133,83 @@ def test_adapter_config_derived_from_the_shapes_loads_as_the_trainers(
     assert ours == theirs and ours
 
 
+def test_lora_targets_are_the_derived_configs_target_modules(
+    runs: dict[str, Path], base: Path, tmp_path: Path
+) -> None:
+    """--lora-targets (comma-separated and repeated) is written as target_modules, the rest as derived; PEFT
+    loads every factor and gives the logits of the config derived without it."""
+    from peft import PeftModel
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    run_dir = runs["lora"]
+    named = ("--lora-targets", "q_proj,v_proj", "--lora-targets", "mlp.down_proj")
+    for out, flags in (("derived", ()), ("named", named)):
+        cmd = [
+            "dcp-to-hf",
+            str(run_dir / "dcp"),
+            str(tmp_path / out),
+            "--lora",
+            "adapter",
+            "--lora-alpha",
+            "8",
+        ]
+        proc = ckptconv(*cmd, *flags, "-q")
+        assert proc.returncode == 0, proc.stderr
+    configs = {
+        out: json.loads((tmp_path / out / "adapter_config.json").read_text()) for out in ("derived", "named")
+    }
+    assert configs["named"].pop("target_modules") == ["q_proj", "v_proj", "mlp.down_proj"]
+    assert configs["derived"].pop("target_modules") == ["down_proj", "q_proj", "v_proj"]
+    assert configs["named"] == configs["derived"]
+    logits = {}
+    for out in ("derived", "named"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # PEFT warns of missing or unexpected adapter keys
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / out)
+        loaded = set_peft_model_state_dict(model, load_peft_weights(str(tmp_path / out)))
+        assert not loaded.unexpected_keys
+        assert not [k for k in loaded.missing_keys if "lora_" in k]
+        with torch.no_grad():
+            logits[out] = model(input_ids=torch.load(run_dir / "input_ids.pt")).logits
+    assert torch.equal(logits["named"], logits["derived"])
+
+
+def test_lora_targets_errors_are_one_line(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before anything is written: without --lora adapter, with the trainer's config (given or
+    beside the checkpoint), an empty name, names PEFT would not match to exactly the adapted modules."""
+    import shutil
+
+    src, out = str(runs["lora"] / "dcp"), str(tmp_path / "out")
+    trainer = runs["lora"] / "adapter" / "adapter_config.json"
+    beside = shutil.copytree(runs["lora"] / "dcp", tmp_path / "beside")
+    shutil.copy(trainer, beside / "adapter_config.json")
+    adapter = ("--lora", "adapter", "--lora-alpha", "8")
+    layer0 = "'model.layers.0.mlp.down_proj'"
+    cases = [
+        (src, ["--lora-targets", "q_proj"], "--lora-targets applies with --lora adapter"),
+        (
+            src,
+            ["--lora", "merge", "--lora-alpha", "8", "--lora-targets", "q_proj"],
+            "applies with --lora adapter",
+        ),
+        (
+            src,
+            ["--lora", "adapter", "--lora-config", str(trainer), "--lora-targets", "q_proj"],
+            "target_modules",
+        ),
+        (str(beside), ["--lora", "adapter", "--lora-targets", "q_proj"], "target_modules come from"),
+        (src, [*adapter, "--lora-targets", "q_proj,,v_proj"], "--lora-targets: an empty module name"),
+        (src, [*adapter, "--lora-targets", "q_proj,v_proj"], f"no name matches {layer0}", "add 'down_proj'"),
+        (src, [*adapter, "--lora-targets", "q_proj,v_proj,down_proj,o_proj"], "'o_proj' matches no module"),
+    ]
+    for path, flags, *needles in cases:
+        assert_one_line(*run(capsys, "dcp-to-hf", path, out, *flags), *needles)
+    assert not Path(out).exists()
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_merge_is_merge_and_unload(runs: dict[str, Path], tmp_path: Path, name: str) -> None:
     """fp32: the same float operations in the same order, so bit for bit; the default bf16 release is that

@@ -145,7 +145,13 @@ class DcpToHfOptions:
     quantize_skip: tuple[str, ...] = ()
     """Regexes on the output key: weights left unquantized (with `quantize` only)."""
     copy_from: Path | None = None
-    """An HF directory whose config, tokenizer and other files are copied."""
+    """An HF directory whose config, tokenizer and other files are copied (and, holding weights and no
+    `reference` given, the reference the output is compared with)."""
+    reference: Path | None = None
+    """An HF directory whose index and safetensors headers the planned output must match (key set, shapes;
+    dtypes are only told) before anything is written; None: `copy_from`'s, when it holds weights."""
+    allow_layout_change: bool = False
+    """Write an output that differs from the reference, each difference a warning (refused otherwise)."""
     drop_untied_head: bool = False
     """Leave out an output head that differs from the embedding config.json ties it to (refused otherwise)."""
     push: PushRequest | None = None

@@ -98,6 +98,8 @@ def dcp_to_hf_cmd(
     max_shard_size: MaxShardOpt = "5GB",
     prefix: PrefixOpt = None,
     copy_from: CopyFromOpt = None,
+    reference: opt.ReferenceOpt = None,
+    allow_layout_change: opt.AllowLayoutChangeOpt = False,
     overwrite: OverwriteOpt = False,
     no_fsync: opt.NoFsyncOpt = False,
     dry_run: DryRunOpt = False,

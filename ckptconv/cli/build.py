@@ -77,6 +77,8 @@ def dcp_to_hf_options(flags: Mapping[str, Any]) -> DcpToHfOptions:
         quantize=flags["quantize"],
         quantize_skip=tuple(flags["quantize_skip"] or ()),
         copy_from=flags["copy_from"],
+        reference=flags["reference"],
+        allow_layout_change=flags["allow_layout_change"],
         drop_untied_head=flags["drop_untied_head"],
         push=push,
         lora=None if lora == LoraRequest() else lora,  # no --lora flag: as the library's default

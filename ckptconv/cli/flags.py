@@ -50,6 +50,24 @@ CopyFromOpt = Annotated[
         callback=_local("--copy-from"),
     ),
 ]
+ReferenceOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--reference",
+        help="HF directory whose index and safetensors headers OUT must match (keys, shapes), checked before "
+        "writing; nothing is copied [default: --copy-from's, when it holds weights].",
+        show_default=False,
+        callback=_local("--reference"),
+    ),
+]
+AllowLayoutChangeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-layout-change",
+        help="Write OUT even where its keys or shapes differ from --reference (or --copy-from): each "
+        "difference a warning.",
+    ),
+]
 OverwriteOpt = Annotated[
     bool,
     typer.Option(

@@ -94,6 +94,7 @@ def show_dcp_to_hf(
         "ranks": [r.to_json() for r in result.ranks],
         **summary,
         "hub": result.hub,
+        "reference": result.reference,
     }
     lines = [
         f"wrote {out}: {len(result.plan.files)} file(s), {summary['num_tensors']} tensors, "

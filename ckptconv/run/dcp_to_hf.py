@@ -27,6 +27,7 @@ from ckptconv.publish.copy_from import check_copy
 from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
 from ckptconv.run.hf_staging import Planned, Staging
+from ckptconv.run.reference import check_reference
 from ckptconv.run.steps import config_file, return_freed_memory
 from ckptconv.source import locate as sources
 from ckptconv.source.early import Early
@@ -46,6 +47,7 @@ class Result:
     written: bool = False
     ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote
     hub: dict[str, Any] | None = None  # --push-to-hub: where the result went (hub_push.push)
+    reference: dict[str, Any] | None = None  # what the plan was compared with, and how it differed
 
 
 def dcp_to_hf(
@@ -68,10 +70,11 @@ def dcp_to_hf(
         target = everyone(world, check_inputs, world, located, out, options)
         ckpt = everyone(world, open_dcp_shared, world, located, early)  # rank 0 reads .metadata, for all
         job = everyone(world, make_plan, world, ckpt, out, options)
+        compared = check_reference(world, ui, job.plan, options)  # refused here: nothing written yet
         if job.plan.tied and not options.output.dry_run:
             job.plan = tied.checked(world, ckpt, job.plan, options.drop_untied_head)
     tell(ui, job, src, options)
-    result = Result(out, job.plan)
+    result = Result(out, job.plan, reference=compared)
     if target is None:
         if options.push is not None:
             ui.info(f"--dry-run: nothing is written, nor pushed to {options.push.repo_id}")
@@ -84,12 +87,14 @@ def dcp_to_hf(
 def check_inputs(
     world: World, located: Path, out: Path, options: DcpToHfOptions
 ) -> Target | None:
-    """Every rank: `--copy-from` is a directory, and OUT may be written and keeps clear of every input;
-    the target to write (None: a dry run)."""
+    """Every rank: `--copy-from` and `--reference` are directories, and OUT may be written and keeps clear of
+    every input; the target to write (None: a dry run)."""
     copy_from, lora = options.copy_from, options.lora
-    if copy_from is not None and not copy_from.is_dir():
-        raise CkptconvError(f"--copy-from {copy_from}: not a directory")
-    inputs = [("SRC", located), ("--copy-from", copy_from), ("--config", options.mapping.config)]
+    for flag, directory in (("--copy-from", copy_from), ("--reference", options.reference)):
+        if directory is not None and not directory.is_dir():
+            raise CkptconvError(f"{flag} {directory}: not a directory")
+    inputs = [("SRC", located), ("--copy-from", copy_from), ("--reference", options.reference)]
+    inputs.append(("--config", options.mapping.config))
     inputs += [
         outcheck.mapping_input(options.mapping.mapping),
         ("--lora-config", lora.config if lora else None),

@@ -59,6 +59,8 @@ DCP_TO_HF = {
     "--max-shard-size": "max_shard_size",
     "--prefix": "mapping.prefix",
     "--copy-from": "copy_from",
+    "--reference": "reference",
+    "--allow-layout-change": "allow_layout_change",
     "--overwrite": "output.overwrite",
     "--no-fsync": "output.fsync",
     "--dry-run": "output.dry_run",

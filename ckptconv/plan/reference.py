@@ -1,0 +1,111 @@
+"""The planned HF output compared with a reference model's tensors (`--reference` / `--copy-from`): key set,
+shapes, dtypes, before a byte is written. Pure: the caller reads the reference's headers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ckptconv.core.dtype_names import short_name
+from ckptconv.plan.quantize import is_scale
+from ckptconv.plan.types import HfSavePlan
+
+Kind = Literal["missing", "extra", "shape", "dtype"]
+KINDS: tuple[Kind, ...] = ("missing", "extra", "shape", "dtype")
+REFUSING: frozenset[Kind] = frozenset({"missing", "extra", "shape"})  # a dtype difference is only told
+Tensors = dict[str, tuple[tuple[int, ...], str]]  # key -> (shape, torch's dtype name: "bfloat16")
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One way the planned output differs from the reference."""
+
+    kind: Kind
+    """missing: in the reference, not in the output; extra: in the output only; shape; dtype."""
+    key: str
+    """The HF key."""
+    planned: str | None
+    """The output's shape or dtype as text (None: the key is not in the output)."""
+    reference: str | None
+    """The reference's shape or dtype as text (None: the key is not in the reference)."""
+
+    @property
+    def refuses(self) -> bool:
+        """Whether this difference stops the conversion (without `--allow-layout-change`)."""
+        return self.kind in REFUSING
+
+    @property
+    def text(self) -> str:
+        """One line: `shape of 'lm_head.weight': [8, 4] in OUT, [16, 4] in the reference`."""
+        if self.kind == "missing":
+            return f"missing {self.key!r} (the reference has it {self.reference}, OUT would not)"
+        if self.kind == "extra":
+            return f"extra {self.key!r} ({self.planned} in OUT, not in the reference)"
+        return f"{self.kind} of {self.key!r}: {self.planned} in OUT, {self.reference} in the reference"
+
+    def to_json(self) -> dict[str, str | None]:
+        """The --json report's entry."""
+        return {"kind": self.kind, "key": self.key, "planned": self.planned, "reference": self.reference}
+
+
+def planned_tensors(plan: HfSavePlan) -> Tensors:
+    """The output's logical tensors, in file order: a weight written quantized counts as one tensor (its
+    `weight_scale_inv` is no key of its own here, as `formats.hf.open_hf` reads a quantized reference)."""
+    tensors = (t for f in plan.files for t in f.tensors if not is_scale(t))
+    return {t.hf_key: (t.shape, short_name(t.dtype)) for t in tensors}
+
+
+def compare(planned: Tensors, reference: Tensors, *, dtypes: bool = True) -> list[Difference]:
+    """Every difference of `planned` from `reference`, ordered by kind (missing, extra, shape, dtype), then
+    by the reference's key order (extra keys: the output's). `dtypes=False` (a `--quantize`d output, whose
+    dtypes differ on purpose): dtypes are not compared.
+
+    >>> ref = {"embed.weight": ((8, 4), "bfloat16"), "head.weight": ((8, 4), "bfloat16")}
+    >>> out = {"embed.weight": ((8, 4), "float32"), "lm.weight": ((8, 4), "bfloat16")}
+    >>> [(d.kind, d.key) for d in compare(out, ref)]
+    [('missing', 'head.weight'), ('extra', 'lm.weight'), ('dtype', 'embed.weight')]
+    """
+    found: list[Difference] = []
+    for key, (shape, dtype) in reference.items():
+        if key not in planned:
+            found.append(Difference("missing", key, None, f"{_shape(shape)} {dtype}"))
+    for key, (shape, dtype) in planned.items():
+        if key not in reference:
+            found.append(Difference("extra", key, f"{_shape(shape)} {dtype}", None))
+    for key, (ref_shape, ref_dtype) in reference.items():
+        if key not in planned:
+            continue
+        shape, dtype = planned[key]
+        if tuple(shape) != tuple(ref_shape):
+            found.append(Difference("shape", key, _shape(shape), _shape(ref_shape)))
+        if dtypes and dtype != ref_dtype:
+            found.append(Difference("dtype", key, dtype, ref_dtype))
+    return sorted(found, key=lambda d: KINDS.index(d.kind))  # stable: key order kept within a kind
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def refusal(path: str, differences: list[Difference], shown: int = 3) -> str | None:
+    """The one-line refusal for the differences that refuse (None: none do)."""
+    refusing = [d for d in differences if d.refuses]
+    if not refusing:
+        return None
+    first = "; ".join(d.text for d in refusing[:shown])
+    more = f"; and {len(refusing) - shown} more" if len(refusing) > shown else ""
+    return (
+        f"OUT would not match the reference {path}: {len(refusing)} difference(s) ({first}{more}); fix "
+        "--prefix, --mapping or --hf-experts, or pass --allow-layout-change to write it anyway"
+    )
+
+
+def dtype_note(path: str, differences: list[Difference]) -> str | None:
+    """One info line for the dtype differences (never refused: --dtype/--fp32 choose the output's dtypes)."""
+    dtyped = [d for d in differences if d.kind == "dtype"]
+    if not dtyped:
+        return None
+    return (
+        f"{len(dtyped)} tensor(s) differ in dtype from the reference {path}, e.g. {dtyped[0].text} "
+        "(--dtype and --fp32 choose the output's dtypes)"
+    )

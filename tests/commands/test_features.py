@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from test_bad_input import run
+from test_bad_input import assert_one_line, run
 
 from ckptconv.formats.stash import read_stash
 
@@ -118,7 +118,17 @@ def test_copy_from_takes_config_not_weights(
     save_file({"old": torch.zeros(1)}, hf / "model-00001-of-00002.safetensors")
     (hf / "model.safetensors.index.json").write_text("{}")
     out = tmp_path / "out"
+    # --copy-from holding weights is also the reference (issue #36): a broken index is refused, and weights
+    # not the checkpoint's are a layout change, written only when allowed
     code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--copy-from", str(hf), "--quiet")
+    assert_one_line(code, err, f"--copy-from {hf}: ", "not a valid safetensors index")
+    index = {"metadata": {}, "weight_map": {"old": "model-00001-of-00002.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), "--copy-from", str(hf), "--quiet")
+    assert_one_line(code, err, f"OUT would not match the reference {hf}", "missing 'old'")
+    assert not out.exists()
+    flags = ("--copy-from", str(hf), "--allow-layout-change", "--quiet")
+    code, err = run(capsys, "dcp-to-hf", str(fsdp2_ckpt), str(out), *flags)
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == [
         "ckptconv_state.json",

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import ckptconv
 from safetensors.torch import load_file, save_file
 from test_bad_input import assert_one_line, run
 from test_json_schema import report
@@ -96,15 +97,11 @@ def test_refusal_is_one_line_and_dtypes_never_refuse() -> None:
 
 
 @pytest.mark.parametrize("flag", ["--copy-from", "--reference"])
-def test_an_output_matching_its_base_passes(
-    llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
-) -> None:
+def test_an_output_matching_its_base_passes(llama: Path, tmp_path: Path, flag: str) -> None:
     out = tmp_path / "out"
-    code, err = run(
-        capsys, "dcp-to-hf", str(llama / "dcp"), str(out), flag, str(llama / "hf"), "--dtype", "keep"
-    )
-    assert code == 0, err
-    assert "reference" not in err and "warning" not in err, err
+    doc = report("dcp-to-hf", str(llama / "dcp"), str(out), flag, str(llama / "hf"), "--dtype", "keep")
+    assert doc["reference"] == {"path": str(llama / "hf"), "differences": []}
+    assert not doc["warnings"]
     assert set(load_file(out / "model.safetensors")) == set(load_file(llama / "hf" / "model.safetensors"))
     assert (out / "config.json").exists() == (flag == "--copy-from")  # --reference copies nothing
 
@@ -213,3 +210,18 @@ def test_json_lists_the_differences(llama: Path, tmp_path: Path) -> None:
     assert "OUT would not match the reference" in refused["error"]["message"]
     plain = report("dcp-to-hf", str(llama / "dcp"), str(tmp_path / "o2"), "--dry-run")
     assert plain["reference"] is None
+
+
+def test_two_ranks_refuse_and_allow_as_one(llama: Path, tmp_path: Path) -> None:
+    """Rank 0 reads BASE's headers for both ranks; both refuse together, one line; allowed, both write."""
+    base = reshaped(llama / "hf", tmp_path / "base", "lm_head.weight")
+    out = tmp_path / "out"
+    args = ["dcp-to-hf", str(llama / "dcp"), str(out), "--reference", str(base)]
+    proc = ckptconv(*args, nproc=2, timeout=180)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ckptconv: error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr  # the ranks exit 2, torchrun itself 1
+    assert "OUT would not match the reference" in errors[0] and not out.exists()
+    proc = ckptconv(*args, "--allow-layout-change", "--max-shard-size", "20KB", nproc=2, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("--allow-layout-change: shape of 'lm_head.weight'") == 1, proc.stderr
+    assert (out / "model.safetensors.index.json").exists()

@@ -213,15 +213,23 @@ def test_lora_targets_errors_are_one_line(
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_merge_is_merge_and_unload(runs: dict[str, Path], tmp_path: Path, name: str) -> None:
     """fp32: the same float operations in the same order, so bit for bit; the default bf16 release is that
-    cast once (and --verify agrees). MoE: the experts stay fused as the DCP holds them, and transformers
-    loads them as the per-expert tensors its merged model saved."""
+    cast once (and --verify agrees). MoE: against its per-expert base the fused release is refused; allowed,
+    the experts stay fused as the DCP holds them, and transformers loads them as the per-expert tensors its
+    merged model saved."""
     from transformers import AutoModelForCausalLM
 
     run_dir = runs[name]
     merged = load_file(run_dir / "merged" / "model.safetensors")
-    convert(
-        run_dir, tmp_path / "fp32", "--lora", "merge", "--dtype", "fp32", "--copy-from", str(run_dir / "base")
-    )
+    flags = ("--lora", "merge", "--dtype", "fp32", "--copy-from", str(run_dir / "base"))
+    if name == "moe":
+        # the base transformers saved holds one tensor per expert, the DCP its fused runtime layout: written
+        # as the DCP holds it, the release would not match its base, which --copy-from makes the reference
+        config = ("--lora-config", str(run_dir / "adapter" / "adapter_config.json"))
+        refused = ckptconv("dcp-to-hf", str(run_dir / "dcp"), str(tmp_path / "fp32"), *config, *flags, "-q")
+        assert refused.returncode == 2 and "would not match the reference" in refused.stderr
+        assert "experts.0.gate_proj.weight" in refused.stderr and not (tmp_path / "fp32").exists()
+        flags += ("--allow-layout-change",)
+    convert(run_dir, tmp_path / "fp32", *flags)
     if name == "moe":
         ours = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").state_dict()
         assert_same(ours, AutoModelForCausalLM.from_pretrained(run_dir / "merged").state_dict())

@@ -21,12 +21,11 @@ from typing import TYPE_CHECKING, TypeVar
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.files import exists, refuse_url
 from ckptconv.formats.names import OLD_SUFFIX, PARTIAL_SUFFIX, not_a_checkpoint
-from ckptconv.formats.sinks import ObjectStore, PositionedSink
 from ckptconv.job.world import World
 from ckptconv.publish import outlock
 from ckptconv.publish.outdir import absolute, atomically
 from ckptconv.publish.remote_out import RemoteTarget
-from ckptconv.publish.target import LOCAL, Target, quiet
+from ckptconv.publish.target import LocalFiles, Target, quiet
 from ckptconv.remote.urls import UrlPath, identity, location, url_path
 
 if TYPE_CHECKING:
@@ -50,7 +49,7 @@ def refuse_reserved(out: Path) -> None:
 
 
 @dataclass(frozen=True)
-class Output:
+class Output(LocalFiles):
     """Where a conversion writes: `path` is OUT with symlinks resolved; `note` says so when OUT was one."""
 
     path: Path
@@ -75,15 +74,6 @@ class Output:
     def notes(self, world_size: int, granularity: Granularity | None = None) -> list[str]:
         """That OUT is a symlink whose target is written, when it is one."""
         return [self.note] if self.note else []
-
-    def sink(self, path: Path) -> PositionedSink | None:
-        return LOCAL.sink(path)
-
-    def store(self) -> ObjectStore | None:
-        return LOCAL.store()
-
-    def written(self, staging: Path, files: str) -> int:
-        return LOCAL.written(staging, files)
 
     def publish(
         self,

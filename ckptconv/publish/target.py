@@ -95,7 +95,7 @@ class Target(Sinks, Protocol):
 
 
 class LocalFiles:
-    """The data files written as local files: what a writer does outside any target's `publish`."""
+    """Sinks of a local OUT (`outcheck.Output`): its data files are local files, written as such."""
 
     def sink(self, path: Path) -> PositionedSink | None:
         return None
@@ -106,5 +106,3 @@ class LocalFiles:
     def written(self, staging: Path, files: str) -> int:
         return sum(p.stat().st_size for p in staging.glob(files))
 
-
-LOCAL = LocalFiles()

@@ -259,7 +259,14 @@ class InspectOptions:
     """The hub revision when PATH is a repo id."""
     explain: str | None = None
     """With a mapping: which rule and operation made this key (shown instead of the checkpoint)."""
+    reference: Path | None = None
+    """An HF directory (the base model) whose index and safetensors headers the checkpoint's tensors are
+    compared with (a DCP's as the mapping writes them, with a mapping): keys, shapes, dtypes."""
 
     def __post_init__(self) -> None:
         if self.explain and not self.mapping.mapping:
             raise CkptconvError("--explain needs --mapping: name the mapping whose rules made the key")
+        if self.explain and self.reference is not None:
+            raise CkptconvError(
+                "--reference: not with --explain, which shows how one key was made; leave one of them out"
+            )

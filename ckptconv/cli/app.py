@@ -285,13 +285,16 @@ def inspect_cmd(
     storage_options: StorageOptionsOpt = None,
     json_out: JsonOpt = False,
     explain: ExplainOpt = None,
+    reference: opt.InspectReferenceOpt = None,
 ) -> None:
-    """Show what a checkpoint holds (reads metadata and headers only); with --mapping, the mapped view too."""
+    """Show what a checkpoint holds (reads metadata and headers only); with --mapping, the mapped view too;
+    with --reference, how it differs from a base model."""
     flags = dict(locals())
     from rich.console import Console
 
     from ckptconv.cli.build import inspect_options
     from ckptconv.run.inspect import inspect_checkpoint
+    from ckptconv.run.inspect_layout import render_layout, render_reference
     from ckptconv.run.report import render_inspect, render_mapped
 
     options = inspect_options(flags)
@@ -311,6 +314,8 @@ def inspect_cmd(
     if mapping:
         console.print(f"mapped with {mapping}:", markup=False)
         render_mapped(found.info["mapped"], console)
+    render_layout(found.info, console)
+    render_reference(found.info, console)
 
 
 def main(argv: list[str] | None = None) -> None:

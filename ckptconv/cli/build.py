@@ -116,7 +116,9 @@ def inspect_options(flags: Mapping[str, Any]) -> InspectOptions:
     mapping = MappingOptions(
         mapping=flags["mapping"], config=flags["config"], allow_unmapped=flags["allow_unmapped"]
     )
-    return InspectOptions(mapping=mapping, revision=flags["revision"], explain=flags["explain"])
+    return InspectOptions(
+        mapping=mapping, revision=flags["revision"], explain=flags["explain"], reference=flags["reference"]
+    )
 
 
 def refuses(build: Callable[[Mapping[str, Any]], object], flags: Mapping[str, Any]) -> bool:

@@ -60,6 +60,17 @@ ReferenceOpt = Annotated[
         callback=_local("--reference"),
     ),
 ]
+InspectReferenceOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--reference",
+        help="HF directory (the base model) whose index and safetensors headers PATH's tensors are compared "
+        "with: keys, shapes, dtypes (a DCP's as --mapping writes them, with --mapping); the differences "
+        "are shown, the exit code stays 0.",
+        show_default=False,
+        callback=_local("--reference"),
+    ),
+]
 AllowLayoutChangeOpt = Annotated[
     bool,
     typer.Option(

@@ -26,7 +26,8 @@ def read_reference(path: Path) -> Tensors:
     """BASE's tensors from its index and headers alone (a quantized weight as its logical tensor, as
     dcp-to-hf's reference check reads it); a BASE that is no HF directory is refused naming the flag."""
     if not path.is_dir():
-        raise CkptconvError(f"{FLAG} {path}: not a directory; name the base model's HF directory")
+        what = "not a directory" if path.exists() else "no such directory"
+        raise CkptconvError(f"{FLAG} {path}: {what}; name the base model's HF directory")
     if not is_hf_dir(path):
         raise CkptconvError(
             f"{FLAG} {path}: no model.safetensors.index.json or *.safetensors in it; name the base model's "

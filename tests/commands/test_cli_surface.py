@@ -125,6 +125,7 @@ INSPECT = {
     "--config": "mapping.config",
     "--allow-unmapped": "mapping.allow_unmapped",
     "--explain": "explain",
+    "--reference": "reference",
 }
 # per command: fields its flags do not set (verify compares factors: it writes no adapter config; inspect
 # shows every key a checkpoint holds)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 SHOWN = 3  # differences of each kind listed in the human output; --json lists every one
 FLAG = "--reference"
+DCP_DTYPES = "(a DCP's dtypes as stored: dcp-to-hf writes --dtype, bf16 unless told, and --fp32's keys fp32)"
 
 
 def read_reference(path: Path) -> Tensors:
@@ -119,6 +120,8 @@ def render_reference(info: dict[str, Any], console: Console) -> None:
             if len(of_kind) > SHOWN:
                 more = f"  and {len(of_kind) - SHOWN} more {kind} (--json lists every one)"
                 console.print(more, markup=False)
+        if counts["dtype"] and info["format"] == "dcp":  # a training run's fp32 is not what a release holds
+            console.print(f"  {DCP_DTYPES}", markup=False)
     for aspect, entry in doc["layout"].items():
         console.print(line(aspect, entry, "layout of the reference"), markup=False)
 

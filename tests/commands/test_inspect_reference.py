@@ -191,6 +191,10 @@ def test_a_dcp_as_dcp_to_hf_takes_it(moe: Path) -> None:
     lines = tail(ckpt, "--reference", str(moe / "fused-bf16"))
     assert lines[1].endswith(f": {doc['num_tensors']} difference(s): {doc['num_tensors']} dtype")
     assert lines[2] == "  dtype of 'lm_head.weight': float32 in the checkpoint, bfloat16 in the reference"
+    assert lines[5:7] == [
+        f"  and {doc['num_tensors'] - 3} more dtype (--json lists every one)",
+        "  (a DCP's dtypes as stored: dcp-to-hf writes --dtype, bf16 unless told, and --fp32's keys fp32)",
+    ]
 
 
 def test_a_dcp_with_the_wrong_prefix(moe: Path) -> None:

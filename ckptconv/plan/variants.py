@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ckptconv.mapping.types import Direction, KeyMapping, Target
 
 Shapes = Mapping[str, tuple[int, ...]]
+HF_EXPERTS = ("per_expert", "fused")  # the `when` values of a mapping's HF expert rules (mapping/parse.py)
 
 # transformers' per-expert names (`mlp.experts.3.gate_proj.weight`; Mixtral's `experts.3.w1.weight`), and its
 # fused ones (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]; gpt-oss alike): 3-D,
@@ -93,7 +94,8 @@ def _by_rules(seen: Seen) -> Variant | None:
     matched): a DCP's are the form the mapping writes, an HF checkpoint's the form its keys are in."""
     if seen.mapping is None or not seen.mapping.variants:
         return None
-    when = {r.number: r.when for r in seen.mapping.rules if r.when is not None}
+    # only the HF expert forms: a mapping's `when` may come to name runtime-side variants too
+    when = {r.number: r.when for r in seen.mapping.rules if r.when in HF_EXPERTS}
     made = [t for t in seen.targets if t.rule in when]
     if not made:
         return None

@@ -8,6 +8,7 @@ Nothing here imports torch: the CLI builds its options before the early `.metada
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 ReadPath = Literal["direct", "gather"]  # as stream.hf_write names it
 READ_PATHS: tuple[str, ...] = ("direct", "gather")
+FILE_SPLITS: tuple[str, ...] = ("size", "source", "reference")  # --file-split
 WRITE_GRANULARITIES: tuple[str, ...] = ("tensor", "file")  # the user's choices (a plan also has "parts")
 
 
@@ -67,6 +69,9 @@ class DtypeOptions:
     """Regexes (RE2) searched in the output key: the tensors they match are kept fp32, whatever `dtype`."""
     wording: Wording = field(default=FLAGS, repr=False)
     """How messages name the options (library-only)."""
+    defaulted: bool = field(default=False, repr=False, compare=False)
+    """`dtype` is the command's default, filled in by the options object, not given (a reference's dtypes
+    then win over it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp32", tuple(self.fp32))
@@ -81,11 +86,14 @@ class DtypeOptions:
 
         return None if self.dtype is None else parse_dtype_flag(self.dtype, self.wording.dtype)
 
-    def policy(self) -> DtypePolicy:
-        """The dtype each output tensor gets (`core.dtypes.DtypePolicy`; imports torch)."""
+    def policy(self, reference: Mapping[str, str] | None = None) -> DtypePolicy:
+        """The dtype each output tensor gets (`core.dtypes.DtypePolicy`; imports torch); `reference` (key ->
+        dtype name) is followed where no dtype was given."""
         from ckptconv.core.dtypes import DtypePolicy
 
-        return DtypePolicy(self.target(), self.fp32)
+        if reference is None:
+            return DtypePolicy(self.target(), self.fp32)
+        return DtypePolicy(self.target(), self.fp32, reference, explicit=not self.defaulted)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,7 +147,11 @@ class DcpToHfOptions:
     keep_trainer_state: bool = False
     """Also stash the dataloader, LR-scheduler, RNG and module extra state."""
     keep_file_split: bool = False
-    """Write each tensor to the file the source's writer put it in, not split by `max_shard_size`."""
+    """Write each tensor to the file the source's writer put it in, not split by `max_shard_size` (the same as
+    `file_split="source"`)."""
+    file_split: str = "size"
+    """size: files of at most `max_shard_size`; source: the files the source's writer made; reference: the
+    files the reference's index names (`reference`, or `copy_from` holding weights)."""
     quantize: str | None = None
     """fp8: linear weights written as block FP8; None: no quantization."""
     quantize_skip: tuple[str, ...] = ()
@@ -173,7 +185,19 @@ class DcpToHfOptions:
             self.lora.check()
         if self.dtype.dtype is None:  # the one place this default lives (the CLI and save_hf share it)
             adapter = self.lora is not None and self.lora.mode == "adapter"
-            object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep" if adapter else "bf16"))
+            default = "keep" if adapter else "bf16"
+            object.__setattr__(self, "dtype", replace(self.dtype, dtype=default, defaulted=True))
+        if self.file_split not in FILE_SPLITS:
+            raise CkptconvError(f"--file-split {self.file_split!r} is not one of {', '.join(FILE_SPLITS)}")
+        if self.keep_file_split:
+            if self.file_split not in ("size", "source"):
+                raise CkptconvError(
+                    "--keep-file-split is --file-split source; leave it out with "
+                    f"--file-split {self.file_split}"
+                )
+            object.__setattr__(self, "file_split", "source")
+        elif self.file_split == "source":
+            object.__setattr__(self, "keep_file_split", True)
         if self.lora is not None and self.lora.mode == "merge" and self.read_path == "gather":
             raise CkptconvError("--lora merge reads with --read direct (the default) only, for now")
         object.__setattr__(self, "quantize_skip", tuple(self.quantize_skip))

@@ -115,6 +115,7 @@ def dcp_to_hf_cmd(
     ] = None,
     keep_trainer_state: KeepTrainerStateOpt = False,
     keep_file_split: KeepFileSplitOpt = False,
+    file_split: opt.FileSplitOpt = "size",
     quantize: QuantizeOpt = None,
     quantize_skip: QuantizeSkipOpt = None,
     verify: VerifyOpt = False,

@@ -74,6 +74,7 @@ def dcp_to_hf_options(flags: Mapping[str, Any]) -> DcpToHfOptions:
         hf_experts=flags["hf_experts"],
         keep_trainer_state=flags["keep_trainer_state"],
         keep_file_split=flags["keep_file_split"],
+        file_split=flags["file_split"],
         quantize=flags["quantize"],
         quantize_skip=tuple(flags["quantize_skip"] or ()),
         copy_from=flags["copy_from"],

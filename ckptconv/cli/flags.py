@@ -190,6 +190,14 @@ KeepFileSplitOpt = Annotated[
         "NeMo Automodel's .hf_metadata) instead of splitting by --max-shard-size.",
     ),
 ]
+FileSplitOpt = Annotated[
+    str,
+    typer.Option(
+        "--file-split",
+        help="size: files of at most --max-shard-size; source: the files the source's writer made (as "
+        "--keep-file-split); reference: the file --reference's (or --copy-from's) index names for each key.",
+    ),
+]
 QuantizeOpt = Annotated[
     str | None,
     typer.Option(

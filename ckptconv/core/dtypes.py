@@ -1,4 +1,5 @@
-"""Which dtype each output tensor gets: `--dtype` for floating tensors, `--fp32` patterns beat it.
+"""Which dtype each output tensor gets: `--dtype` for floating tensors, `--fp32` patterns beat it; without
+`--dtype`, a reference model's dtype for the key (`--reference`) beats the command's default.
 
 Only the ordinary floating dtypes (fp64, fp32, fp16, bf16) are ever cast. Integer, bool, complex and fp8
 tensors keep their dtype and bytes whatever the flags say.
@@ -6,12 +7,12 @@ tensors keep their dtype and bytes whatever the flags say.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ckptconv.core.dtype_names import DTYPE_FLAG_NAMES, NAME_TO_ST, check_dtype_flag
+from ckptconv.core.dtype_names import DTYPE_FLAG_NAMES, NAME_TO_ST, check_dtype_flag, torch_dtype
 from ckptconv.core.user_regex import UserRegex
 from ckptconv.errors import CkptconvError
 
@@ -71,18 +72,25 @@ def parse_dtype_flag(value: str, flag: str = "--dtype") -> torch.dtype | None:
 
 @dataclass
 class DtypePolicy:
-    """`target=None` keeps every dtype; `fp32` are regexes searched in the output key."""
+    """`target=None` keeps every dtype; `fp32` are regexes searched in the output key; `reference` (output
+    key -> torch's dtype name) gives a key its reference's floating dtype instead of `target`, unless
+    `explicit` (`--dtype` given)."""
 
     target: torch.dtype | None = torch.bfloat16
     fp32: Sequence[str] = ()
+    reference: Mapping[str, str] = field(default_factory=dict)
+    explicit: bool = True
     _compiled: list[UserRegex] = field(init=False, repr=False)
     _matched: set[str] = field(init=False, repr=False)
+    followed: dict[str, torch.dtype] = field(init=False, repr=False)
+    """The keys given the reference's dtype where `target` would have given another."""
 
     def __post_init__(self) -> None:
         self._compiled = []
         for pattern in self.fp32:
             self._compiled.append(UserRegex(pattern, "--fp32"))
         self._matched = set()
+        self.followed = {}
 
     def resolve(self, hf_key: str, dtype: torch.dtype) -> torch.dtype:
         """The output dtype of the tensor `hf_key` stored as `dtype`."""
@@ -92,7 +100,14 @@ class DtypePolicy:
             if compiled.search(hf_key):
                 self._matched.add(compiled.pattern)
                 return torch.float32
-        return dtype if self.target is None else self.target
+        default = dtype if self.target is None else self.target
+        name = None if self.explicit else self.reference.get(hf_key)
+        theirs = None if name is None else torch_dtype(name)
+        if theirs is None or theirs not in CASTABLE:
+            return default
+        if theirs != default:
+            self.followed[hf_key] = theirs
+        return theirs
 
     def forces_fp32(self, hf_key: str) -> bool:
         """Whether an --fp32 pattern matches `hf_key` (it then beats --quantize too)."""

@@ -11,6 +11,7 @@ which bytes, never what a file contains.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,8 @@ from ckptconv.errors import CkptconvError
 from ckptconv.lora.select import ADAPTER_FILE, LoraRequest
 from ckptconv.mapping.rules import KeyMapping, Target, map_keys
 from ckptconv.mapping.rules import whole as _whole
+from ckptconv.plan.base import Adopted, Base
+from ckptconv.plan.follow import follow_copies, in_reference_order, kept_dtypes, split_as_reference
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.types import (
     DcpOutTensor,
@@ -73,8 +76,13 @@ def plan_dcp_to_hf(
     quantize: QuantPolicy | None = None,
     write_granularity: Granularity = "tensor",
     lora: LoraRequest | None = None,
+    base: Base | None = None,
+    split_as_base: bool = False,
 ) -> HfSavePlan:
-    """`file_split` ({source key: file number from 1}, `--keep-file-split`) puts each tensor in the file the
+    """`base`: a reference model the output follows (`follow`): its copies written or left out as it holds
+    them, its dtypes where `policy` follows it, and with `split_as_base` its files.
+
+    `file_split` ({source key: file number from 1}, `--keep-file-split`) puts each tensor in the file the
     source's writer put it in, instead of splitting by `max_shard_size`. `quantize` makes the weights it
     selects block FP8, each with its `weight_scale_inv` in the same file. `write_granularity`: which rank
     writes which bytes (`writes.plan_writes`). `lora`: what to make of LoRA factors (`--lora`); an adapter is
@@ -83,6 +91,11 @@ def plan_dcp_to_hf(
         ckpt, policy, prefix, mapping, config, allow_unmapped, keep_trainer_state, lora
     )
     adapter = selection.lora is not None and selection.lora.mode == "adapter"
+    adopted = None
+    if base is not None and not adapter:
+        adopted = Adopted(file_split=split_as_base)
+        mapped, heads = follow_copies(mapped, selection.tied, base, adopted)
+        selection = dataclasses.replace(selection, tied=heads)
     quantization: dict[str, Any] | None = None
     quant_warnings: list[str] = []
     if quantize is not None:
@@ -102,6 +115,10 @@ def plan_dcp_to_hf(
                 "leave out --keep-file-split and --quantize"
             )
         by_file = {ADAPTER_FILE: list(outs)}
+    elif split_as_base:
+        if base is None or adopted is None:
+            raise CkptconvError("--file-split reference: needs --reference BASE, or --file-split size")
+        by_file = split_as_reference(outs, base)
     elif file_split is None:
         scales = {t.hf_key.removesuffix("_scale_inv"): t.nbytes for t in outs.values() if t.op == "fp8_scale"}
         by_file = split_state_dict_into_shards_factory(  # a weight and its scale: one storage, one file
@@ -116,7 +133,12 @@ def plan_dcp_to_hf(
     else:
         by_file = split_as_source(outs, file_split)
     names = list(by_file)
-    groups = [data_order([outs[k] for k in by_file[name]]) for name in names]
+    if split_as_base and base is not None:
+        groups = [in_reference_order([outs[k] for k in by_file[name]], base) for name in names]
+    else:
+        groups = [data_order([outs[k] for k in by_file[name]]) for name in names]
+    if adopted is not None:
+        kept_dtypes([t for g in groups for t in g], policy.followed, adopted)
     owners = assign_owners([sum(t.nbytes for t in g) for g in groups], world_size)
     files = tuple(OutFile(name, g, owner) for name, g, owner in zip(names, groups, owners, strict=True))
     warnings = (*policy.warnings(), *selection.warnings, *quant_warnings)
@@ -132,6 +154,8 @@ def plan_dcp_to_hf(
         plan_writes(files, world_size, write_granularity),
         selection.lora,
         selection.tied,
+        adopted,
+        indexed=split_as_base and base is not None and base.indexed,
     )
 
 

@@ -15,6 +15,7 @@ from ckptconv.core.specs import (
     TensorSpec,
 )
 from ckptconv.mapping.rules import Part
+from ckptconv.plan.base import Adopted
 
 if TYPE_CHECKING:  # annotations only: a plan is made before torch is imported (source/early.py)
     import torch
@@ -116,6 +117,8 @@ class HfSavePlan:
     writes: tuple[Write, ...] = ()  # every byte range of the files' data and the rank that writes it
     lora: LoraPlan | None = None  # what --lora made of the checkpoint's LoRA factors
     tied: tuple[TiedHead, ...] = ()  # heads tie_word_embeddings leaves out, checked before writing (`tied`)
+    adopted: Adopted | None = None  # what was taken from a reference model (`follow`); None: no reference
+    indexed: bool = False  # an index even for one file (named as the reference's index names it)
 
     @property
     def total_size(self) -> int:
@@ -128,7 +131,8 @@ class HfSavePlan:
 
     @property
     def sharded(self) -> bool:
-        return len(self.files) > 1
+        """Whether an index names the files (more than one, or one the reference's index names)."""
+        return len(self.files) > 1 or (self.indexed and bool(self.files))
 
     @property
     def weight_map(self) -> dict[str, str]:

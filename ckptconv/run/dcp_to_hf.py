@@ -6,6 +6,7 @@ Every function here is collective under torchrun: call it on every rank with the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,10 @@ from ckptconv.job import gcpause
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone, on_main
 from ckptconv.mapping import load_config, load_mapping
+from ckptconv.mapping.variant import hf_variant
 from ckptconv.options import DcpToHfOptions
+from ckptconv.plan.base import Base
+from ckptconv.plan.follow import dtypes_of
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import HfSavePlan, RankBytes
 from ckptconv.publish import hub_push, outcheck, remote_out
@@ -27,7 +31,7 @@ from ckptconv.publish.copy_from import check_copy
 from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
 from ckptconv.run.hf_staging import Planned, Staging
-from ckptconv.run.reference import check_reference
+from ckptconv.run.reference import check_reference, read_base
 from ckptconv.run.steps import config_file, return_freed_memory
 from ckptconv.source import locate as sources
 from ckptconv.source.early import Early
@@ -69,8 +73,9 @@ def dcp_to_hf(
         located = sources.for_all(world, lambda: early.path if early is not None else sources.dcp_source(src))
         target = everyone(world, check_inputs, world, located, out, options)
         ckpt = everyone(world, open_dcp_shared, world, located, early)  # rank 0 reads .metadata, for all
-        job = everyone(world, make_plan, world, ckpt, out, options)
-        compared = check_reference(world, ui, job.plan, options)  # refused here: nothing written yet
+        base = read_base(world, ui, options)  # rank 0 reads the reference's headers, for all
+        job = everyone(world, make_plan, world, ckpt, out, options, base)
+        compared = check_reference(world, ui, job.plan, options, base)  # refused here: nothing written yet
         if job.plan.tied and not options.output.dry_run:
             job.plan = tied.checked(world, ckpt, job.plan, options.drop_untied_head)
     tell(ui, job, src, options)
@@ -104,8 +109,11 @@ def check_inputs(
     return outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, options.push is not None)
 
 
-def make_plan(world: World, ckpt: DcpCheckpoint, out: Path, options: DcpToHfOptions) -> Planned:
-    """Every rank: the model's files and config, the mapping, and the plan of every output file."""
+def make_plan(
+    world: World, ckpt: DcpCheckpoint, out: Path, options: DcpToHfOptions, base: Base | None = None
+) -> Planned:
+    """Every rank: the model's files and config, the mapping, and the plan of every output file (following
+    the reference model `base`, when there is one)."""
     located, copy_from, keys = ckpt.path, options.copy_from, options.mapping
     # the model's files: --copy-from's, else NeMo Automodel's .hf_metadata beside the shards (each with the
     # root its files must resolve inside)
@@ -120,10 +128,18 @@ def make_plan(world: World, ckpt: DcpCheckpoint, out: Path, options: DcpToHfOpti
         )
     key_mapping = load_mapping(keys.mapping, options.hf_experts) if keys.mapping else None
     model_config = load_config(*config_file(keys.config, described, (located, located)))
+    experts = None
+    if base is not None and key_mapping is not None and options.hf_experts is None:
+        # BASE's way of writing the experts, unless --hf-experts names one (then the check tells)
+        experts = hf_variant(key_mapping, base.tensors, model_config or {})
+        if experts is not None:
+            key_mapping = dataclasses.replace(key_mapping, hf_experts=experts)
     quant = options.quant_policy()
+    # BASE's dtype per key where --dtype is not given; a --quantize'd output keeps its own dtypes
+    dtypes = dtypes_of(base) if base is not None and quant is None else None
     hf_plan = plan_dcp_to_hf(
         ckpt,
-        options.dtype.policy(),
+        options.dtype.policy(dtypes),
         max_shard_size=options.shard_bytes,
         world_size=world.size,
         prefix=keys.prefix,
@@ -135,7 +151,11 @@ def make_plan(world: World, ckpt: DcpCheckpoint, out: Path, options: DcpToHfOpti
         quantize=quant,
         write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),
         lora=options.lora,
+        base=base,
+        split_as_base=options.file_split == "reference",
     )
+    if experts is not None and hf_plan.adopted is not None:
+        hf_plan = dataclasses.replace(hf_plan, adopted=dataclasses.replace(hf_plan.adopted, experts=experts))
     return Planned(ckpt, hf_plan, model_config, described)
 
 

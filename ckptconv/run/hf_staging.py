@@ -96,5 +96,8 @@ class Staging:
         write_adapter_config(staging, plan)
         copied = copy_non_weights(described[0], staging, described[1]) if described is not None else []
         if CONFIG_FILE in copied:
-            self.config_edits = follow_config(staging / CONFIG_FILE, plan, self.options.dtype.target())
+            # dtypes taken from the reference (no --dtype given): the config names the one most bytes have
+            followed = plan.adopted is not None and self.options.dtype.defaulted and not self.options.quantize
+            target = None if followed else self.options.dtype.target()
+            self.config_edits = follow_config(staging / CONFIG_FILE, plan, target)
         return copied

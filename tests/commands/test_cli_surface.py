@@ -49,6 +49,7 @@ COMMAND_ONLY = {
 LIBRARY_ONLY = {
     "wording",  # how messages name options: save_hf / load_hf keep their keyword names
     "dtype.wording",
+    "dtype.defaulted",  # whether the command filled in its default dtype (a reference's dtypes then win)
     "shard_bytes",  # derived from max_shard_size / bucket_size
     "bucket_bytes",
 }
@@ -74,6 +75,7 @@ DCP_TO_HF = {
     "--hf-experts": "hf_experts",
     "--keep-trainer-state": "keep_trainer_state",
     "--keep-file-split": "keep_file_split",
+    "--file-split": "file_split",
     "--quantize": "quantize",
     "--quantize-skip": "quantize_skip",
     "--verify": "output.verify",

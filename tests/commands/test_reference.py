@@ -100,7 +100,8 @@ def test_refusal_is_one_line_and_dtypes_never_refuse() -> None:
 def test_an_output_matching_its_base_passes(llama: Path, tmp_path: Path, flag: str) -> None:
     out = tmp_path / "out"
     doc = report("dcp-to-hf", str(llama / "dcp"), str(out), flag, str(llama / "hf"), "--dtype", "keep")
-    assert doc["reference"] == {"path": str(llama / "hf"), "differences": []}
+    nothing = {"experts": None, "left_out": [], "written": [], "dtypes": {}, "file_split": False}
+    assert doc["reference"] == {"path": str(llama / "hf"), "differences": [], "adopted": nothing}
     assert not doc["warnings"]
     assert set(load_file(out / "model.safetensors")) == set(load_file(llama / "hf" / "model.safetensors"))
     assert (out / "config.json").exists() == (flag == "--copy-from")  # --reference copies nothing
@@ -109,9 +110,8 @@ def test_an_output_matching_its_base_passes(llama: Path, tmp_path: Path, flag: s
 def test_dtypes_differing_from_the_base_are_one_info_line(
     llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, err = run(
-        capsys, "dcp-to-hf", str(llama / "dcp"), str(tmp_path / "out"), "--reference", str(llama / "hf")
-    )
+    out, base = str(tmp_path / "out"), str(llama / "hf")  # --dtype given: it beats the reference's dtypes
+    code, err = run(capsys, "dcp-to-hf", str(llama / "dcp"), out, "--reference", base, "--dtype", "bf16")
     assert code == 0, err
     lines = [line for line in err.splitlines() if "differ in dtype" in line]
     assert len(lines) == 1 and "tensor(s) differ in dtype from the reference" in lines[0], err
@@ -194,7 +194,8 @@ def test_a_quantized_base_is_compared_as_its_logical_tensors(
 
 def test_json_lists_the_differences(llama: Path, tmp_path: Path) -> None:
     base = reshaped(llama / "hf", tmp_path / "base", "lm_head.weight")
-    args = ["dcp-to-hf", str(llama / "dcp"), str(tmp_path / "out"), "--reference", str(base)]
+    out = str(tmp_path / "out")
+    args = ["dcp-to-hf", str(llama / "dcp"), out, "--reference", str(base), "--dtype", "bf16"]
     doc = report(*args, "--dry-run", "--allow-layout-change")
     diffs = doc["reference"]["differences"]
     assert doc["reference"]["path"] == str(base)

@@ -1,0 +1,100 @@
+"""Planning that follows a reference model (`--reference` / `--copy-from`): the copies it holds or lacks,
+its per-key dtypes, and its files (`--file-split reference`). Pure: the caller reads the reference's index and
+headers (`Base`) once, on rank 0, for every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ckptconv.core.dtype_names import short_name
+from ckptconv.errors import CkptconvError
+from ckptconv.plan.base import Adopted, Base
+from ckptconv.plan.types import OutTensor, TiedHead
+
+EXTRA_FILE = "model-not-in-reference.safetensors"  # --file-split reference: keys the reference lacks
+
+
+def copy_group(t: OutTensor) -> tuple[Any, ...]:
+    """What an output tensor is made of: two tensors with the same group hold the same data (one copies the
+    other, as a mapping's `duplicate` rule writes its copies)."""
+    parts = tuple((sp.spec.fqn, sp.part, sp.lora is None) for sp in t.parts)
+    return (t.shape, parts, t.op, t.layout, t.padded, t.lora is None)
+
+
+def follow_copies(
+    outs: list[OutTensor], tied: Sequence[TiedHead], base: Base, adopted: Adopted
+) -> tuple[list[OutTensor], tuple[TiedHead, ...]]:
+    """The output tensors as the reference holds its copies: a tensor that only repeats another written one
+    is left out when the reference lacks it (never the last of its group: no distinct data is dropped), and a
+    head `tie_word_embeddings` leaves out is written when the reference holds it."""
+    groups: dict[tuple[Any, ...], list[OutTensor]] = {}
+    for t in outs:
+        groups.setdefault(copy_group(t), []).append(t)
+    dropped: set[str] = set()
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        kept = [t for t in members if t.hf_key in base.tensors]
+        if kept:
+            dropped.update(t.hf_key for t in members if t.hf_key not in base.tensors)
+    adopted.left_out = [t.hf_key for t in outs if t.hf_key in dropped]
+    outs = [t for t in outs if t.hf_key not in dropped]
+    heads = [h for h in tied if h.head is not None and h.head.hf_key in base.tensors]
+    adopted.written = [h.head.hf_key for h in heads if h.head is not None]
+    written = [h.head for h in heads if h.head is not None]
+    return outs + written, tuple(h for h in tied if h not in heads)
+
+
+def dtypes_of(base: Base) -> dict[str, str]:
+    """key -> the reference's dtype name, for the dtype policy."""
+    return {key: dtype for key, (_, dtype) in base.tensors.items()}
+
+
+def kept_dtypes(outs: Iterable[OutTensor], chosen: Iterable[str], adopted: Adopted) -> None:
+    """Record in `adopted` the keys written in the reference's dtype where the default would differ."""
+    chosen = set(chosen)
+    for t in outs:
+        if t.hf_key in chosen:
+            adopted.dtypes.setdefault(short_name(t.dtype), []).append(t.hf_key)
+
+
+def split_as_reference(outs: dict[str, OutTensor], base: Base) -> dict[str, list[str]]:
+    """{file name: HF keys, in the reference's order}: each tensor in the file the reference puts it in; a
+    weight's block FP8 scale the reference lacks beside its weight; keys the reference lacks in `EXTRA_FILE`.
+    The reference's files that hold none of the keys written are not written."""
+    by_file: dict[str, list[str]] = {}
+    for key in base.tensors:
+        if key in outs:
+            by_file.setdefault(base.files[key], []).append(key)
+    extra = []
+    for key, t in outs.items():
+        if key in base.tensors:
+            continue
+        weight = key.removesuffix("_scale_inv")
+        if t.op == "fp8_scale" and weight in base.files:
+            by_file[base.files[weight]].append(key)
+        else:
+            extra.append(key)
+    if extra:
+        if EXTRA_FILE in by_file or any(name == EXTRA_FILE for name in base.files.values()):
+            raise CkptconvError(
+                f"--file-split reference: {base.text} has a file named {EXTRA_FILE}; use --file-split size"
+            )
+        by_file[EXTRA_FILE] = extra
+    return by_file
+
+
+def in_reference_order(tensors: Sequence[OutTensor], base: Base) -> tuple[OutTensor, ...]:
+    """A file's tensors in the reference's order (a scale just after its weight, extra keys last in the
+    order they came)."""
+    rank = {key: i for i, key in enumerate(base.tensors)}
+    last = len(rank)
+
+    def where(t: OutTensor) -> tuple[int, int]:
+        if t.hf_key in rank:
+            return rank[t.hf_key], 0
+        weight = t.hf_key.removesuffix("_scale_inv")
+        return (rank[weight], 1) if t.op == "fp8_scale" and weight in rank else (last, 0)
+
+    return tuple(sorted(tensors, key=where))

@@ -213,9 +213,15 @@ class HfToDcpOptions:
     """A PEFT adapter (directory or hub repo id) added: the DCP holds the PEFT-wrapped model's keys."""
     lora_name: str = "default"
     """The adapter's name in the PEFT-wrapped keys (with `lora_adapter`)."""
+    reference: Path | None = None
+    """A DCP checkpoint of the target job whose `.metadata` the planned DCP must match (model tensors' keys,
+    shapes; dtypes only told), checked before anything is written; with no `dtype` given, each floating
+    tensor is written in the reference's dtype for its key."""
+    allow_layout_change: bool = False
+    """Write a DCP that differs from `reference`, each difference a warning (refused otherwise)."""
 
     def __post_init__(self) -> None:
-        if self.dtype.dtype is None:
+        if self.dtype.dtype is None and self.reference is None:  # with a reference: its dtypes (None kept)
             object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep"))
         if self.lora_adapter is not None and self.mapping.mapping:
             raise CkptconvError("--lora-adapter with --mapping is not supported yet; leave --mapping out")

@@ -6,7 +6,7 @@ tensors keep their dtype and bytes whatever the flags say.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,10 +71,12 @@ def parse_dtype_flag(value: str, flag: str = "--dtype") -> torch.dtype | None:
 
 @dataclass
 class DtypePolicy:
-    """`target=None` keeps every dtype; `fp32` are regexes searched in the output key."""
+    """`target=None` keeps every dtype; `fp32` are regexes searched in the output key; `by_key`: the dtype of
+    named output keys (hf-to-dcp's `--reference` without `--dtype`), beaten by `fp32`, beating `target`."""
 
     target: torch.dtype | None = torch.bfloat16
     fp32: Sequence[str] = ()
+    by_key: Mapping[str, torch.dtype] = field(default_factory=dict)
     _compiled: list[UserRegex] = field(init=False, repr=False)
     _matched: set[str] = field(init=False, repr=False)
 
@@ -92,6 +94,8 @@ class DtypePolicy:
             if compiled.search(hf_key):
                 self._matched.add(compiled.pattern)
                 return torch.float32
+        if self.by_key.get(hf_key) in CASTABLE:  # a floating tensor takes a floating reference's dtype only
+            return self.by_key[hf_key]
         return dtype if self.target is None else self.target
 
     def forces_fp32(self, hf_key: str) -> bool:

@@ -241,11 +241,16 @@ class VerifyOptions:
     """The hub revision of a repo id among A and B."""
     lora: LoraRequest | None = None
     """What to make of LoRA factors on a DCP side (`--lora`: merged as dcp-to-hf merges them, ...)."""
+    layout: bool = False
+    """Compare layouts only (keys, shapes, dtypes; two HF directories' file split too), reading no tensor
+    bytes: the index, safetensors headers and `.metadata`."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--atol", self.atol), ("--rtol", self.rtol)):
             if value is not None and not value >= 0:
                 raise CkptconvError(f"{flag} {value}: must be a number >= 0")
+            if value is not None and self.layout:
+                raise CkptconvError(f"{flag} with --layout: --layout compares no values; leave {flag} out")
         if self.lora is not None:
             self.lora.check()
 

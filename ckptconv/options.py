@@ -237,10 +237,16 @@ class HfToDcpOptions:
     """A PEFT adapter (directory or hub repo id) added: the DCP holds the PEFT-wrapped model's keys."""
     lora_name: str = "default"
     """The adapter's name in the PEFT-wrapped keys (with `lora_adapter`)."""
+    reference: Path | None = None
+    """A DCP checkpoint of the target job whose `.metadata` the planned DCP must match (model tensors' keys,
+    shapes; dtypes only told), checked before anything is written; with no `dtype` given, each floating
+    tensor is written in the reference's dtype for its key."""
+    allow_layout_change: bool = False
+    """Write a DCP that differs from `reference`, each difference a warning (refused otherwise)."""
 
     def __post_init__(self) -> None:
-        if self.dtype.dtype is None:
-            object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep"))
+        if self.dtype.dtype is None:  # keep; with a reference, each key its reference's dtype (`policy`)
+            object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep", defaulted=True))
         if self.lora_adapter is not None and self.mapping.mapping:
             raise CkptconvError("--lora-adapter with --mapping is not supported yet; leave --mapping out")
 
@@ -259,11 +265,16 @@ class VerifyOptions:
     """The hub revision of a repo id among A and B."""
     lora: LoraRequest | None = None
     """What to make of LoRA factors on a DCP side (`--lora`: merged as dcp-to-hf merges them, ...)."""
+    layout: bool = False
+    """Compare layouts only (keys, shapes, dtypes; two HF directories' file split too), reading no tensor
+    bytes: the index, safetensors headers and `.metadata`."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--atol", self.atol), ("--rtol", self.rtol)):
             if value is not None and not value >= 0:
                 raise CkptconvError(f"{flag} {value}: must be a number >= 0")
+            if value is not None and self.layout:
+                raise CkptconvError(f"{flag} with --layout: --layout compares no values; leave {flag} out")
         if self.lora is not None:
             self.lora.check()
 

@@ -177,7 +177,7 @@ def hf_to_dcp_cmd(
     out: Annotated[
         str, typer.Argument(help="Output DCP checkpoint directory.", show_default=False, metavar="OUT")
     ],
-    dtype: DtypeOpt = "keep",
+    dtype: DtypeOpt = None,
     fp32: Fp32Opt = None,
     prefix: Annotated[
         str | None, typer.Option("--prefix", help="Prepend this to every key, as nested groups ('model.').")
@@ -186,6 +186,8 @@ def hf_to_dcp_cmd(
     mapping: MappingOpt = None,
     config: ConfigOpt = None,
     allow_unmapped: AllowUnmappedOpt = False,
+    reference: opt.DcpReferenceOpt = None,
+    allow_layout_change: opt.DcpAllowLayoutChangeOpt = False,
     overwrite: OverwriteOpt = False,
     no_fsync: opt.NoFsyncOpt = False,
     dry_run: DryRunOpt = False,
@@ -239,6 +241,7 @@ def verify_cmd(
         float | None, typer.Option("--atol", help="Absolute tolerance: |a-b| <= atol + rtol*|b| in fp32.")
     ] = None,
     rtol: Annotated[float | None, typer.Option("--rtol", help="Relative tolerance (see --atol).")] = None,
+    layout: opt.LayoutOpt = False,
     revision: RevisionOpt = None,
     trust_pickle: TrustOpt = False,
     storage_options: StorageOptionsOpt = None,
@@ -255,7 +258,7 @@ def verify_cmd(
     """Compare two checkpoints tensor by tensor: exit 0 when they match, 1 on any mismatch, 2 on bad input."""
     flags = dict(locals())
     from ckptconv.cli.build import verify_options
-    from ckptconv.cli.render import show_verify
+    from ckptconv.cli.render import show_layout, show_verify
     from ckptconv.job.ui import Ui
     from ckptconv.job.world import world_from_env
     from ckptconv.run.verify import tolerance_of, verify
@@ -264,6 +267,11 @@ def verify_cmd(
     use_storage(storage_options, coalesce_gap)
     with _trust(trust_pickle), world_from_env(say_agreed=say_agreed) as world:
         ui = Ui(rank=world.rank, quiet=quiet, progress=progress)
+        if options.layout:  # names, shapes, dtypes, file split: headers and .metadata only
+            from ckptconv.run.verify_layout import verify_layout
+
+            show_layout(verify_layout(a, b, options, world=world), a, b, world, ui, json_out)
+            return
         report = verify(a, b, options, world=world, ui=ui)
         show_verify(report, a, b, world, tolerance_of(options), json_out)
 

@@ -95,6 +95,8 @@ def hf_to_dcp_options(flags: Mapping[str, Any]) -> HfToDcpOptions:
         revision=flags["revision"],
         lora_adapter=flags["lora_adapter"],
         lora_name=flags["lora_name"],
+        reference=flags["reference"],
+        allow_layout_change=flags["allow_layout_change"],
     )
 
 
@@ -109,6 +111,7 @@ def verify_options(flags: Mapping[str, Any]) -> VerifyOptions:
         rtol=flags["rtol"],
         revision=flags["revision"],
         lora=None if lora == LoraRequest() else lora,  # no --lora flag: as the library's default
+        layout=flags["layout"],
     )
 
 

@@ -23,7 +23,12 @@ def _local(flag: str) -> Any:
 
 
 DTYPE_HELP = "bf16, fp16, fp32 or keep: dtype of floating tensors (int/bool never change)."
-DtypeOpt = Annotated[str, typer.Option("--dtype", help=DTYPE_HELP)]
+DtypeOpt = Annotated[  # hf-to-dcp: with --reference and no --dtype, the reference's dtypes
+    str | None,
+    typer.Option(
+        "--dtype", help=DTYPE_HELP + " [default: keep; --reference's with --reference]", show_default=False
+    ),
+]
 ReleaseDtypeOpt = Annotated[  # dcp-to-hf: an adapter keeps its trained dtype unless told otherwise
     str | None,
     typer.Option(
@@ -77,6 +82,31 @@ AllowLayoutChangeOpt = Annotated[
         "--allow-layout-change",
         help="Write OUT even where its keys or shapes differ from --reference (or --copy-from): each "
         "difference a warning.",
+    ),
+]
+DcpReferenceOpt = Annotated[  # hf-to-dcp's: a training checkpoint of the target job
+    Path | None,
+    typer.Option(
+        "--reference",
+        help="DCP checkpoint of the target job whose .metadata OUT must match (model tensors' keys, shapes), "
+        "checked before writing; without --dtype, its dtypes are OUT's.",
+        show_default=False,
+        callback=_local("--reference"),
+    ),
+]
+DcpAllowLayoutChangeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-layout-change",
+        help="Write OUT even where its keys or shapes differ from --reference: each difference a warning.",
+    ),
+]
+LayoutOpt = Annotated[
+    bool,
+    typer.Option(
+        "--layout",
+        help="Compare layouts only (keys, shapes, dtypes; two HF directories' file split too), reading "
+        "headers and .metadata, no tensor bytes.",
     ),
 ]
 OverwriteOpt = Annotated[

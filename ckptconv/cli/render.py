@@ -125,6 +125,7 @@ def show_hf_to_dcp(
             "written_files": _written_files(out) if result.written else [],
             "ranks": [r.to_json() for r in result.ranks],
             **summary,
+            "reference": result.reference,
         }
     line = (
         f"wrote {out}: {summary['num_tensors']} tensors, {human_bytes(result.plan.total_size)}, "
@@ -175,4 +176,31 @@ def show_verify(report: Any, a: str, b: str, world: Any, tolerance: Any, json_ou
     if not report.match:
         raise VerifyMismatch(
             f"{len(report.findings)} mismatch(es) between {a} and {b}", agreed=world.distributed
+        )
+
+
+SHOWN = 20  # layout differences printed one a line (--json lists them all)
+
+
+def show_layout(report: Any, a: str, b: str, world: Any, ui: Any, json_out: bool) -> None:
+    """`verify --layout`'s report on rank 0 (the JSON document, or the first `SHOWN` differences one a line,
+    its notes and a verdict); a difference is VerifyMismatch (exit 1) on every rank."""
+    from ckptconv.errors import VerifyMismatch
+
+    findings = report.findings
+    if json_out:
+        print_json(report.to_json())
+    elif world.is_main:
+        for finding in findings[:SHOWN]:
+            sys.stdout.write(finding.line() + "\n")
+        if len(findings) > SHOWN:
+            sys.stdout.write(f"... and {len(findings) - SHOWN} more (--json lists them all)\n")
+        for note in report.notes:
+            ui.info(note)
+        if report.match:
+            same = f"match: {report.compared} tensors have the same layout"
+            sys.stdout.write(f"{same} ({report.seconds:.1f}s)\n")
+    if not report.match:
+        raise VerifyMismatch(
+            f"{len(findings)} layout difference(s) between {a} and {b}", agreed=world.distributed
         )

@@ -1,5 +1,6 @@
-"""The planned HF output compared with a reference model's tensors (`--reference` / `--copy-from`): key set,
-shapes, dtypes, before a byte is written. Pure: the caller reads the reference's headers."""
+"""A planned output compared with a reference's tensors (dcp-to-hf's `--reference` / `--copy-from`, an HF
+model; hf-to-dcp's `--reference`, a training checkpoint): key set, shapes, dtypes, before a byte is written.
+Pure: the caller reads the reference's headers or `.metadata`."""
 
 from __future__ import annotations
 
@@ -87,8 +88,14 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def refusal(path: str, differences: list[Difference], shown: int = 3) -> str | None:
-    """The one-line refusal for the differences that refuse (None: none do)."""
+DCP_TO_HF_FIXES = "--prefix, --mapping or --hf-experts"  # the flags that change dcp-to-hf's keys and shapes
+
+
+def refusal(
+    path: str, differences: list[Difference], shown: int = 3, fixes: str = DCP_TO_HF_FIXES
+) -> str | None:
+    """The one-line refusal for the differences that refuse (None: none do); `fixes` names the command's
+    flags that change the output's keys and shapes."""
     refusing = [d for d in differences if d.refuses]
     if not refusing:
         return None
@@ -96,7 +103,7 @@ def refusal(path: str, differences: list[Difference], shown: int = 3) -> str | N
     more = f"; and {len(refusing) - shown} more" if len(refusing) > shown else ""
     return (
         f"OUT would not match the reference {path}: {len(refusing)} difference(s) ({first}{more}); fix "
-        "--prefix, --mapping or --hf-experts, or pass --allow-layout-change to write it anyway"
+        f"{fixes}, or pass --allow-layout-change to write it anyway"
     )
 
 

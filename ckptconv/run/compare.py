@@ -33,10 +33,11 @@ class Tolerance:
 
 @dataclass(frozen=True)
 class Finding:
-    """One mismatch: a key on one side only, a shape that differs, or values that differ."""
+    """One mismatch: a key on one side only, a shape that differs, or values that differ (`verify --layout`:
+    a dtype, or the file an HF directory holds the key in)."""
 
     key: str
-    kind: str  # only_in_a | only_in_b | shape | values
+    kind: str  # only_in_a | only_in_b | shape | values; with --layout: dtype | file
     a: dict[str, Any] | None
     b: dict[str, Any] | None
     differing: int = 0
@@ -51,8 +52,10 @@ class Finding:
             return f"{self.key}: only in A ({desc(self.a)})"
         if self.kind == "only_in_b":
             return f"{self.key}: only in B ({desc(self.b)})"
-        if self.kind == "shape":
-            return f"{self.key}: shape differs, A {desc(self.a)} vs B {desc(self.b)}"
+        if self.kind in ("shape", "dtype"):
+            return f"{self.key}: {self.kind} differs, A {desc(self.a)} vs B {desc(self.b)}"
+        if self.kind == "file" and self.a and self.b:
+            return f"{self.key}: file differs, A {self.a['file']} vs B {self.b['file']}"
         return (
             f"{self.key}: {self.differing} of {self.numel} elements differ (max abs diff "
             f"{self.max_abs_diff:.6g}), A {desc(self.a)} vs B {desc(self.b)}"

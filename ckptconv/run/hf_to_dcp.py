@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckptconv.core.specs import HfCheckpoint
 from ckptconv.formats.dcp import METADATA_FILE
@@ -21,11 +22,13 @@ from ckptconv.job.world import World, everyone, from_main
 from ckptconv.mapping import load_config, load_mapping
 from ckptconv.options import HfToDcpOptions
 from ckptconv.plan import megatron as megatron_out
+from ckptconv.plan.reference import Tensors
 from ckptconv.plan.to_hf import plan_hf_to_dcp
 from ckptconv.plan.types import DcpSavePlan, RankBytes
 from ckptconv.publish import outcheck
 from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
+from ckptconv.run import hf_reference
 from ckptconv.run.dcp_staging import Planned, Staging
 from ckptconv.run.steps import config_file, return_freed_memory
 from ckptconv.source import locate as sources
@@ -44,6 +47,7 @@ class DcpResult:
     seconds: float = 0.0
     written: bool = False
     ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote
+    reference: dict[str, Any] | None = None  # --reference: what the plan was compared with, how it differed
 
 
 def hf_to_dcp(
@@ -69,11 +73,15 @@ def hf_to_dcp(
         hf = everyone(
             world, from_main, world, lambda: with_adapter(open_hf(path), adapter, options.lora_name)
         )
-        job = everyone(world, make_plan, world, path, hf, options)
+        reference = hf_reference.read_reference(world, options)
+        job = everyone(world, make_plan, world, path, hf, options, reference)
+        compared = everyone(  # refused here: nothing written yet
+            world, hf_reference.check_reference, world, ui, job.plan, options, reference
+        )
     if job.plan.same and not options.output.dry_run:
         check_copies(world, hf, job.plan.same)
     tell(ui, job)
-    result = DcpResult(out, path, job.plan)
+    result = DcpResult(out, path, job.plan, reference=compared)
     if target is not None:
         publish(world, ui, job, target, options, result)
     result.seconds = time.perf_counter() - start
@@ -83,16 +91,22 @@ def hf_to_dcp(
 def check_inputs(
     world: World, path: Path, adapter: Path | None, out: Path, options: HfToDcpOptions
 ) -> Target | None:
-    """Every rank: OUT may be written and keeps clear of every input; the target (None: a dry run)."""
+    """Every rank: `--reference` is a DCP checkpoint, OUT may be written and keeps clear of every input; the
+    target (None: a dry run)."""
+    hf_reference.check_path(options.reference)
     inputs = [("SRC", path), ("--config", options.mapping.config), ("--lora-adapter", adapter)]
+    inputs.append(("--reference", options.reference))
     inputs.append(outcheck.mapping_input(options.mapping.mapping))
     if options.output.dry_run:
         return None
     return outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, False)
 
 
-def make_plan(world: World, path: Path, hf: HfCheckpoint, options: HfToDcpOptions) -> Planned:
-    """Every rank: the stash, the mapping and its config, and the plan of every tensor's rows."""
+def make_plan(
+    world: World, path: Path, hf: HfCheckpoint, options: HfToDcpOptions, reference: Tensors | None = None
+) -> Planned:
+    """Every rank: the stash, the mapping and its config, and the plan of every tensor's rows (in the
+    `reference`'s dtypes when no --dtype is given)."""
     keys = options.mapping
     found = config_file(keys.config, (path, checkpoint_root(path)) if is_directory(path) else None)
     stash = read_stash(path) if is_directory(path) else []
@@ -100,7 +114,7 @@ def make_plan(world: World, path: Path, hf: HfCheckpoint, options: HfToDcpOption
     model_config = load_config(*found)
     plan = plan_hf_to_dcp(
         hf,
-        options.dtype.policy(),
+        hf_reference.policy(options, reference),
         world_size=world.size,
         prefix=keys.prefix,
         stash=stash,

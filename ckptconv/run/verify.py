@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import torch
 
 from ckptconv.core.dtypes import DtypePolicy
 from ckptconv.core.keyorder import natural_key
-from ckptconv.core.specs import HfCheckpoint
+from ckptconv.core.specs import DcpCheckpoint, HfCheckpoint
 from ckptconv.errors import CkptconvError, VerifyMismatch
 from ckptconv.formats.dcp import is_dcp_dir, open_dcp
 from ckptconv.formats.dcp_reader import DcpReader
@@ -38,6 +38,7 @@ from ckptconv.mapping import VARIANTS, load_config, load_mapping
 from ckptconv.options import VerifyOptions
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.to_hf import assign_owners
+from ckptconv.plan.types import OutTensor, TiedHead
 from ckptconv.quant import fp8
 from ckptconv.remote.urls import is_url
 from ckptconv.run.compare import Finding, Tolerance, compare, describe
@@ -163,16 +164,8 @@ def dcp_side(
     output head tie_word_embeddings leaves out is a key of this side when it differs from its embedding
     (`tied`), unless `drop_untied_head` (then a note says it was left out)."""
     ckpt = open_dcp(path)
-    forms = VARIANTS if mapping and variant is None and like is not None else (variant,)
-    candidates = []
-    for form in forms:
-        key_mapping = load_mapping(mapping, form) if mapping else None
-        selection, mapped, _ = mapped_tensors(
-            ckpt, DtypePolicy(None), prefix, key_mapping, config, allow_unmapped, lora=lora
-        )
-        candidates.append(({t.hf_key: t for t in mapped}, selection.tied))
-    pick = (lambda c: len(c[0].keys() & like.shapes.keys())) if like else (lambda c: 0)
-    outs, heads = max(candidates, key=pick)
+    like_keys = None if like is None else like.shapes.keys()
+    outs, heads = dcp_outs(ckpt, prefix, mapping, config, allow_unmapped, variant, like_keys, lora)
     reader = DcpReader(ckpt)
     rows = direct_rows(reader)
 
@@ -209,6 +202,31 @@ def dcp_side(
     if like is not None:
         follow(like, side)
     return side
+
+
+def dcp_outs(
+    ckpt: DcpCheckpoint,
+    prefix: str | None,
+    mapping: str | None,
+    config: dict[str, Any],
+    allow_unmapped: bool,
+    variant: str | None = None,
+    like: Collection[str] | None = None,
+    lora: LoraRequest | None = None,
+) -> tuple[dict[str, OutTensor], tuple[TiedHead, ...]]:
+    """A DCP checkpoint's tensors as dcp-to-hf would write them, by HF key, dtypes kept, and the output heads
+    a tied embedding leaves out. With a mapping and no `variant`, in the expert form (per expert or fused)
+    that shares the most keys with the other side's keys `like`. Reads `.metadata` only."""
+    forms = VARIANTS if mapping and variant is None and like is not None else (variant,)
+    candidates = []
+    for form in forms:
+        key_mapping = load_mapping(mapping, form) if mapping else None
+        selection, mapped, _ = mapped_tensors(
+            ckpt, DtypePolicy(None), prefix, key_mapping, config, allow_unmapped, lora=lora
+        )
+        candidates.append(({t.hf_key: t for t in mapped}, selection.tied))
+    pick = (lambda c: len(c[0].keys() & like)) if like is not None else (lambda c: 0)
+    return max(candidates, key=pick)
 
 
 def open_sides(
@@ -304,25 +322,16 @@ def verify(
 ) -> Report:
     """Collective: compare checkpoint `a` with `b` (paths or hub repo ids) as `options` say. Rank 0
     downloads repo ids."""
-    revision, mapping = options.revision, options.mapping
-    config = mapping.config
-
-    def where(src: str) -> Path:  # --revision is for the hub repo id(s) among A and B
-        return any_source(src, None if exists(Path(src)) or is_url(src) else revision)
-
-    path_a, path_b = for_all(world, lambda: (where(a), where(b)))
+    mapping = options.mapping
+    path_a, path_b = locate(world, a, b, options)
 
     def prepare() -> tuple[Side, Side]:
-        beside = (
-            (p / "config.json", checkpoint_root(p)) for p in (path_a, path_b) if exists(p / "config.json")
-        )
-        found = (config, None) if config else next(beside, (None, None))
         return open_sides(
             path_a,
             path_b,
             prefix=mapping.prefix,
             mapping=mapping.mapping,
-            config=load_config(*found),
+            config=model_config(path_a, path_b, options),
             allow_unmapped=mapping.allow_unmapped,
             lora=options.lora,
         )
@@ -333,6 +342,23 @@ def verify(
     finally:
         side_a.close()
         side_b.close()
+
+
+def locate(world: World, a: str, b: str, options: VerifyOptions) -> tuple[Path, Path]:
+    """Collective: where A and B are (rank 0 downloads hub repo ids, `--revision` for those among them)."""
+
+    def where(src: str) -> Path:
+        return any_source(src, None if exists(Path(src)) or is_url(src) else options.revision)
+
+    return for_all(world, lambda: (where(a), where(b)))
+
+
+def model_config(path_a: Path, path_b: Path, options: VerifyOptions) -> dict[str, Any]:
+    """The model config a mapping reads: `--config`, else the config.json beside A, else beside B."""
+    config = options.mapping.config
+    beside = ((p / "config.json", checkpoint_root(p)) for p in (path_a, path_b) if exists(p / "config.json"))
+    found = (config, None) if config else next(beside, (None, None))
+    return load_config(*found)
 
 
 def tolerance_of(options: VerifyOptions) -> Tolerance | None:

@@ -106,6 +106,8 @@ HF_TO_DCP = {
     "--verify": "output.verify",
     "--lora-adapter": "lora_adapter",
     "--lora-name": "lora_name",
+    "--reference": "reference",
+    "--allow-layout-change": "allow_layout_change",
 }
 VERIFY = {
     "--mapping": "mapping.mapping",
@@ -114,6 +116,7 @@ VERIFY = {
     "--allow-unmapped": "mapping.allow_unmapped",
     "--atol": "atol",
     "--rtol": "rtol",
+    "--layout": "layout",
     "--revision": "revision",
     "--lora": "lora.mode",
     "--lora-name": "lora.name",

@@ -213,12 +213,16 @@ class HfToDcpOptions:
     """A PEFT adapter (directory or hub repo id) added: the DCP holds the PEFT-wrapped model's keys."""
     lora_name: str = "default"
     """The adapter's name in the PEFT-wrapped keys (with `lora_adapter`)."""
+    runtime_layout: str | None = None
+    """The mapping's runtime layout(s) written, comma-separated names (None: each layout group's default)."""
 
     def __post_init__(self) -> None:
         if self.dtype.dtype is None:
             object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep"))
         if self.lora_adapter is not None and self.mapping.mapping:
             raise CkptconvError("--lora-adapter with --mapping is not supported yet; leave --mapping out")
+        if self.runtime_layout is not None and not self.mapping.mapping:
+            raise CkptconvError("--runtime-layout picks a layout of a mapping; pass --mapping too")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -94,6 +94,7 @@ def hf_to_dcp_options(flags: Mapping[str, Any]) -> HfToDcpOptions:
         revision=flags["revision"],
         lora_adapter=flags["lora_adapter"],
         lora_name=flags["lora_name"],
+        runtime_layout=flags["runtime_layout"],
     )
 
 

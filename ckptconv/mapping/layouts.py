@@ -86,6 +86,7 @@ def detect(mapping: KeyMapping, shapes: Mapping[str, tuple[int, ...]], scope: Sc
     """Group -> the runtime layout the source (runtime keys and their global shapes) holds; a group none of
     whose keys the source has takes its default. Refuses a key no layout of its group fits, and a source
     holding two layouts of one group."""
+    where = f"{scope.where} {mapping.name}"
     group_of = {layout.name: layout.group for layout in mapping.layouts}
     chosen = {layout.group: layout.name for layout in mapping.layouts if layout.default}
     found: dict[str, dict[str, str]] = {}  # group -> layout -> its first key in the source
@@ -108,14 +109,14 @@ def detect(mapping: KeyMapping, shapes: Mapping[str, tuple[int, ...]], scope: Sc
     for key, group in misfit.items():
         if key not in fitted:
             raise CkptconvError(
-                f"{scope.where}: {key!r} {list(shapes[key])} fits none of the runtime layouts of {group} "
-                f"the mapping knows: {_known(mapping, group)}"
+                f"{where}: {key!r} {list(shapes[key])} fits none of the runtime layouts of {group} it "
+                f"knows: {_known(mapping, group)}; add the checkpoint's layout to the mapping"
             )
     for group, layouts in found.items():
         if len(layouts) > 1:
             (a, ka), (b, kb) = list(layouts.items())[:2]
             raise CkptconvError(
-                f"{scope.where}: the checkpoint mixes runtime layouts of {group}: {ka!r} "
+                f"{where}: the checkpoint mixes runtime layouts of {group}: {ka!r} "
                 f"{list(shapes[ka])} is {a}, {kb!r} {list(shapes[kb])} is {b}; one checkpoint holds one "
                 f"layout (known: {_known(mapping, group)})"
             )

@@ -10,9 +10,9 @@ torchtitan's model and fixed math) and rebuilds the later layouts with the math 
 
 Saved with dcp.save by one process and by two ranks (Shard(0), so a stacked pair splits across ranks), each
 goes dcp-to-hf with the preset to the HF tensors bit for bit (the same bytes from both saves) and loads in
-transformers with no missing or unexpected keys; hf-to-dcp --runtime-layout writes the same layout back; a
-w13 of a shape no layout has, and a checkpoint mixing layouts, are exit 2 naming the key, its shape and the
-layouts known.
+transformers with no missing or unexpected keys; hf-to-dcp --runtime-layout writes the same layout back
+(and verifies it); a w13 of a shape no layout has, and a checkpoint mixing layouts, are exit 2 naming the key,
+its shape and the layouts known.
 """
 
 from __future__ import annotations
@@ -118,17 +118,10 @@ def test_later_torchtitan_layouts_convert_both_ways(name: str, layout: str, tmp_
     _, info = auto_class(family, **options).from_pretrained(tmp_path / "hf_one", output_loading_info=True)
     _, original = auto_class(family, **options).from_pretrained(hf_dir, output_loading_info=True)
     assert not info["missing_keys"] and info["unexpected_keys"] == original["unexpected_keys"], info
-    # the way back writes the layout named, the same tensors
-    code, err = run(
-        capsys,
-        "hf-to-dcp",
-        str(hf_dir),
-        str(tmp_path / "again"),
-        "--mapping",
-        preset,
-        "--runtime-layout",
-        layout,
-    )
+    # the way back writes the layout named, the same tensors (--verify maps them to HF again: the layout
+    # read off what was written)
+    again = ["hf-to-dcp", str(hf_dir), str(tmp_path / "again"), "--mapping", preset, "--verify"]
+    code, err = run(capsys, *again, "--runtime-layout", layout)
     assert code == 0, err
     again = {k: v for k, v in load_plain(tmp_path / "again").items() if isinstance(v, torch.Tensor)}
     assert again.keys() == state.keys() and all(same_bits(again[k], state[k]) for k in state)

@@ -243,12 +243,16 @@ class HfToDcpOptions:
     tensor is written in the reference's dtype for its key."""
     allow_layout_change: bool = False
     """Write a DCP that differs from `reference`, each difference a warning (refused otherwise)."""
+    runtime_layout: str | None = None
+    """The mapping's runtime layout(s) written, comma-separated names (None: each layout group's default)."""
 
     def __post_init__(self) -> None:
         if self.dtype.dtype is None:  # keep; with a reference, each key its reference's dtype (`policy`)
             object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep", defaulted=True))
         if self.lora_adapter is not None and self.mapping.mapping:
             raise CkptconvError("--lora-adapter with --mapping is not supported yet; leave --mapping out")
+        if self.runtime_layout is not None and not self.mapping.mapping:
+            raise CkptconvError("--runtime-layout picks a layout of a mapping; pass --mapping too")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

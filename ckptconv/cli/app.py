@@ -188,6 +188,13 @@ def hf_to_dcp_cmd(
     allow_unmapped: AllowUnmappedOpt = False,
     reference: opt.DcpReferenceOpt = None,
     allow_layout_change: opt.DcpAllowLayoutChangeOpt = False,
+    runtime_layout: Annotated[
+        str | None,
+        typer.Option(
+            "--runtime-layout",
+            help="The mapping's runtime layout(s) to write, comma-separated (default: the mapping's).",
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     no_fsync: opt.NoFsyncOpt = False,
     dry_run: DryRunOpt = False,

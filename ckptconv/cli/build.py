@@ -97,6 +97,7 @@ def hf_to_dcp_options(flags: Mapping[str, Any]) -> HfToDcpOptions:
         lora_name=flags["lora_name"],
         reference=flags["reference"],
         allow_layout_change=flags["allow_layout_change"],
+        runtime_layout=flags["runtime_layout"],
     )
 
 

@@ -57,8 +57,9 @@ def presets() -> list[str]:
     )
 
 
-def load_mapping(spec: str, hf_experts: str | None = None) -> KeyMapping:
-    """A preset name or a path to a TOML mapping file; `hf_experts` overrides the form dcp-to-hf writes."""
+def load_mapping(spec: str, hf_experts: str | None = None, runtime_layout: str | None = None) -> KeyMapping:
+    """A preset name or a path to a TOML mapping file; `hf_experts` overrides the form dcp-to-hf writes,
+    `runtime_layout` (layout names, comma-separated) the runtime layouts hf-to-dcp writes."""
     if spec in presets():
         text = resources.files(__package__).joinpath("presets", spec + ".toml").read_text()
         where = f"--mapping {spec}"
@@ -80,7 +81,7 @@ def load_mapping(spec: str, hf_experts: str | None = None) -> KeyMapping:
         doc = load_toml(text, where)  # nesting, dotted keys and objects bounded as it reads (documents.py)
     except (tomllib.TOMLDecodeError, RecursionError) as e:
         raise CkptconvError(f"{where}: not valid TOML ({str(e)[:200] or 'too deeply nested'})") from None
-    return parse(doc, where, hf_experts)
+    return parse(doc, where, hf_experts, runtime_layout)
 
 
 __all__ = [

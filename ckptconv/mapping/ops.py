@@ -9,6 +9,8 @@ Shapes, with the runtime tensor on the left:
     unstack   F' [L, E, F, D]        -> L x E x L [F, D]         two placeholders: consecutive stacked dims
     split     F' [q+k+v, D]          -> L_0 [q, D], L_1 [k, D], L_2 [v, D]
     interleave F' [E, 2F, D]         -> L_0 [E, F, D] (rows 0, 2, ..), L_1 [E, F, D] (rows 1, 3, ..)
+    unbind    F' [2, F, D]           -> L_0 [F, D] (F'[0]), L_1 [F, D] (F'[1])   (`dim` has one entry per L)
+    unbind    F' [E, 2, F, D] (stacked over E, dim 1) -> E x L_0 [F, D], E x L_1 [F, D]
     grouped   F' [G*(a+b+c), D]      -> L_0 [G*a, D], L_1 [G*b, D], L_2 [G*c, D]   (per group g: a, b, c rows)
     transpose F  [E, D, 2F] (1, 2)   -> F' [E, 2F, D]
 
@@ -64,9 +66,14 @@ class Geometry:
     narrow: int | None = None  # rows of `dim` kept
     stack_dims: tuple[int, ...] = ()  # one per stacked placeholder, consecutive
     dim: int = 0  # the dim split / interleaved / grouped / narrowed
-    split: str | None = None  # "plain", "interleave" or "grouped"
+    split: str | None = None  # "plain", "interleave", "grouped" or "unbind"
     sizes: tuple[int, ...] = ()  # plain: each L's size along dim; grouped: each L's rows per group
     groups: int = 1
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        """The dims of F' the other side's tensors lack: the stacked dims, and an unbind's `dim`."""
+        return tuple(sorted(self.stack_dims + ((self.dim,) if self.split == "unbind" else ())))
 
 
 def transposed(shape: tuple[int, ...], pair: tuple[int, int] | None, where: str = "") -> tuple[int, ...]:
@@ -98,8 +105,8 @@ def pieces(fused: tuple[int, ...], g: Geometry, where: str) -> list[Piece]:
     out = []
     for element, block in elements:
         for index, parts in enumerate(_split(block, g, where)):
-            shape = squeeze(_extent(block, parts, g.dim), g.stack_dims)
-            placed = tuple((b, squeeze(offsets, g.stack_dims)) for b, offsets in parts)
+            shape = squeeze(_extent(block, parts, g.dim), g.dropped)
+            placed = tuple((b, squeeze(offsets, g.dropped)) for b, offsets in parts)
             out.append(Piece(index, element, shape, placed))
     return out
 
@@ -151,6 +158,10 @@ def _split(block: Block, g: Geometry, where: str) -> list[list[tuple[Block, tupl
         if total % g.count:
             raise CkptconvError(f"{where}: dim {g.dim} of {total} does not interleave {g.count} ways")
         return [[(block.at(g.dim, i, total // g.count, g.count), origin)] for i in range(g.count)]
+    if g.split == "unbind":  # one slice of dim per L, which L lacks: [2, F, D] -> [F, D], [F, D]
+        if total != g.count:
+            raise CkptconvError(f"{where}: dim {g.dim} of {total} does not unbind into {g.count} tensors")
+        return [[(block.at(g.dim, i, 1), origin)] for i in range(g.count)]
     if g.split == "plain":
         sizes = _sizes(g.sizes, total, g.count, where, f"dim {g.dim} of {total}")
         starts = [sum(sizes[:i]) for i in range(g.count)]
@@ -216,14 +227,17 @@ def fused_shape(
 ) -> tuple[int, ...]:
     """F' from the shapes of the other side's tensors (one per index; all elements alike) and the number of
     elements along each stacked dim: the inverse of `pieces`, checked afterwards by running `pieces` on it."""
-    if g.stack_dims:
+    if g.split == "unbind":  # the unbound dim comes back with one entry per tensor of the other side
+        values = dict(zip(g.stack_dims, elements, strict=True)) | {g.dim: g.count}
+        shapes = [unsqueeze(s, g.dropped, tuple(values[d] for d in g.dropped)) for s in shapes]
+    elif g.stack_dims:
         shapes = [unsqueeze(s, g.stack_dims, elements) for s in shapes]
     out = list(shapes[0])
     if (g.split is not None or g.narrow is not None) and not 0 <= g.dim < len(out):
         raise CkptconvError(f"{where}: dim {g.dim} is not a dim of a tensor of shape {out}")
     if g.split == "interleave":
         out[g.dim] = shapes[0][g.dim] * g.count
-    elif g.split is not None:
+    elif g.split is not None and g.split != "unbind":
         out[g.dim] = sum(s[g.dim] for s in shapes if len(s) > g.dim)
     if g.narrow is not None and padded is not None:
         out[g.dim] = padded

@@ -3,7 +3,8 @@
 Fields of a [[rule]] are described in docs/mapping.md; [mapping] holds `name`, `hf_experts`, `checkpoint`
 (what hf-to-dcp writes: "dcp", or "megatron" for a Megatron-Core checkpoint), the `[mapping.ranges]` table
 (`layer = "num_hidden_layers"`, `mtp = { below = "...", default = 0 }`) and the `[mapping.defaults]` table
-(`make_vocab_size_divisible_by = 128`: a config key's value when config.json lacks it).
+(`make_vocab_size_divisible_by = 128`: a config key's value when config.json lacks it), and the
+`[[mapping.layouts]]` a trainer has stored its keys in (see `layouts.py`).
 """
 
 from __future__ import annotations
@@ -11,21 +12,26 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.errors import CkptconvError
+from ckptconv.mapping.layouts import parse_layouts
 from ckptconv.mapping.patterns import Pattern, Range
 from ckptconv.mapping.types import KeyMapping, Rule
 
 VARIANTS = ("per_expert", "fused")
 CHECKPOINTS = ("dcp", "megatron")
-_HEAD = {"name", "hf_experts", "checkpoint", "ranges", "defaults"}
+_HEAD = {"name", "hf_experts", "checkpoint", "ranges", "defaults", "layouts"}
 _SIZE = (int, str)
 _FIELDS = {
     "runtime", "hf", "dim", "sizes", "stack", "stack_dim", "permute", "heads", "drop", "tied", "when",
     "transpose", "interleave", "groups", "narrow", "padded", "multiple", "hf_shape", "runtime_shape",
-    "duplicate",
+    "duplicate", "layout", "ndim", "unbind",
 }  # fmt: skip
 
 
-def parse(doc: dict[str, Any], where: str, hf_experts: str | None) -> KeyMapping:
+def parse(
+    doc: dict[str, Any], where: str, hf_experts: str | None, runtime_layout: str | None = None
+) -> KeyMapping:
+    """The mapping `doc` holds; `hf_experts` and `runtime_layout` (comma-separated layout names) override
+    what dcp-to-hf and hf-to-dcp write."""
     head = doc.get("mapping", {})
     rules_doc = doc.get("rule", [])
     if not isinstance(head, dict) or not isinstance(rules_doc, list) or not rules_doc:
@@ -41,9 +47,19 @@ def parse(doc: dict[str, Any], where: str, hf_experts: str | None) -> KeyMapping
         raise CkptconvError(f"{where}: checkpoint {checkpoint!r} is not one of {', '.join(CHECKPOINTS)}")
     ranges = _ranges(head.get("ranges", {}), where)
     defaults = _defaults(head.get("defaults", {}), where)
+    layouts, chosen = parse_layouts(head.get("layouts", []), where, runtime_layout)
     rules = tuple(_rule(r, f"{where} rule {i}", i) for i, r in enumerate(rules_doc, 1))
+    known = {layout.name for layout in layouts}
+    for rule in rules:
+        if rule.layout is not None and rule.layout not in known:
+            listed = ", ".join(sorted(known)) or "none declared"
+            raise CkptconvError(
+                f"{where} rule {rule.number}: layout {rule.layout!r} is not a [[mapping.layouts]] name "
+                f"({listed})"
+            )
     variants = tuple(sorted({r.when for r in rules if r.when}))
-    return KeyMapping(str(head.get("name", where)), rules, form, variants, ranges, defaults, checkpoint)
+    name = str(head.get("name", where))
+    return KeyMapping(name, rules, form, variants, ranges, defaults, checkpoint, layouts, chosen)
 
 
 def _defaults(table: Any, where: str) -> tuple[tuple[str, int], ...]:
@@ -158,9 +174,14 @@ def _rule(r: Any, where: str, number: int) -> Rule:
     sizes = r.get("sizes", [])
     if not isinstance(sizes, list) or not all(isinstance(s, _SIZE) for s in sizes):
         raise CkptconvError(f"{where}: sizes must be a list of integers or config.json expressions")
-    for flag in ("interleave", "duplicate"):
+    for flag in ("interleave", "duplicate", "unbind"):
         if not isinstance(r.get(flag, False), bool):
             raise CkptconvError(f"{where}: {flag} must be true or false")
+    if not isinstance(r.get("layout", ""), str):
+        raise CkptconvError(f"{where}: layout must be the name of a [[mapping.layouts]] entry")
+    ndim = _int(r, "ndim", where)
+    if ndim is not None and (ndim < 1 or "layout" not in r):
+        raise CkptconvError(f"{where}: ndim must be at least 1, on a rule with a layout")
     rule = Rule(
         runtime=runtime,
         hf=hf,
@@ -182,6 +203,9 @@ def _rule(r: Any, where: str, number: int) -> Rule:
         hf_shape=_shape(r, "hf_shape", where),
         runtime_shape=_shape(r, "runtime_shape", where),
         duplicate=r.get("duplicate", False),
+        layout=r.get("layout"),
+        ndim=ndim,
+        unbind=r.get("unbind", False),
         number=number,
     )
     if rule.stack is not None and rule.stack_dim is None and "dim" in r and max(len(runtime), len(hf)) == 1:
@@ -214,11 +238,13 @@ def _check(rule: Rule, where: str) -> None:
             raise CkptconvError(f"{where}: stack {name!r} needs {slot} in every hf key")
     if rule.duplicate and (len(runtime) != 1 or len(hf) < 2 or rule.sizes or rule.groups or rule.interleave):
         raise CkptconvError(f"{where}: duplicate needs one runtime key and a list of hf keys it is copied to")
-    splits = [f for f in ("interleave", "groups", "sizes") if getattr(rule, f)]
+    splits = [f for f in ("interleave", "groups", "sizes", "unbind") if getattr(rule, f)]
     if splits and (not listed or rule.duplicate):
         raise CkptconvError(f"{where}: {splits[0]} needs a list of keys on one side")
     if rule.interleave and (rule.groups is not None or rule.sizes):
         raise CkptconvError(f"{where}: interleave splits equally; drop groups and sizes")
+    if rule.unbind and (rule.interleave or rule.groups is not None or rule.sizes or rule.transpose):
+        raise CkptconvError(f"{where}: unbind takes one slice of dim per key; drop the other split fields")
     if (rule.narrow is not None or rule.hf_shape is not None) and (listed or len(runtime) != 1):
         raise CkptconvError(f"{where}: narrow and hf_shape need one runtime key and one hf key")
     if rule.hf_shape is not None and rule.transpose:

@@ -9,8 +9,10 @@ directions (every operation, with the shapes on both sides, in docs/mapping.md):
   (`stack = ["layer", "expert"]`: over two, on consecutive dims, as Megatron-Core stacks its experts);
 - split / concat (one side a list) along `dim`: plain (`sizes`), `interleave`d, or `groups` (fused QKV
   laid out per KV group);
+- `unbind = true`: the list's tensors are the slices of `dim` ([2, F, D] <-> [F, D], [F, D]);
 - `transpose = [a, b]`, `narrow` (vocabulary padding), `hf_shape` (reshape), `duplicate` (HF copies);
-- `drop = true`, `tied = "<hf key pattern>"`.
+- `drop = true`, `tied = "<hf key pattern>"`; `when` (an HF expert form), `layout` (a runtime layout, told
+  apart by the source's keys and shapes: `layouts.py`).
 
 The side with one key is the fused tensor F; `ops.pieces` cuts F into the other side's tensors, and each
 piece becomes a `Part` (a block copy) in either direction: `map_keys` gives every target its parts.
@@ -24,7 +26,9 @@ from collections.abc import Mapping as MappingT
 from typing import Any
 
 from ckptconv.errors import CkptconvError
-from ckptconv.mapping.ops import Geometry, fused_shape, pieces, squeeze, transposed
+from ckptconv.mapping.context import Ctx
+from ckptconv.mapping.layouts import detect
+from ckptconv.mapping.ops import fused_shape, pieces, squeeze, transposed
 from ckptconv.mapping.parts import Part
 from ckptconv.mapping.patterns import Pattern, Scope
 from ckptconv.mapping.sizes import padded_size, reshaped, unreshaped
@@ -39,72 +43,6 @@ from ckptconv.mapping.types import (
     rope_rows,
     whole,
 )
-
-
-class _Ctx:
-    def __init__(self, shapes: MappingT[str, tuple[int, ...]], scope: Scope, sources: list[str]) -> None:
-        self.shapes, self.scope, self.where, self.sources = shapes, scope, scope.where, sources
-        self.seen: dict[str, set[int]] = {}
-        self.consumed: set[str] = set()
-        self.targets: dict[str, Target] = {}
-        self.same: list[tuple[str, str]] = []
-        self.tied: list[tuple[Target | None, str, str]] = []
-
-    def add(self, target: Target) -> None:
-        if target.key in self.targets:
-            raise CkptconvError(
-                f"{self.where}: {target.key!r} is produced twice (from {self.targets[target.key].sources} "
-                f"and {target.sources}); fix the mapping"
-            )
-        for part in target.parts:
-            problem = part.problem()
-            if problem:
-                raise CkptconvError(f"{self.where} rule {target.rule}: {target.key!r}: {problem}")
-        self.targets[target.key] = target
-
-    def matches(self, pattern: str) -> list[tuple[str, dict[str, int]]]:
-        compiled = Pattern(pattern)
-        out = []
-        for key in self.shapes:
-            binding = compiled.match(key, self.scope)
-            if binding is not None:
-                out.append((key, binding))
-        return out
-
-    def values(self, name: str) -> set[int]:
-        """The values placeholder `name` takes in the source keys, under every source pattern using it."""
-        if name not in self.seen:
-            found = self.seen[name] = set()
-            for pattern in self.sources:
-                if name in Pattern(pattern).placeholders:
-                    found.update(b[name] for _, b in self.matches(pattern))
-        return self.seen[name]
-
-    def fmt(self, pattern: str, binding: MappingT[str, int]) -> str:
-        return Pattern(pattern).format(binding, self.scope)
-
-    def heads(self, rule: Rule) -> int:
-        if rule.heads is not None:
-            return self.scope.size(rule.heads)
-        if rule.permute == "k" and isinstance(self.scope.config.get("num_key_value_heads"), int):
-            return self.scope.size("num_key_value_heads")
-        return self.scope.size("num_attention_heads")
-
-    def geometry(self, rule: Rule, count: int) -> Geometry:
-        first = rule.stack_dim if rule.stack_dim is not None else 0
-        split = None
-        if count > 1 and not rule.duplicate:
-            split = "interleave" if rule.interleave else "grouped" if rule.groups is not None else "plain"
-        return Geometry(
-            count=count,
-            transpose=rule.transpose,
-            narrow=None if rule.narrow is None else self.scope.size(rule.narrow),
-            stack_dims=tuple(range(first, first + len(rule.stacks))),
-            dim=rule.dim,
-            split=split,
-            sizes=tuple(self.scope.size(s) for s in rule.sizes),
-            groups=1 if rule.groups is None else self.scope.size(rule.groups),
-        )
 
 
 def map_keys(
@@ -124,11 +62,13 @@ def map_keys(
     """
     sides = [r.runtime if direction == "to_hf" else r.hf for r in mapping.rules]
     scope = Scope(config, dict(mapping.ranges), where, dict(mapping.defaults))
-    ctx = _Ctx(shapes, scope, [p for side in sides for p in side])
+    ctx = Ctx(shapes, scope, [p for side in sides for p in side])
     tied = _tie_word_embeddings(config, where)
     variant = _variant(mapping, direction, ctx)
+    layouts = detect(mapping, shapes, scope) if direction == "to_hf" else mapping.written_layouts()
+    chosen = set(layouts.values())
     for rule in mapping.rules:
-        if rule.when is not None and rule.when != variant:
+        if (rule.when is not None and rule.when != variant) or (rule.layout and rule.layout not in chosen):
             continue
         if rule.drop:
             for pattern in rule.runtime if direction == "to_hf" else rule.hf:
@@ -166,7 +106,7 @@ def _tie_word_embeddings(config: MappingT[str, Any], where: str) -> bool:
     return value
 
 
-def _variant(mapping: KeyMapping, direction: Direction, ctx: _Ctx) -> str:
+def _variant(mapping: KeyMapping, direction: Direction, ctx: Ctx) -> str:
     """to_hf writes the mapping's HF expert form; to_runtime reads whichever form the HF keys are in."""
     if direction == "to_hf" or not mapping.variants:
         return mapping.hf_experts
@@ -177,7 +117,7 @@ def _variant(mapping: KeyMapping, direction: Direction, ctx: _Ctx) -> str:
     return mapping.hf_experts
 
 
-def _tied(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
+def _tied(ctx: Ctx, rule: Rule, direction: Direction) -> None:
     """HF stores no such tensor: to HF the runtime one is dropped, to runtime it is a copy of the tied key
     (padded with zeros along `dim` like the rule's own tensor, when the rule narrows: [V, D] -> [V', D]).
     Dropped, it is kept aside as the rule maps it untied, with the HF key it is tied to (`Mapped.tied`), for
@@ -229,7 +169,7 @@ def _in_fused(
     return offsets, sizes, None if all(s == 1 for s in steps) else steps
 
 
-def _from_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
+def _from_fused(ctx: Ctx, rule: Rule, direction: Direction) -> None:
     """The fused tensor is the source: cut it into the other side's tensors (split, unstack, narrow, ...)."""
     fused, others = (rule.runtime[0], rule.hf) if rule.fused_is_runtime else (rule.hf[0], rule.runtime)
     g = ctx.geometry(rule, 1 if rule.duplicate else len(others))
@@ -246,7 +186,7 @@ def _from_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
             parts = []
             for block, offsets in piece.blocks:
                 src = _in_fused(block.offsets, block.sizes, block.steps, rule.transpose)
-                sizes = squeeze(block.sizes, g.stack_dims)
+                sizes = squeeze(block.sizes, g.dropped)
                 parts.append(Part(key, src[0], src[1], offsets, sizes, perm, src[2], None, axes))
             shape_out, layout = reshaped(ctx.scope, rule, piece.shape, direction == "to_hf", key)
             element = dict(zip(rule.stacks, piece.element or (), strict=True))
@@ -255,7 +195,7 @@ def _from_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
                     ctx.add(Target(ctx.fmt(pattern, b), shape_out, tuple(parts), op, layout, rule.number))
 
 
-def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
+def _into_fused(ctx: Ctx, rule: Rule, direction: Direction) -> None:
     """The fused tensor is the target: gather the other side's tensors into it (concat, stack, pad, ...)."""
     to_hf = direction == "to_hf"
     fused, others = (rule.runtime[0], rule.hf) if rule.fused_is_runtime else (rule.hf[0], rule.runtime)
@@ -270,7 +210,7 @@ def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
         where = f"{ctx.where}: {keys[0][0]!r}"
         fp = fused_shape(shapes, g, counts, padded, where)  # F' (for a reshape: laid out like the HF tensors)
         transposed(fp, rule.transpose, where)  # a dim it lacks: refused here
-        lmap = [d for d in range(len(fp)) if d not in g.stack_dims]
+        lmap = [d for d in range(len(fp)) if d not in g.dropped]
         axes = _axes(rule.transpose, len(fp))
         l_axes = None if axes is None else tuple(sorted(range(len(lmap)), key=lambda i: axes[lmap[i]]))
         parts = []
@@ -285,7 +225,7 @@ def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
             perm = rope_rows(piece.shape, ctx.heads(rule), at, back=True) if rule.permute else None
             for block, offsets in piece.blocks:
                 dst = _in_fused(block.offsets, block.sizes, block.steps, rule.transpose)
-                sizes = squeeze(block.sizes, g.stack_dims)
+                sizes = squeeze(block.sizes, g.dropped)
                 parts.append(Part(key, offsets, sizes, dst[0], dst[1], perm, None, dst[2], l_axes))
         ctx.consumed.update(k for per in keys for k in per)
         shape, layout = transposed(fp, rule.transpose), None
@@ -295,7 +235,7 @@ def _into_fused(ctx: _Ctx, rule: Rule, direction: Direction) -> None:
 
 
 def _groups(
-    ctx: _Ctx, rule: Rule, patterns: tuple[str, ...]
+    ctx: Ctx, rule: Rule, patterns: tuple[str, ...]
 ) -> list[tuple[dict[str, int], tuple[int, ...], list[list[str]]]]:
     """The source keys that make each fused tensor: per binding (less the stacked placeholders), the number
     of elements along each stacked dim, and per pattern the keys of every element (row-major over the
@@ -315,7 +255,7 @@ def _groups(
     return out
 
 
-def _count(ctx: _Ctx, name: str, seen: list[int]) -> int:
+def _count(ctx: Ctx, name: str, seen: list[int]) -> int:
     """How many elements a stacked placeholder has: its range's bound, else the highest one seen plus 1."""
     bound = ctx.scope.bound(name)
     return bound if bound is not None else max(seen) + 1
@@ -330,7 +270,7 @@ def _flat(element: tuple[int, ...], counts: tuple[int, ...]) -> int:
 
 
 def _row(
-    ctx: _Ctx,
+    ctx: Ctx,
     rule: Rule,
     pattern: str,
     binding: dict[str, int],
@@ -357,7 +297,7 @@ def _row(
     return row
 
 
-def _copies(ctx: _Ctx, rule: Rule) -> None:
+def _copies(ctx: Ctx, rule: Rule) -> None:
     """duplicate, read back: every HF copy (hf[1:]) is consumed and recorded to be checked against the
     primary (hf[0]) it repeats."""
     primary = Pattern(rule.hf[0])
@@ -372,7 +312,7 @@ def _copies(ctx: _Ctx, rule: Rule) -> None:
             ctx.same.append((key, main))
 
 
-def _expand(ctx: _Ctx, pattern: str, binding: dict[str, int]) -> list[dict[str, int]]:
+def _expand(ctx: Ctx, pattern: str, binding: dict[str, int]) -> list[dict[str, int]]:
     """`binding` for every value of the pattern's placeholders it lacks that the source's keys use (a copy
     per MTP layer the checkpoint has); just `binding` when it binds them all."""
     free = sorted(Pattern(pattern).placeholders - set(binding))

@@ -44,6 +44,9 @@ class Rule:
     drop: bool = False
     tied: str | None = None
     when: str | None = None  # only with this variant ("per_expert" or "fused" HF experts)
+    layout: str | None = None  # only with this runtime layout (a [[mapping.layouts]] name)
+    ndim: int | None = None  # the runtime tensor's number of dims, where a layout's key name is not enough
+    unbind: bool = False  # the list's tensors are the slices of `dim` (one per key), which they drop
     stack_dim: int | None = None
     heads: int | str | None = None
     transpose: tuple[int, int] | None = None
@@ -80,13 +83,31 @@ class Rule:
         if len(self.hf) > 1 and self.duplicate:
             names.append("duplicate")
         elif max(len(self.hf), len(self.runtime)) > 1:
-            kind = "interleave" if self.interleave else "grouped " if self.groups is not None else ""
-            names.append(kind.strip() + ("" if not kind else "-") + ("concat" if to_fused else "split"))
+            if self.unbind:
+                names.append("stack-dim" if to_fused else "unbind")
+            else:
+                kind = "interleave" if self.interleave else "grouped " if self.groups is not None else ""
+                names.append(kind.strip() + ("" if not kind else "-") + ("concat" if to_fused else "split"))
         if self.hf_shape is not None:
             names.append("reshape")
         if self.permute:
             names.append("permute")
         return names or ["rename"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way a trainer has stored a family of keys (a `[[mapping.layouts]]` entry): torchtitan 0.3.0's
+    separate w1 / w3, a fused w13 with rows interleaved, a stacked w13, ..."""
+
+    name: str
+    """What rules (`layout = NAME`) and `--runtime-layout NAME` call it."""
+    description: str
+    """One line for messages and docs: which trainer version writes it."""
+    group: str = "runtime"
+    """The family of keys it is a layout of: a source holds one layout of each group."""
+    default: bool = False
+    """The one of its group hf-to-dcp writes unless `--runtime-layout` names another."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +119,16 @@ class KeyMapping:
     ranges: tuple[tuple[str, Range], ...] = ()
     defaults: tuple[tuple[str, int], ...] = ()  # config key -> value when config.json lacks it
     checkpoint: str = "dcp"  # what hf-to-dcp writes: a plain DCP, or a Megatron-Core one ("megatron")
+    layouts: tuple[Layout, ...] = ()  # the runtime layouts its rules know (none: one layout, untagged)
+    runtime_layouts: tuple[str, ...] = ()  # the layouts hf-to-dcp writes (`--runtime-layout`); else defaults
+
+    def written_layouts(self) -> dict[str, str]:
+        """Group -> the layout hf-to-dcp writes: the one `--runtime-layout` names, else its default."""
+        chosen = {layout.group: layout.name for layout in self.layouts if layout.default}
+        by_name = {layout.name: layout for layout in self.layouts}
+        for name in self.runtime_layouts:
+            chosen[by_name[name].group] = name
+        return chosen
 
 
 @dataclass

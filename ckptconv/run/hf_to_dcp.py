@@ -110,7 +110,7 @@ def make_plan(
     keys = options.mapping
     found = config_file(keys.config, (path, checkpoint_root(path)) if is_directory(path) else None)
     stash = read_stash(path) if is_directory(path) else []
-    key_mapping = load_mapping(keys.mapping) if keys.mapping else None
+    key_mapping = load_mapping(keys.mapping, runtime_layout=options.runtime_layout) if keys.mapping else None
     model_config = load_config(*found)
     plan = plan_hf_to_dcp(
         hf,

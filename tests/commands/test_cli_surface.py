@@ -100,6 +100,7 @@ HF_TO_DCP = {
     "--mapping": "mapping.mapping",
     "--config": "mapping.config",
     "--allow-unmapped": "mapping.allow_unmapped",
+    "--runtime-layout": "runtime_layout",
     "--overwrite": "output.overwrite",
     "--no-fsync": "output.fsync",
     "--dry-run": "output.dry_run",

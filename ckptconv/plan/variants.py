@@ -106,8 +106,40 @@ def _by_rules(seen: Seen) -> Variant | None:
     return Variant("hf_experts", variant, "keys", made[0].sources[0])
 
 
-Detector = Callable[[Seen], "Variant | None"]
-DETECTORS: tuple[Detector, ...] = (hf_experts,)
+def runtime_layouts(seen: Seen) -> list[Variant]:
+    """The mapping's runtime layouts (`[[mapping.layouts]]`: torchtitan's separate w1 / w3, interleaved or
+    stacked w13, experts [E, F, D] or [E, 2, F, D]) a checkpoint is in, one aspect per layout group
+    (`runtime:GROUP`): a DCP's as the mapping detected them off its keys and shapes (basis `keys`), an HF
+    checkpoint's as the mapping writes them to runtime (basis `mapping`). Read off the rules that made
+    targets, so only groups the checkpoint holds are told.
+
+    >>> from ckptconv.mapping import load_mapping
+    >>> from ckptconv.mapping.rules import map_keys
+    >>> titan = load_mapping("torchtitan-llama3")
+    >>> dcp = {"layers.0.feed_forward.w13.weight": (16, 8), "layers.0.feed_forward.w2.weight": (8, 8)}
+    >>> made = map_keys(titan, "to_hf", dcp, {"num_attention_heads": 1}).targets
+    >>> [(v.aspect, v.variant) for v in runtime_layouts(Seen({}, dcp, titan, made, "to_hf"))]
+    [('runtime:feed-forward', 'w13-interleaved')]
+    """
+    if seen.mapping is None or not seen.mapping.layouts:
+        return []
+    group = {layout.name: layout.group for layout in seen.mapping.layouts}
+    tagged = {r.number: r.layout for r in seen.mapping.rules if r.layout is not None}
+    found: dict[str, Variant] = {}
+    for target in seen.targets:
+        layout = tagged.get(target.rule) if target.rule is not None else None
+        if layout is None or group[layout] in found:
+            continue
+        aspect = "runtime:" + group[layout]
+        if seen.direction == "to_hf":  # a DCP: its own runtime keys are in the layout
+            found[group[layout]] = Variant(aspect, layout, "keys", target.sources[0])
+        else:  # an HF checkpoint: the runtime keys the mapping writes are
+            found[group[layout]] = Variant(aspect, layout, "mapping", target.key)
+    return list(found.values())
+
+
+Detector = Callable[[Seen], "Variant | list[Variant] | None"]
+DETECTORS: tuple[Detector, ...] = (hf_experts, runtime_layouts)
 
 
 def detect(seen: Seen) -> list[Variant]:
@@ -118,7 +150,11 @@ def detect(seen: Seen) -> list[Variant]:
     >>> detect(Seen({"model.embed_tokens.weight": (64, 16)}))
     []
     """
-    return [v for v in (d(seen) for d in DETECTORS) if v is not None]
+    found: list[Variant] = []
+    for detector in DETECTORS:
+        shown = detector(seen)
+        found.extend([] if shown is None else [shown] if isinstance(shown, Variant) else shown)
+    return found
 
 
 # aspect -> (what it is, {variant: words})
@@ -139,6 +175,8 @@ def line(aspect: str, entry: Mapping[str, Any], label: str = "layout") -> str:
     'layout: routed experts written per expert by the mapping (m.experts.0.up_proj.weight)'
     """
     what, words = _WORDS.get(aspect, (aspect, {}))
+    if aspect.startswith("runtime:"):  # a mapping's layout group: its own name, the layout's as declared
+        what = aspect.removeprefix("runtime:") + " (runtime)"
     variant = words.get(entry["variant"], entry["variant"])
     how = "stored" if entry["basis"] == "keys" else "written"
     by = " by the mapping" if entry["basis"] == "mapping" else ""

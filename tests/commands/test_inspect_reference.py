@@ -163,8 +163,10 @@ def test_an_hf_checkpoint_with_a_mapping_is_compared_as_it_is(moe: Path) -> None
     """The mapping's rules say which variant the keys are in; the HF keys themselves are compared."""
     fused = moe / "fused"
     lines = tail(fused, "--mapping", "torchtitan-qwen3", "--reference", str(fused))
-    assert lines[:2] == [
+    assert lines[:3] == [
         "layout: routed experts stored fused (model.layers.0.mlp.experts.down_proj)",
+        "layout: routed experts (runtime) written experts-EFD by the mapping "
+        "(layers.0.moe.routed_experts.inner_experts.w1_EFD)",
         f"reference {fused}: no difference in keys, shapes or dtypes",
     ]
 
@@ -221,23 +223,29 @@ def test_a_dcp_with_a_mapping_as_the_mapping_writes_it(moe: Path) -> None:
         "basis": "mapping",
         "key": "model.layers.0.mlp.experts.0.gate_proj.weight",
     }
+    runtime = {
+        "variant": "experts-EFD",
+        "basis": "keys",
+        "key": "layers.0.moe.routed_experts.inner_experts.w1_EFD",
+    }
     lines = tail(titan, "--mapping", "torchtitan-qwen3", "--reference", str(base))
     assert lines == [
         f"layout: routed experts written per expert by the mapping ({written['key']})",
+        f"layout: routed experts (runtime) stored experts-EFD ({runtime['key']})",
         f"reference {base}: no difference in keys, shapes or dtypes (the mapped view)",
         f"layout of the reference: routed experts stored per expert ({PER_EXPERT_KEY})",
     ]
     doc = report("inspect", str(titan), "--mapping", "torchtitan-qwen3", "--reference", str(fused))
-    assert doc["layout"] == {"hf_experts": written}
+    assert doc["layout"] == {"hf_experts": written, "runtime:routed experts": runtime}
     differences = doc["reference"]["differences"]
     assert [d["kind"] for d in differences] == ["missing"] * 4 + ["extra"] * 24
     assert {d["key"] for d in differences if d["kind"] == "missing"} == {
         f"model.layers.{n}.mlp.experts.{p}" for n in (0, 1) for p in ("gate_up_proj", "down_proj")
     }
     lines = tail(titan, "--mapping", "torchtitan-qwen3", "--reference", str(fused))
-    assert lines[1] == f"reference {fused}: 28 difference(s) (the mapped view): 4 missing, 24 extra"
-    # without the reference, the layout line only; the runtime keys say nothing of HF experts by themselves
-    assert tail(titan, "--mapping", "torchtitan-qwen3") == [lines[0]]
+    assert lines[2] == f"reference {fused}: 28 difference(s) (the mapped view): 4 missing, 24 extra"
+    # without the reference, the layout lines only; the runtime keys say nothing of HF experts by themselves
+    assert tail(titan, "--mapping", "torchtitan-qwen3") == lines[:2]
     assert report("inspect", str(titan))["layout"] == {}
 
 
@@ -266,3 +274,26 @@ def test_reference_is_not_for_explain(moe: Path) -> None:
         "inspect", str(moe / "titan"), "--mapping", "torchtitan-qwen3", "--explain", "x", "--reference", "."
     )
     assert_one_line(proc.returncode, proc.stderr, "--reference: not with --explain")
+
+
+def test_a_later_torchtitan_layout_is_told(moe: Path, tmp_path: Path) -> None:
+    """A checkpoint in torchtitan's stacked experts [E, 2, F, D] (written by hf-to-dcp --runtime-layout, whose
+    values interop/test_runtime_layouts.py holds to the PRs' math): inspect names the layout it detected."""
+    made = ckptconv(
+        "hf-to-dcp",
+        str(moe / "base"),
+        str(tmp_path / "e2fd"),
+        "--mapping",
+        "torchtitan-qwen3",
+        "--runtime-layout",
+        "experts-E2FD",
+    )
+    assert made.returncode == 0, made.stderr
+    doc = report("inspect", str(tmp_path / "e2fd"), "--mapping", "torchtitan-qwen3")
+    assert doc["layout"]["runtime:routed experts"] == {
+        "variant": "experts-E2FD",
+        "basis": "keys",
+        "key": "layers.0.moe.routed_experts.inner_experts.w1_EFD",
+    }
+    shapes = {t["key"]: t["shape"] for t in doc["tensors"]}
+    assert shapes["layers.0.moe.routed_experts.inner_experts.w1_EFD"] == [E, 2, F, H]

@@ -239,7 +239,7 @@ def save_hf(
         urls.use_options(storage_options)
     world, out = _world(), urls.location(path, "save_hf")
     if options.reference is not None and not options.reference.is_dir():
-        raise CkptconvError(f"save_hf: reference {options.reference}: not a directory; give an HF model's")
+        raise CkptconvError(f"save_hf: reference={options.reference}: not a directory; give an HF model's")
     tensors: dict[str, torch.Tensor] = {}
     paths: dict[str, tuple[str, ...]] = {}
     others: list[tuple[tuple[str, ...], Any]] = []

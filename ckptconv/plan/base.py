@@ -17,6 +17,8 @@ class Words:
 
     lead: str = ""
     """Put before every refusal ("save_hf: ")."""
+    assign: str = " "
+    """Between an option and its value: `--reference BASE`, `reference=BASE`."""
     reference: str = "--reference"
     """The option naming a reference alone."""
     copy_from: str = "--copy-from"
@@ -42,6 +44,7 @@ class Words:
 FLAG_WORDS = Words()
 KEYWORD_WORDS = Words(
     lead="save_hf: ",
+    assign="=",
     reference="reference",
     copy_from="copy_from",
     file_split="file_split",
@@ -96,8 +99,8 @@ class Base:
 
     @property
     def text(self) -> str:
-        """How messages name it: `--copy-from base/`."""
-        return f"{self.flag} {self.path}"
+        """How messages name it: `--copy-from base/` (`copy_from=base/`)."""
+        return f"{self.flag}{self.words.assign}{self.path}"
 
 
 @dataclass

@@ -35,7 +35,7 @@ def _read(flag: str, path: Path, words: Words) -> Base:
     try:
         hf = open_hf(path)
     except CkptconvError as e:
-        raise CkptconvError(f"{words.lead}{flag} {path}: {e}", exit_code=e.exit_code) from None
+        raise CkptconvError(f"{words.lead}{flag}{words.assign}{path}: {e}", exit_code=e.exit_code) from None
     stored = sorted(hf.tensors.values(), key=lambda t: (hf.files.index(t.file), t.data_offset))
     return Base(
         flag,
@@ -55,8 +55,9 @@ def read_base(world: World, ui: Ui, following: Following) -> Base | None:
     if following.by_files:
         if chosen is None:
             raise CkptconvError(
-                f"{words.lead}{words.split_reference}: names no reference; pass {words.reference} BASE (or "
-                f"{words.copy_from} BASE holding its weights), or {words.split_size}"
+                f"{words.lead}{words.split_reference}: names no reference; pass "
+                f"{words.reference}{words.assign}BASE (or {words.copy_from}{words.assign}BASE holding its "
+                f"weights), or {words.split_size}"
             )
         if following.adapter:
             raise CkptconvError(
@@ -68,7 +69,8 @@ def read_base(world: World, ui: Ui, following: Following) -> Base | None:
     flag, path = chosen
     if following.adapter:
         if flag == words.reference:
-            ui.info(f"{flag} {path}: not compared, {words.lora_adapter} writes an adapter, not base keys")
+            said = f"{words.lora_adapter} writes an adapter, not base keys"
+            ui.info(f"{flag}{words.assign}{path}: not compared, {said}")
         return None
     return everyone(world, from_main, world, lambda: _read(flag, path, words))
 

@@ -18,6 +18,7 @@ from ckptconv.core.sizes import parse_size
 from ckptconv.core.user_regex import UserRegex
 from ckptconv.errors import CkptconvError
 from ckptconv.lora.select import LoraRequest
+from ckptconv.plan.base import FLAG_WORDS, KEYWORD_WORDS, Following, Words
 from ckptconv.publish.hub_push import PushRequest
 from ckptconv.quant.schemes import check_scheme
 
@@ -47,10 +48,13 @@ class Wording:
     """The message for skip patterns given without quantizing."""
     write_granularity: str = "--write-granularity {!r} is not one of tensor, file"
     """The message for an unknown write granularity (`{!r}`: the value)."""
+    reference: Words = FLAG_WORDS
+    """How the reference model's steps name their options (`plan.base.Words`)."""
 
 
 FLAGS = Wording()
 SAVE_HF = Wording(
+    reference=KEYWORD_WORDS,
     bucket_size="bucket_size",
     quantize_skip="save_hf: quantize_skip applies with quantize='fp8'",
     write_granularity="save_hf: write_granularity={!r} is not one of 'tensor', 'file'",
@@ -219,6 +223,18 @@ class DcpToHfOptions:
         from ckptconv.quant.policy import QuantPolicy
 
         return QuantPolicy(self.quantize, self.quantize_skip) if self.quantize else None
+
+    def following(self) -> Following:
+        """What is asked of the reference model (`source.reference`): which one, and how it is followed."""
+        return Following(
+            reference=self.reference,
+            copy_from=self.copy_from,
+            by_files=self.file_split == "reference",
+            adapter=self.lora is not None and self.lora.mode == "adapter",
+            allow_layout_change=self.allow_layout_change,
+            quantized=bool(self.quantize),
+            words=self.wording.reference,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -41,8 +41,9 @@ from ckptconv.live.allgather import (
 )
 from ckptconv.live.host import release_host_memory
 from ckptconv.lora.select import LoraRequest
-from ckptconv.mapping import CONFIG_FILE, load_mapping
+from ckptconv.mapping import CONFIG_FILE, VARIANTS, load_mapping
 from ckptconv.options import SAVE_HF, DcpToHfOptions, DtypeOptions, MappingOptions, OutputOptions
+from ckptconv.plan.follow import config_dtype, follow_experts, reference_dtypes
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.schedule import Holding, ShardStep, plan_rounds
 from ckptconv.plan.to_hf import plan_dcp_to_hf
@@ -50,6 +51,7 @@ from ckptconv.plan.types import Granularity
 from ckptconv.publish import outcheck, remote_out
 from ckptconv.publish.copy_from import copy_non_weights
 from ckptconv.remote import urls
+from ckptconv.source.reference import check_reference, read_base
 from ckptconv.stream import tied
 from ckptconv.stream.hf_write import follow_config, write_adapter_config, write_files
 
@@ -142,13 +144,18 @@ def _live_checkpoint(holding: dict[str, Holding], paths: dict[str, tuple[str, ..
 
 @dataclass(frozen=True)
 class SaveReport:
-    """What `save_hf` did: its files, and how the unshard scheduler moved the data (the same on any rank)."""
+    """What `save_hf` did: its files, how the unshard scheduler moved the data, and how the output compared
+    with its reference model (the same on any rank)."""
 
     files: list[str]
     nbytes: int  # of tensor data written
     rounds: int
     collectives: int  # foreach all-gathers, each one (process group, dtype) batch
     max_round_bytes: int  # the largest round's gathered bytes (<= bucket_size unless one tensor is larger)
+    reference: dict[str, Any] | None = None
+    """With a reference model (`reference`, or `copy_from` holding weights): dcp-to-hf's --json `reference`,
+    `{"path", "differences": [{"kind", "key", "planned", "reference"}], "adopted": {"experts", "left_out",
+    "written", "dtypes", "file_split"}}`; None without one."""
 
 
 def save_hf(
@@ -174,6 +181,10 @@ def save_hf(
     lora_config: str | Path | None = None,
     fsync: bool = True,
     drop_untied_head: bool = False,
+    reference: str | Path | None = None,
+    allow_layout_change: bool = False,
+    file_split: str = "size",
+    hf_experts: str | None = None,
 ) -> SaveReport:
     """Collective (call on every rank): write `state_dict` as HF safetensors into the directory `path`.
 
@@ -191,7 +202,21 @@ def save_hf(
     the index (or the single file) completes it last, as dcp-to-hf writes a URL OUT; `storage_options` go
     to the backend's file system. A local `path` is fsynced (its files and directories) before it is
     published; `fsync=False` skips that, for scratch saves (as dcp-to-hf's `--no-fsync`).
+
+    A reference model, as dcp-to-hf's `--reference` / `--copy-from`: `reference` (an HF directory; only its
+    index and safetensors headers are read), else `copy_from` when it holds weights. The output follows it:
+    with a mapping and no `hf_experts` ("per_expert" or "fused", as `--hf-experts`), MoE experts in its HF
+    form; a copy it lacks left out, a tied head it holds written; with `dtype=None`, each floating tensor in
+    its dtype for the key (bf16 where it has none; `fp32` patterns beat both, a `dtype` given beats it); with
+    `file_split="reference"` (default "size": files of at most `max_shard_size`), each tensor in its file.
+    The planned output is then compared with it before anything is written: a key or shape difference raises
+    `CkptconvError` on every rank, nothing written, unless `allow_layout_change` (then each is a warning); a
+    dtype difference is only told. `SaveReport.reference` says how it compared and what was adopted.
     """
+    if file_split not in ("size", "reference"):
+        raise CkptconvError(f"save_hf: file_split={file_split!r} is not one of 'size', 'reference'")
+    if hf_experts is not None and hf_experts not in VARIANTS:
+        raise CkptconvError(f"save_hf: hf_experts={hf_experts!r} is not one of 'per_expert', 'fused'")
     options = DcpToHfOptions(  # every check of the values alone, and the defaults dcp-to-hf's flags share
         dtype=DtypeOptions(dtype=dtype, fp32=tuple(fp32)),
         mapping=MappingOptions(mapping=mapping),
@@ -202,6 +227,10 @@ def save_hf(
         quantize=quantize,
         quantize_skip=tuple(quantize_skip),
         copy_from=_path(copy_from),
+        reference=_path(reference, "reference"),
+        allow_layout_change=allow_layout_change,
+        file_split=file_split,
+        hf_experts=hf_experts,
         drop_untied_head=drop_untied_head,
         lora=LoraRequest(lora, lora_name, lora_alpha, _path(lora_config, "lora_config")),  # type: ignore[arg-type]
         wording=SAVE_HF,
@@ -209,6 +238,8 @@ def save_hf(
     if storage_options is not None:
         urls.use_options(storage_options)
     world, out = _world(), urls.location(path, "save_hf")
+    if options.reference is not None and not options.reference.is_dir():
+        raise CkptconvError(f"save_hf: reference={options.reference}: not a directory; give an HF model's")
     tensors: dict[str, torch.Tensor] = {}
     paths: dict[str, tuple[str, ...]] = {}
     others: list[tuple[tuple[str, ...], Any]] = []
@@ -223,23 +254,34 @@ def save_hf(
 
     described = everyone(world, lambda: [describe(k, t) for k, t in tensors.items()])
     everyone_described = world.all_gather_object([d for d, _ in described])
+    following = options.following()
+    base = read_base(world, ui, following)  # rank 0 reads the reference's headers, for all
 
     def prepare() -> Any:
         holding = holdings(everyone_described)
         quant = options.quant_policy()
+        model_config = dict(config or {})
+        # as dcp-to-hf: the reference's HF expert form and dtypes unless hf_experts / dtype name them
+        keys, experts = follow_experts(
+            load_mapping(mapping, hf_experts) if mapping else None, base, model_config, hf_experts
+        )
         plan = plan_dcp_to_hf(
             _live_checkpoint(holding, paths),
-            options.dtype.policy(),
+            options.dtype.policy(reference_dtypes(base, quant is not None)),
             max_shard_size=options.shard_bytes,
             world_size=world.size,
-            mapping=load_mapping(mapping) if mapping else None,
-            config=dict(config or {}),
+            mapping=keys,
+            config=model_config,
             quantize=quant,
             write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),
             lora=options.lora,
+            base=base,
+            split_as_base=following.by_files,
+            experts=experts,
         )
         lora_file = options.lora.config if options.lora is not None else None
-        inputs = [("copy_from", options.copy_from), ("lora_config", lora_file)]
+        inputs = [("copy_from", options.copy_from), ("reference", options.reference)]
+        inputs.append(("lora_config", lora_file))
         inputs.append(outcheck.mapping_input(mapping, "mapping"))
         target = outcheck.hf_target(
             world.is_main, out, options.output.overwrite, inputs, False, "overwrite=True"
@@ -248,6 +290,7 @@ def save_hf(
         return plan, jobs, order, needs, plan_rounds(jobs, options.bucket_bytes), target
 
     plan, jobs, order, needs, rounds, target = everyone(world, prepare)
+    compared = check_reference(world, ui, plan, following, base)  # refused here: nothing written yet
     if plan.tied:
         outs = {t.hf_key: t for f in plan.files for t in f.tensors}
         for head in tied.live_differing(world, plan.tied, outs, tensors):
@@ -268,7 +311,9 @@ def save_hf(
         if others:
             write_stash(staging, [_stashed(p, v) for p, v in others])
         if options.copy_from is not None and CONFIG_FILE in copy_non_weights(options.copy_from, staging):
-            follow_config(staging / CONFIG_FILE, plan, options.dtype.target())
+            dtype = options.dtype
+            target = config_dtype(plan, dtype.target(), dtype.defaulted, options.quantize is not None)
+            follow_config(staging / CONFIG_FILE, plan, target)
 
     results = run_rounds(jobs, rounds, world.rank, local, TorchCollective(handles))
     items = emit(order, needs, world.rank, results, jobs)
@@ -288,6 +333,7 @@ def save_hf(
         len(rounds),
         sum(len(r.batches) for r in rounds),
         max((sum(r.nbytes.values()) for r in rounds), default=0),
+        compared,
     )
 
 

@@ -1,11 +1,83 @@
 """A reference model as planning sees it (`Base`: its keys, shapes, dtypes and files, from its index and
-headers), and what a plan took from it (`Adopted`). Pure data."""
+headers), what a conversion asks of it (`Following`, its messages worded by `Words`), and what a plan took
+from it (`Adopted`). Pure data."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Words:
+    """How the reference's messages name the options: dcp-to-hf's flags (`FLAG_WORDS`), or save_hf's
+    keywords (`KEYWORD_WORDS`)."""
+
+    lead: str = ""
+    """Put before every refusal ("save_hf: ")."""
+    assign: str = " "
+    """Between an option and its value: `--reference BASE`, `reference=BASE`."""
+    reference: str = "--reference"
+    """The option naming a reference alone."""
+    copy_from: str = "--copy-from"
+    """The option naming a model whose files are copied (and, holding weights, the reference)."""
+    file_split: str = "--file-split"
+    """The option choosing the file split."""
+    split_reference: str = "--file-split reference"
+    """The file split by the reference."""
+    split_size: str = "--file-split size"
+    """The file split by size."""
+    lora_adapter: str = "--lora adapter"
+    """Writing a LoRA adapter."""
+    allow: str = "--allow-layout-change"
+    """The option allowing a layout that differs from the reference."""
+    fixes: str = "--prefix, --mapping or --hf-experts"
+    """The options that change the output's keys and shapes."""
+    out: str = "OUT"
+    """The output, in the refusal."""
+    dtypes: str = "--dtype and --fp32"
+    """The options choosing the output's dtypes."""
+
+
+FLAG_WORDS = Words()
+KEYWORD_WORDS = Words(
+    lead="save_hf: ",
+    assign="=",
+    reference="reference",
+    copy_from="copy_from",
+    file_split="file_split",
+    split_reference="file_split='reference'",
+    split_size="file_split='size'",
+    lora_adapter="lora='adapter'",
+    allow="allow_layout_change=True",
+    fixes="mapping or hf_experts",
+    out="the output",
+    dtypes="dtype and fp32",
+)
+
+
+@dataclass(frozen=True)
+class Following:
+    """What a conversion asks of its reference: which directory (if any) it is, and how it is followed and
+    checked (dcp-to-hf's flags, save_hf's keywords)."""
+
+    reference: Path | None = None
+    """The reference named alone (`--reference`)."""
+    copy_from: Path | None = None
+    """The model whose files are copied: the reference when it holds weights and `reference` is None."""
+    by_files: bool = False
+    """Each tensor into the reference's file for it (`--file-split reference`)."""
+    adapter: bool = False
+    """A LoRA adapter is written: its keys are no base's, so nothing is followed or compared."""
+    allow_layout_change: bool = False
+    """Write an output whose keys or shapes differ from the reference, each difference a warning."""
+    quantized: bool = False
+    """The output is quantized (`--quantize`): its dtypes differ on purpose, so neither followed nor
+    compared."""
+    words: Words = FLAG_WORDS
+    """How the messages name the options."""
 
 
 @dataclass(frozen=True)
@@ -22,11 +94,13 @@ class Base:
     """key -> the name of the file holding it."""
     indexed: bool = True
     """It has a `model.safetensors.index.json` (False: one `.safetensors` file alone)."""
+    words: Words = field(default=FLAG_WORDS, compare=False)
+    """How messages about it name the options."""
 
     @property
     def text(self) -> str:
-        """How messages name it: `--copy-from base/`."""
-        return f"{self.flag} {self.path}"
+        """How messages name it: `--copy-from base/` (`copy_from=base/`)."""
+        return f"{self.flag}{self.words.assign}{self.path}"
 
 
 @dataclass

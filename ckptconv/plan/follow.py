@@ -1,16 +1,23 @@
-"""Planning that follows a reference model (`--reference` / `--copy-from`): the copies it holds or lacks,
-its per-key dtypes, and its files (`--file-split reference`). Pure: the caller reads the reference's index and
-headers (`Base`) once, on rank 0, for every rank."""
+"""Planning that follows a reference model (`--reference` / `--copy-from`, save_hf's `reference` /
+`copy_from`): its HF expert form, the copies it holds or lacks, its per-key dtypes, and its files
+(`--file-split reference`). Pure: the caller reads the reference's index and headers (`Base`) once, on rank 0,
+for every rank."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.dtype_names import short_name
 from ckptconv.errors import CkptconvError
+from ckptconv.mapping.types import KeyMapping
+from ckptconv.mapping.variant import hf_variant
 from ckptconv.plan.base import Adopted, Base
-from ckptconv.plan.types import OutTensor, TiedHead
+from ckptconv.plan.types import HfSavePlan, OutTensor, TiedHead
+
+if TYPE_CHECKING:
+    import torch
 
 EXTRA_FILE = "model-not-in-reference.safetensors"  # --file-split reference: keys the reference lacks
 
@@ -46,9 +53,38 @@ def follow_copies(
     return outs + written, tuple(h for h in tied if h not in heads)
 
 
+def follow_experts(
+    mapping: KeyMapping | None, base: Base | None, config: Mapping[str, Any], chosen: str | None
+) -> tuple[KeyMapping | None, str | None]:
+    """The mapping writing MoE experts in the reference's HF form (per expert or fused), and that form;
+    unchanged, and None, without a reference, without a mapping, with a form `chosen` (`--hf-experts`: the
+    check then tells a difference), or when the reference's keys are in no one form."""
+    if base is None or mapping is None or chosen is not None:
+        return mapping, None
+    experts = hf_variant(mapping, base.tensors, config)
+    if experts is None:
+        return mapping, None
+    return dataclasses.replace(mapping, hf_experts=experts), experts
+
+
 def dtypes_of(base: Base) -> dict[str, str]:
     """key -> the reference's dtype name, for the dtype policy."""
     return {key: dtype for key, (_, dtype) in base.tensors.items()}
+
+
+def reference_dtypes(base: Base | None, quantized: bool) -> dict[str, str] | None:
+    """The reference's dtypes for the dtype policy to follow where no dtype was given (None: no reference,
+    or a quantized output, which keeps its own dtypes)."""
+    return dtypes_of(base) if base is not None and not quantized else None
+
+
+def config_dtype(
+    plan: HfSavePlan, target: torch.dtype | None, defaulted: bool, quantized: bool
+) -> torch.dtype | None:
+    """The dtype a copied config.json is made to name: `target` (the dtype given, or the default), or None
+    (the one most bytes were written in) when the dtypes were taken from the reference (no dtype given)."""
+    followed = plan.adopted is not None and defaulted and not quantized
+    return None if followed else target
 
 
 def kept_dtypes(outs: Iterable[OutTensor], chosen: Iterable[str], adopted: Adopted) -> None:
@@ -78,8 +114,10 @@ def split_as_reference(outs: dict[str, OutTensor], base: Base) -> dict[str, list
             extra.append(key)
     if extra:
         if EXTRA_FILE in by_file or any(name == EXTRA_FILE for name in base.files.values()):
+            words = base.words
             raise CkptconvError(
-                f"--file-split reference: {base.text} has a file named {EXTRA_FILE}; use --file-split size"
+                f"{words.lead}{words.split_reference}: {base.text} has a file named {EXTRA_FILE}; use "
+                f"{words.split_size}"
             )
         by_file[EXTRA_FILE] = extra
     return by_file

@@ -92,27 +92,35 @@ DCP_TO_HF_FIXES = "--prefix, --mapping or --hf-experts"  # the flags that change
 
 
 def refusal(
-    path: str, differences: list[Difference], shown: int = 3, fixes: str = DCP_TO_HF_FIXES
+    path: str,
+    differences: list[Difference],
+    shown: int = 3,
+    fixes: str = DCP_TO_HF_FIXES,
+    *,
+    allow: str = "--allow-layout-change",
+    out: str = "OUT",
 ) -> str | None:
     """The one-line refusal for the differences that refuse (None: none do); `fixes` names the command's
-    flags that change the output's keys and shapes."""
+    flags that change the output's keys and shapes, `allow` the one that writes it anyway, `out` the
+    output."""
     refusing = [d for d in differences if d.refuses]
     if not refusing:
         return None
     first = "; ".join(d.text for d in refusing[:shown])
     more = f"; and {len(refusing) - shown} more" if len(refusing) > shown else ""
     return (
-        f"OUT would not match the reference {path}: {len(refusing)} difference(s) ({first}{more}); fix "
-        f"{fixes}, or pass --allow-layout-change to write it anyway"
+        f"{out} would not match the reference {path}: {len(refusing)} difference(s) ({first}{more}); fix "
+        f"{fixes}, or pass {allow} to write it anyway"
     )
 
 
-def dtype_note(path: str, differences: list[Difference]) -> str | None:
-    """One info line for the dtype differences (never refused: --dtype/--fp32 choose the output's dtypes)."""
+def dtype_note(path: str, differences: list[Difference], chosen_by: str = "--dtype and --fp32") -> str | None:
+    """One info line for the dtype differences (never refused: `chosen_by`, --dtype/--fp32, choose the
+    output's dtypes)."""
     dtyped = [d for d in differences if d.kind == "dtype"]
     if not dtyped:
         return None
     return (
         f"{len(dtyped)} tensor(s) differ in dtype from the reference {path}, e.g. {dtyped[0].text} "
-        "(--dtype and --fp32 choose the output's dtypes)"
+        f"({chosen_by} choose the output's dtypes)"
     )

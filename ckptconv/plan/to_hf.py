@@ -78,9 +78,11 @@ def plan_dcp_to_hf(
     lora: LoraRequest | None = None,
     base: Base | None = None,
     split_as_base: bool = False,
+    experts: str | None = None,
 ) -> HfSavePlan:
     """`base`: a reference model the output follows (`follow`): its copies written or left out as it holds
-    them, its dtypes where `policy` follows it, and with `split_as_base` its files.
+    them, its dtypes where `policy` follows it, and with `split_as_base` its files; `experts`: the HF expert
+    form `mapping` was given because the reference writes it (`follow.follow_experts`), recorded as adopted.
 
     `file_split` ({source key: file number from 1}, `--keep-file-split`) puts each tensor in the file the
     source's writer put it in, instead of splitting by `max_shard_size`. `quantize` makes the weights it
@@ -93,7 +95,7 @@ def plan_dcp_to_hf(
     adapter = selection.lora is not None and selection.lora.mode == "adapter"
     adopted = None
     if base is not None and not adapter:
-        adopted = Adopted(file_split=split_as_base)
+        adopted = Adopted(experts=experts, file_split=split_as_base)
         mapped, heads = follow_copies(mapped, selection.tied, base, adopted)
         selection = dataclasses.replace(selection, tied=heads)
     quantization: dict[str, Any] | None = None

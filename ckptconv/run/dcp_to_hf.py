@@ -6,7 +6,6 @@ Every function here is collective under torchrun: call it on every rank with the
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +19,9 @@ from ckptconv.job import gcpause
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone, on_main
 from ckptconv.mapping import load_config, load_mapping
-from ckptconv.mapping.variant import hf_variant
 from ckptconv.options import DcpToHfOptions
 from ckptconv.plan.base import Base
-from ckptconv.plan.follow import dtypes_of
+from ckptconv.plan.follow import follow_experts, reference_dtypes
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import HfSavePlan, RankBytes
 from ckptconv.publish import hub_push, outcheck, remote_out
@@ -31,10 +29,10 @@ from ckptconv.publish.copy_from import check_copy
 from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
 from ckptconv.run.hf_staging import Planned, Staging
-from ckptconv.run.reference import check_reference, read_base
 from ckptconv.run.steps import config_file, return_freed_memory
 from ckptconv.source import locate as sources
 from ckptconv.source.early import Early
+from ckptconv.source.reference import check_reference, read_base
 from ckptconv.source.share import open_dcp_shared
 from ckptconv.stream import tied
 
@@ -73,9 +71,10 @@ def dcp_to_hf(
         located = sources.for_all(world, lambda: early.path if early is not None else sources.dcp_source(src))
         target = everyone(world, check_inputs, world, located, out, options)
         ckpt = everyone(world, open_dcp_shared, world, located, early)  # rank 0 reads .metadata, for all
-        base = read_base(world, ui, options)  # rank 0 reads the reference's headers, for all
+        following = options.following()
+        base = read_base(world, ui, following)  # rank 0 reads the reference's headers, for all
         job = everyone(world, make_plan, world, ckpt, out, options, base)
-        compared = check_reference(world, ui, job.plan, options, base)  # refused here: nothing written yet
+        compared = check_reference(world, ui, job.plan, following, base)  # refused here: nothing written yet
         if job.plan.tied and not options.output.dry_run:
             job.plan = tied.checked(world, ckpt, job.plan, options.drop_untied_head)
     tell(ui, job, src, options)
@@ -128,15 +127,11 @@ def make_plan(
         )
     key_mapping = load_mapping(keys.mapping, options.hf_experts) if keys.mapping else None
     model_config = load_config(*config_file(keys.config, described, (located, located)))
-    experts = None
-    if base is not None and key_mapping is not None and options.hf_experts is None:
-        # BASE's way of writing the experts, unless --hf-experts names one (then the check tells)
-        experts = hf_variant(key_mapping, base.tensors, model_config or {})
-        if experts is not None:
-            key_mapping = dataclasses.replace(key_mapping, hf_experts=experts)
+    # BASE's way of writing the experts, unless --hf-experts names one (then the check tells)
+    key_mapping, experts = follow_experts(key_mapping, base, model_config or {}, options.hf_experts)
     quant = options.quant_policy()
     # BASE's dtype per key where --dtype is not given; a --quantize'd output keeps its own dtypes
-    dtypes = dtypes_of(base) if base is not None and quant is None else None
+    dtypes = reference_dtypes(base, quant is not None)
     hf_plan = plan_dcp_to_hf(
         ckpt,
         options.dtype.policy(dtypes),
@@ -153,9 +148,8 @@ def make_plan(
         lora=options.lora,
         base=base,
         split_as_base=options.file_split == "reference",
+        experts=experts,
     )
-    if experts is not None and hf_plan.adopted is not None:
-        hf_plan = dataclasses.replace(hf_plan, adopted=dataclasses.replace(hf_plan.adopted, experts=experts))
     return Planned(ckpt, hf_plan, model_config, described)
 
 

@@ -16,6 +16,7 @@ from ckptconv.job.ui import Ui
 from ckptconv.job.world import World
 from ckptconv.mapping import CONFIG_FILE
 from ckptconv.options import DcpToHfOptions
+from ckptconv.plan.follow import config_dtype
 from ckptconv.plan.types import HfSavePlan, RankBytes
 from ckptconv.publish.copy_from import copy_non_weights
 from ckptconv.publish.target import Target
@@ -97,7 +98,7 @@ class Staging:
         copied = copy_non_weights(described[0], staging, described[1]) if described is not None else []
         if CONFIG_FILE in copied:
             # dtypes taken from the reference (no --dtype given): the config names the one most bytes have
-            followed = plan.adopted is not None and self.options.dtype.defaulted and not self.options.quantize
-            target = None if followed else self.options.dtype.target()
+            o = self.options
+            target = config_dtype(plan, o.dtype.target(), o.dtype.defaulted, bool(o.quantize))
             self.config_edits = follow_config(staging / CONFIG_FILE, plan, target)
         return copied

@@ -1,1 +1,1 @@
-"""What SRC is and how it is opened: local, URL, Hub, LoRA adapters, shared metadata."""
+"""What SRC is and how it is opened: local, URL, Hub, LoRA adapters, shared metadata, the reference model."""

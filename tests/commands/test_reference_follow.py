@@ -1,8 +1,9 @@
 """dcp-to-hf follows its reference model (issue #36 item 1): `--reference BASE` / `--copy-from BASE` make
-BASE's way of writing a key family the output's (experts fused or per expert, copies written or not), BASE's
-dtype each key's unless `--dtype` / `--fp32` say otherwise, and with `--file-split reference` BASE's file
-for each key. BASE is what transformers' `save_pretrained` writes (or safetensors' own `save_file` of the same
-model's weights); the output is judged by transformers' `from_pretrained` and safetensors' `load_file`."""
+BASE's way of writing a key family the output's (experts fused or per expert, copies and tied heads written
+or not), BASE's dtype each key's unless `--dtype` / `--fp32` say otherwise, and with `--file-split reference`
+BASE's file for each key. BASE is what transformers' `save_pretrained` writes (or safetensors' own
+`save_file` of the same model's weights); the output is judged by transformers' `from_pretrained` and
+safetensors' `load_file`."""
 
 from __future__ import annotations
 
@@ -247,3 +248,55 @@ def test_file_split_reference_is_the_same_bytes_at_two_ranks(llama: Path, tmp_pa
     assert two.returncode == 0, two.stderr
     assert len(list((tmp_path / "one").glob("*.safetensors"))) >= 3
     assert tree_sha256(tmp_path / "one") == tree_sha256(tmp_path / "two")
+
+
+# -- a tied head: written when BASE holds it -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with `tie_word_embeddings: true`: plain/ as `save_pretrained` writes it (no
+    `lm_head.weight`), with_head/ the same file with the head added by safetensors (config.json unchanged:
+    a base that stores its tied head), and dcp/ its torchtitan checkpoint (hf-to-dcp --mapping
+    torchtitan-llama3, which gives the runtime its own copy of the head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("tied")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(intermediate_size=24, tie_word_embeddings=True, **TINY))
+    model.save_pretrained(root / "plain")
+    assert json.loads((root / "plain" / "config.json").read_text())["tie_word_embeddings"] is True
+    plain = load_file(root / "plain" / "model.safetensors")
+    assert "lm_head.weight" not in plain
+    head = shutil.copytree(root / "plain", root / "with_head")
+    plain["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(plain, head / "model.safetensors", metadata={"format": "pt"})
+    args = ("hf-to-dcp", str(root / "plain"), str(root / "dcp"), "--mapping", "torchtitan-llama3")
+    proc = ckptconv(*args)
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+@pytest.mark.parametrize("form", ["with_head", "plain"])
+def test_a_tied_head_is_written_when_the_base_holds_it(
+    tied: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], form: str
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    base, out = tied / form, tmp_path / "out"
+    args = ["dcp-to-hf", str(tied / "dcp"), str(out), "--mapping", "torchtitan-llama3"]
+    args += ["--copy-from", str(base)]
+    code, err = run(capsys, *args)
+    assert code == 0, err
+    ours, theirs = weights(out), weights(base)
+    assert ("lm_head.weight" in ours) == (form == "with_head")
+    assert ours.keys() == theirs.keys()
+    assert [k for k in theirs if not same_bits(ours[k], theirs[k])] == []
+    said = f"1 tied head(s) written (lm_head.weight) as in --copy-from {base}"
+    assert (said in err) == (form == "with_head"), err
+    doc = report(*args[:2], str(tmp_path / "json"), *args[3:], "--dry-run")
+    assert doc["reference"]["differences"] == []
+    assert doc["reference"]["adopted"]["written"] == (["lm_head.weight"] if form == "with_head" else [])
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert same_bits(model.lm_head.weight.detach(), theirs["model.embed_tokens.weight"])

@@ -61,9 +61,9 @@ ReferenceOpt = Annotated[
     typer.Option(
         "--reference",
         help="HF directory or hub repo id (org/name[@revision]: its index, config.json and headers only) "
-        "whose index and safetensors headers OUT must match (keys, shapes), checked before writing; nothing is "
-        "copied, its config.json is the mapping's after --config and --copy-from's [default: --copy-from's, "
-        "when it holds weights].",
+        "whose index and safetensors headers OUT must match (keys, shapes), checked before writing; nothing "
+        "is copied; its config.json is the mapping's after --config and --copy-from's [default: "
+        "--copy-from's, when it holds weights].",
         show_default=False,
         callback=_local("--reference"),
     ),
@@ -73,8 +73,8 @@ InspectReferenceOpt = Annotated[
     typer.Option(
         "--reference",
         help="HF directory or hub repo id, org/name[@revision] (the base model), whose index and safetensors "
-        "headers PATH's tensors are compared with: keys, shapes, dtypes (a DCP's as --mapping writes them, with --mapping); the differences "
-        "are shown, the exit code stays 0.",
+        "headers PATH's tensors are compared with: keys, shapes, dtypes (a DCP's as --mapping writes them, "
+        "with --mapping); the differences are shown, the exit code stays 0.",
         show_default=False,
         callback=_local("--reference"),
     ),

@@ -11,8 +11,8 @@ from typing import Any
 
 from ckptconv.core.specs import HfCheckpoint
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.files import exists
-from ckptconv.formats.hf import from_headers, is_hf_dir, open_hf
+from ckptconv.formats.files import exists, listdir
+from ckptconv.formats.hf import from_headers, open_hf
 from ckptconv.publish.copy_from import uncopied_patterns
 from ckptconv.remote.urls import is_url
 from ckptconv.source.hub import download, first_line, looks_like_repo_id
@@ -81,7 +81,8 @@ def _headers(repo_id: str, directory: Path) -> HfCheckpoint | None:
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
-        if not is_hf_dir(directory):
+        # an online run's --reference caches the index and config.json alone: no weights to read offline
+        if not any(name.endswith(".safetensors") for name in listdir(directory)):
             raise CkptconvError(
                 "its safetensors files are not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
                 "download it once online, or pass a local directory"

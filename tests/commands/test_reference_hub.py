@@ -150,6 +150,34 @@ def test_an_uncached_repo_id_offline_is_one_line(offline: Path, tmp_path: Path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_a_repo_cached_without_its_weights_offline_is_one_line(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What an online --reference run leaves in the cache (index and config.json): no headers offline."""
+    small = {n: b for n, b in files_of(base / "hf").items() if not n.endswith(".safetensors")}
+    hub_cache(tmp_path / "home", REPO, small)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    proc = ckptconv("dcp-to-hf", str(base / "dcp"), str(tmp_path / "out"), "--reference", REPO)
+    said = "not in the local Hugging Face cache"
+    assert_one_line(proc.returncode, proc.stderr, f"--reference {REPO}", said)
+    assert not (tmp_path / "out").exists()
+
+
+def test_headers_read_elsewhere_are_validated(tmp_path: Path) -> None:
+    """The hub's parsed headers are held to what `open_hf` holds a file to: a gap in the data is refused."""
+    from ckptconv.errors import CkptconvError
+    from ckptconv.formats.hf import from_headers
+
+    ok = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    assert from_headers(tmp_path, {"model.safetensors": ok}, None).tensors["a"].shape == (2,)
+    gap = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    with pytest.raises(CkptconvError, match="belong to no tensor"):
+        from_headers(tmp_path, {"model.safetensors": gap}, None)
+    with pytest.raises(CkptconvError, match="which has no header"):
+        from_headers(tmp_path, {"model.safetensors": ok}, {"a": "model-00001.safetensors"})
+
+
 def test_out_inside_the_hub_cache_is_refused(offline: Path) -> None:
     inside = offline / "home" / "hub" / "models--tiny-org--base" / "out"
     proc = ckptconv("dcp-to-hf", str(offline / "dcp"), str(inside), "--copy-from", REPO)
@@ -260,3 +288,13 @@ def test_reference_config_is_the_mapping_config(offline: Path, tmp_path: Path) -
     got = {k: v for f in (tmp_path / "repo").glob("*.safetensors") for k, v in load_file(f).items()}
     assert got.keys() == want.keys() and [k for k in want if not same_bits(got[k], want[k])] == []
     assert tree_sha256(tmp_path / "repo") == tree_sha256(tmp_path / "dir")
+
+
+@pytest.mark.slow
+def test_two_ranks_write_the_same_bytes_from_a_repo_id(offline: Path, tmp_path: Path) -> None:
+    """Rank 0 fetches the repo's files and headers for both ranks: the bytes of one rank's run."""
+    args = ["--copy-from", REPO, "--file-split", "reference"]
+    converted(tmp_path / "one", str(offline / "dcp"), *args)
+    proc = ckptconv("dcp-to-hf", str(offline / "dcp"), str(tmp_path / "two"), *args, nproc=2, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert tree_sha256(tmp_path / "two") == tree_sha256(tmp_path / "one")

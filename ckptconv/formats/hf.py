@@ -316,15 +316,8 @@ def from_headers(
 
 def _data_end(header: dict[str, Any]) -> int:
     """Where a header's data ends, from its entries' offsets (a malformed entry is refused later, by name)."""
-    ends = [
-        info["data_offsets"][1]
-        for key, info in header.items()
-        if key != "__metadata__"
-        and isinstance(info, dict)
-        and _counts(info.get("data_offsets"))
-        and len(info["data_offsets"]) == 2
-    ]
-    return max(ends, default=0)
+    offsets: list[Any] = [info.get("data_offsets") for info in header.values() if isinstance(info, dict)]
+    return max((o[1] for o in offsets if _counts(o) and len(o) == 2), default=0)
 
 
 def _assembled(

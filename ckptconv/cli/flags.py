@@ -51,7 +51,8 @@ CopyFromOpt = Annotated[
     Path | None,
     typer.Option(
         "--copy-from",
-        help="HF directory whose config, tokenizer and other files to copy.",
+        help="HF directory or hub repo id (org/name, org/name@revision; the default branch otherwise) whose "
+        "config, tokenizer and other files to copy (a repo's weights are never downloaded).",
         callback=_local("--copy-from"),
     ),
 ]
@@ -59,8 +60,10 @@ ReferenceOpt = Annotated[
     Path | None,
     typer.Option(
         "--reference",
-        help="HF directory whose index and safetensors headers OUT must match (keys, shapes), checked before "
-        "writing; nothing is copied [default: --copy-from's, when it holds weights].",
+        help="HF directory or hub repo id (org/name[@revision]: its index, config.json and headers only) "
+        "whose index and safetensors headers OUT must match (keys, shapes), checked before writing; nothing "
+        "is copied; its config.json is the mapping's after --config and --copy-from's [default: "
+        "--copy-from's, when it holds weights].",
         show_default=False,
         callback=_local("--reference"),
     ),
@@ -69,9 +72,9 @@ InspectReferenceOpt = Annotated[
     Path | None,
     typer.Option(
         "--reference",
-        help="HF directory (the base model) whose index and safetensors headers PATH's tensors are compared "
-        "with: keys, shapes, dtypes (a DCP's as --mapping writes them, with --mapping); the differences "
-        "are shown, the exit code stays 0.",
+        help="HF directory or hub repo id, org/name[@revision] (the base model), whose index and safetensors "
+        "headers PATH's tensors are compared with: keys, shapes, dtypes (a DCP's as --mapping writes them, "
+        "with --mapping); the differences are shown, the exit code stays 0.",
         show_default=False,
         callback=_local("--reference"),
     ),

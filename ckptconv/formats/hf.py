@@ -11,6 +11,7 @@ import math
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -284,14 +285,56 @@ def open_hf(path: Path) -> HfCheckpoint:
         names = [n for n in listdir(path) if n.endswith(".safetensors")]
     if not names:
         raise CkptconvError(f"{path}: no .safetensors files; not a Hugging Face safetensors checkpoint")
+
+    def read() -> Iterator[tuple[Path, tuple[dict[str, StoredTensor], dict[str, str]]]]:
+        for name in names:
+            file = path / name
+            if weight_map is not None and mode_of(file) is None:
+                raise CkptconvError(f"{index_path}: names {name}, which is missing; re-download the model")
+            yield file, read_header(file, root)
+
+    return _assembled(path, root, read(), weight_map)
+
+
+def from_headers(
+    directory: Path, headers: dict[str, dict[str, Any]], weight_map: dict[str, str] | None
+) -> HfCheckpoint:
+    """An HF checkpoint from its files' parsed headers alone (file name -> the header's JSON object, read
+    elsewhere: the hub's ranged reads), validated as `open_hf` validates what it reads; `directory` holds
+    its config.json (and index), not necessarily its weights."""
+    root = checkpoint_root(directory)
+    names = list(dict.fromkeys(weight_map.values())) if weight_map is not None else list(headers)
+    read = []
+    for name in names:
+        file = directory / name
+        if name not in headers:
+            raise CkptconvError(f"{directory / INDEX_FILE}: names {name}, which has no header")
+        header = dict(headers[name])
+        read.append((file, header_tensors(header, file, 0, _data_end(header))))
+    return _assembled(directory, root, iter(read), weight_map)
+
+
+def _data_end(header: dict[str, Any]) -> int:
+    """Where a header's data ends, from its entries' offsets (a malformed entry is refused later, by name)."""
+    offsets: list[Any] = [info.get("data_offsets") for info in header.values() if isinstance(info, dict)]
+    return max((o[1] for o in offsets if _counts(o) and len(o) == 2), default=0)
+
+
+def _assembled(
+    path: Path,
+    root: Path,
+    read: Iterator[tuple[Path, tuple[dict[str, StoredTensor], dict[str, str]]]],
+    weight_map: dict[str, str] | None,
+) -> HfCheckpoint:
+    """The checkpoint of a directory's files' headers (file, (tensors, __metadata__)): no key in two files,
+    the index agreeing with the headers, quantized weights as their logical tensors."""
+    index_path = path / INDEX_FILE
     tensors: dict[str, StoredTensor] = {}
     files = []
-    for name in names:
-        file = path / name
-        if weight_map is not None and mode_of(file) is None:
-            raise CkptconvError(f"{index_path}: names {name}, which is missing; re-download the model")
+    for file, (stored_tensors, metadata) in read:
+        name = file.name
         files.append(file)
-        for key, stored in _unsharded(file, *read_header(file, root)).items():
+        for key, stored in _unsharded(file, stored_tensors, metadata).items():
             if key in tensors:
                 raise CkptconvError(f"{path}: key {key!r} is in both {tensors[key].file.name} and {name}")
             if weight_map is not None and weight_map.get(key) != name:

@@ -25,8 +25,8 @@ from ckptconv.core.dtypes import DtypePolicy
 from ckptconv.core.layout import tiling_problem
 from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, StashedItem, TensorSpec
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.files import naming, refuse_url
-from ckptconv.formats.hf import INDEX_FILE, write_index
+from ckptconv.formats.files import exists, naming, refuse_url
+from ckptconv.formats.hf import INDEX_FILE, checkpoint_root, write_index
 from ckptconv.formats.stash import json_exact, write_stash
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone
@@ -41,7 +41,7 @@ from ckptconv.live.allgather import (
 )
 from ckptconv.live.host import release_host_memory
 from ckptconv.lora.select import LoraRequest
-from ckptconv.mapping import CONFIG_FILE, VARIANTS, load_mapping
+from ckptconv.mapping import CONFIG_FILE, VARIANTS, load_config, load_mapping
 from ckptconv.options import SAVE_HF, DcpToHfOptions, DtypeOptions, MappingOptions, OutputOptions
 from ckptconv.plan.follow import config_dtype, follow_experts, reference_dtypes
 from ckptconv.plan.outs import mapped_tensors
@@ -51,7 +51,8 @@ from ckptconv.plan.types import Granularity
 from ckptconv.publish import outcheck, remote_out
 from ckptconv.publish.copy_from import copy_non_weights
 from ckptconv.remote import urls
-from ckptconv.source.reference import check_reference, read_base
+from ckptconv.source.hub_reference import hub_repo
+from ckptconv.source.reference import Bases, check_reference, locate_bases, read_base
 from ckptconv.stream import tied
 from ckptconv.stream.hf_write import follow_config, write_adapter_config, write_files
 
@@ -158,6 +159,15 @@ class SaveReport:
     "written", "dtypes", "file_split"}}`; None without one."""
 
 
+def _base_config(bases: Bases) -> dict[str, Any]:
+    """config.json of `copy_from`, else of `reference` (a mapping's sizes, `tie_word_embeddings`), as
+    dcp-to-hf reads it when `--config` is not given; {} when neither names a model with one."""
+    for place in (bases.copy_from, bases.reference):
+        if place is not None and exists(place / CONFIG_FILE):
+            return load_config(place / CONFIG_FILE, checkpoint_root(place))
+    return {}
+
+
 def save_hf(
     state_dict: Mapping[str, Any],
     path: str | Path,
@@ -238,7 +248,8 @@ def save_hf(
     if storage_options is not None:
         urls.use_options(storage_options)
     world, out = _world(), urls.location(path, "save_hf")
-    if options.reference is not None and not options.reference.is_dir():
+    named = options.reference
+    if named is not None and hub_repo(named) is None and not named.is_dir():
         raise CkptconvError(f"save_hf: reference={options.reference}: not a directory; give an HF model's")
     tensors: dict[str, torch.Tensor] = {}
     paths: dict[str, tuple[str, ...]] = {}
@@ -255,12 +266,13 @@ def save_hf(
     described = everyone(world, lambda: [describe(k, t) for k, t in tensors.items()])
     everyone_described = world.all_gather_object([d for d, _ in described])
     following = options.following()
-    base = read_base(world, ui, following)  # rank 0 reads the reference's headers, for all
+    bases = locate_bases(world, following)  # a hub repo id's small files and headers, fetched by rank 0
+    base = read_base(world, ui, following, bases)  # rank 0 reads the reference's headers, for all
 
     def prepare() -> Any:
         holding = holdings(everyone_described)
         quant = options.quant_policy()
-        model_config = dict(config or {})
+        model_config = dict(config) if config is not None else _base_config(bases)
         # as dcp-to-hf: the reference's HF expert form and dtypes unless hf_experts / dtype name them
         keys, experts = follow_experts(
             load_mapping(mapping, hf_experts) if mapping else None, base, model_config, hf_experts
@@ -280,7 +292,7 @@ def save_hf(
             experts=experts,
         )
         lora_file = options.lora.config if options.lora is not None else None
-        inputs = [("copy_from", options.copy_from), ("reference", options.reference)]
+        inputs = [("copy_from", bases.copy_from), ("reference", bases.reference)]
         inputs.append(("lora_config", lora_file))
         inputs.append(outcheck.mapping_input(mapping, "mapping"))
         target = outcheck.hf_target(
@@ -310,7 +322,7 @@ def save_hf(
         write_adapter_config(staging, plan)
         if others:
             write_stash(staging, [_stashed(p, v) for p, v in others])
-        if options.copy_from is not None and CONFIG_FILE in copy_non_weights(options.copy_from, staging):
+        if bases.copy_from is not None and CONFIG_FILE in copy_non_weights(bases.copy_from, staging):
             dtype = options.dtype
             target = config_dtype(plan, dtype.target(), dtype.defaulted, options.quantize is not None)
             follow_config(staging / CONFIG_FILE, plan, target)

@@ -79,6 +79,15 @@ def is_weight_file(name: str) -> bool:
     )
 
 
+def uncopied_patterns() -> list[str]:
+    """What `is_copied` leaves behind (but the index), as huggingface_hub's ignore patterns: what fetching
+    --copy-from's hub repo skips (fnmatch's `*` spans folders, so `*.bin` is any folder's)."""
+    from ckptconv.formats.stash import STASH_FILE
+
+    names = [f"*{suffix}" for suffix in _WEIGHT_SUFFIXES] + [STASH_FILE, ".metadata", ".*"]
+    return names + [f"*/{name}" for name in names if not name.startswith("*")]
+
+
 def is_copied(name: str) -> bool:
     """Whether an entry of this name (at any level) is copied: not hidden, not weights."""
     return not name.startswith(".") and not is_weight_file(name)

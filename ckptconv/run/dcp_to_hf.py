@@ -32,7 +32,7 @@ from ckptconv.run.hf_staging import Planned, Staging
 from ckptconv.run.steps import config_file, return_freed_memory
 from ckptconv.source import locate as sources
 from ckptconv.source.early import Early
-from ckptconv.source.reference import check_reference, read_base
+from ckptconv.source.reference import Bases, check_reference, locate_bases, read_base
 from ckptconv.source.share import open_dcp_shared
 from ckptconv.stream import tied
 
@@ -69,11 +69,12 @@ def dcp_to_hf(
     src, out = location(src, "SRC"), location(out, "OUT")  # a URL without a bucket: refused before any work
     with gcpause.paused():
         located = sources.for_all(world, lambda: early.path if early is not None else sources.dcp_source(src))
-        target = everyone(world, check_inputs, world, located, out, options)
-        ckpt = everyone(world, open_dcp_shared, world, located, early)  # rank 0 reads .metadata, for all
         following = options.following()
-        base = read_base(world, ui, following)  # rank 0 reads the reference's headers, for all
-        job = everyone(world, make_plan, world, ckpt, out, options, base)
+        bases = locate_bases(world, following)  # rank 0 fetches a repo id's small files and headers, for all
+        target = everyone(world, check_inputs, world, located, out, options, bases)
+        ckpt = everyone(world, open_dcp_shared, world, located, early)  # rank 0 reads .metadata, for all
+        base = read_base(world, ui, following, bases)  # rank 0 reads the reference's headers, for all
+        job = everyone(world, make_plan, world, ckpt, out, options, base, bases)
         compared = check_reference(world, ui, job.plan, following, base)  # refused here: nothing written yet
         if job.plan.tied and not options.output.dry_run:
             job.plan = tied.checked(world, ckpt, job.plan, options.drop_untied_head)
@@ -89,15 +90,17 @@ def dcp_to_hf(
 
 
 def check_inputs(
-    world: World, located: Path, out: Path, options: DcpToHfOptions
+    world: World, located: Path, out: Path, options: DcpToHfOptions, bases: Bases | None = None
 ) -> Target | None:
-    """Every rank: `--copy-from` and `--reference` are directories, and OUT may be written and keeps clear of
-    every input; the target to write (None: a dry run)."""
-    copy_from, lora = options.copy_from, options.lora
-    for flag, directory in (("--copy-from", copy_from), ("--reference", options.reference)):
+    """Every rank: `--copy-from` and `--reference` are directories (a repo id's: its snapshot in the hub
+    cache), and OUT may be written and keeps clear of every input; the target to write (None: a dry run)."""
+    if bases is None:
+        bases = Bases(options.copy_from, options.reference)
+    copy_from, reference, lora = bases.copy_from, bases.reference, options.lora
+    for flag, directory in (("--copy-from", copy_from), ("--reference", reference)):
         if directory is not None and not directory.is_dir():
             raise CkptconvError(f"{flag} {directory}: not a directory")
-    inputs = [("SRC", located), ("--copy-from", copy_from), ("--reference", options.reference)]
+    inputs = [("SRC", located), ("--copy-from", copy_from), ("--reference", reference)]
     inputs.append(("--config", options.mapping.config))
     inputs += [
         outcheck.mapping_input(options.mapping.mapping),
@@ -109,11 +112,18 @@ def check_inputs(
 
 
 def make_plan(
-    world: World, ckpt: DcpCheckpoint, out: Path, options: DcpToHfOptions, base: Base | None = None
+    world: World,
+    ckpt: DcpCheckpoint,
+    out: Path,
+    options: DcpToHfOptions,
+    base: Base | None = None,
+    bases: Bases | None = None,
 ) -> Planned:
     """Every rank: the model's files and config, the mapping, and the plan of every output file (following
     the reference model `base`, when there is one)."""
-    located, copy_from, keys = ckpt.path, options.copy_from, options.mapping
+    if bases is None:
+        bases = Bases(options.copy_from, options.reference)
+    located, copy_from, keys = ckpt.path, bases.copy_from, options.mapping
     # the model's files: --copy-from's, else NeMo Automodel's .hf_metadata beside the shards (each with the
     # root its files must resolve inside)
     meta = None if copy_from or ckpt.file_split is None else metadata_dir(located)
@@ -126,7 +136,10 @@ def make_plan(
             "HF writer do); leave the flag out to split by --max-shard-size"
         )
     key_mapping = load_mapping(keys.mapping, options.hf_experts) if keys.mapping else None
-    model_config = load_config(*config_file(keys.config, described, (located, located)))
+    # config.json: --config, else --copy-from's, else --reference's, else .hf_metadata's, else the DCP's own
+    reference = (bases.reference, checkpoint_root(bases.reference)) if bases.reference else None
+    places = (described, reference) if copy_from else (reference, described)
+    model_config = load_config(*config_file(keys.config, *places, (located, located)))
     # BASE's way of writing the experts, unless --hf-experts names one (then the check tells)
     key_mapping, experts = follow_experts(key_mapping, base, model_config or {}, options.hf_experts)
     quant = options.quant_policy()

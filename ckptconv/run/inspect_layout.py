@@ -12,6 +12,7 @@ from ckptconv.errors import CkptconvError
 from ckptconv.formats.hf import is_hf_dir, open_hf
 from ckptconv.plan.reference import KINDS, Difference, Tensors, compare
 from ckptconv.plan.variants import Seen, detect, line
+from ckptconv.source.hub_reference import fetch
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -25,7 +26,13 @@ DCP_DTYPES = "(a DCP's dtypes as stored: dcp-to-hf writes --dtype, bf16 unless t
 
 def read_reference(path: Path) -> Tensors:
     """BASE's tensors from its index and headers alone (a quantized weight as its logical tensor, as
-    dcp-to-hf's reference check reads it); a BASE that is no HF directory is refused naming the flag."""
+    dcp-to-hf's reference check reads it; a hub repo id's by ranged reads, or from the hub cache offline);
+    a BASE that is no HF directory is refused naming the flag."""
+    hub = fetch(path, FLAG)
+    if hub is not None:
+        if hub.checkpoint is None:
+            raise CkptconvError(f"{FLAG} {path}: holds no safetensors files; name the base model's repo")
+        return {key: (t.shape, t.dtype_name) for key, t in hub.checkpoint.tensors.items()}
     if not path.is_dir():
         what = "not a directory" if path.exists() else "no such directory"
         raise CkptconvError(f"{FLAG} {path}: {what}; name the base model's HF directory")

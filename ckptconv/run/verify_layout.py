@@ -17,6 +17,7 @@ from typing import Any
 
 from ckptconv.core.dtype_names import short_name
 from ckptconv.core.keyorder import natural_key
+from ckptconv.core.specs import HfCheckpoint
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import is_dcp_dir, open_dcp
 from ckptconv.formats.files import is_directory
@@ -26,6 +27,8 @@ from ckptconv.options import VerifyOptions
 from ckptconv.plan.reference import compare
 from ckptconv.run.compare import Finding
 from ckptconv.run.verify import Report, dcp_outs, locate, model_config
+from ckptconv.source.hub_reference import HubBase, fetch
+from ckptconv.source.locate import for_all
 
 Layout = dict[str, tuple[tuple[int, ...], str, str | None]]  # key -> (shape, dtype name, file or None)
 # plan.reference's kinds, A as the planned side and B as the reference
@@ -41,12 +44,13 @@ class LayoutReport(Report):
         return {"command": doc.pop("command"), "layout": True, **doc}
 
 
-def hf_layout(path: Path) -> Layout:
+def hf_layout(path: Path, headers: HfCheckpoint | None = None) -> Layout:
     """An HF directory's or file's tensors as stored (a quantized weight's parts each a key), each with its
-    file name in a directory (None for a single file: no split to compare)."""
+    file name in a directory (None for a single file: no split to compare); `headers`: a hub repo's, read
+    already (`path` its snapshot folder)."""
     directory = is_directory(path)
     found: Layout = {}
-    for logical in open_hf(path).tensors.values():
+    for logical in (open_hf(path) if headers is None else headers).tensors.values():
         for t in logical.quant.parts if logical.quant is not None else (logical,):
             found[t.key] = (t.shape, t.dtype_name, t.file.name if directory else None)
     return found
@@ -93,14 +97,22 @@ def differences(a: Layout, b: Layout) -> list[Finding]:
     return sorted(found, key=lambda f: (natural_key(f.key), _ORDER.index(f.kind)))
 
 
-def compare_layouts(path_a: Path, path_b: Path, options: VerifyOptions) -> LayoutReport:
-    """The layout report of A against B (rank 0's work: headers and `.metadata` only)."""
+def compare_layouts(
+    path_a: Path,
+    path_b: Path,
+    options: VerifyOptions,
+    hub: tuple[HubBase | None, HubBase | None] = (None, None),
+) -> LayoutReport:
+    """The layout report of A against B (rank 0's work: headers and `.metadata` only); `hub`: the repo ids
+    among them, whose paths are their snapshot folders, with their headers read."""
     start = time.perf_counter()
     if options.mapping.mapping and not (is_dcp_dir(path_a) or is_dcp_dir(path_b)):
         raise CkptconvError("--mapping applies to DCP checkpoints; neither A nor B is one")
     layouts: list[Layout | None] = [None, None]
-    for i, path in enumerate((path_a, path_b)):
-        if not is_dcp_dir(path):
+    for i, (path, repo) in enumerate(zip((path_a, path_b), hub, strict=True)):
+        if repo is not None:
+            layouts[i] = hf_layout(path, repo.checkpoint)
+        elif not is_dcp_dir(path):
             layouts[i] = hf_layout(path)
     config = model_config(path_a, path_b, options)
     notes: list[str] = []
@@ -114,11 +126,26 @@ def compare_layouts(path_a: Path, path_b: Path, options: VerifyOptions) -> Layou
         notes.append("file split not compared: A and B are not both HF directories")
     compared = len(a.keys() & b.keys())
     seconds = time.perf_counter() - start
-    return LayoutReport(str(path_a), str(path_b), compared, 0, findings, None, seconds, notes)
+    name_a, name_b = (str(p) if h is None else h.given for p, h in zip((path_a, path_b), hub, strict=True))
+    return LayoutReport(name_a, name_b, compared, 0, findings, None, seconds, notes)
 
 
 def verify_layout(a: str, b: str, options: VerifyOptions, *, world: World) -> LayoutReport:
-    """Collective: compare the layouts of checkpoints `a` and `b` (paths or hub repo ids); rank 0 reads the
-    headers and `.metadata`, every rank gets the same report."""
-    path_a, path_b = locate(world, a, b, options)
-    return everyone(world, from_main, world, lambda: compare_layouts(path_a, path_b, options))
+    """Collective: compare the layouts of checkpoints `a` and `b` (paths or hub repo ids: their index,
+    config.json and headers only, never a weight byte); rank 0 reads the headers and `.metadata`, every rank
+    gets the same report."""
+
+    def fetched() -> tuple[HubBase | None, HubBase | None]:
+        found = fetch(a, None, revision=options.revision), fetch(b, None, revision=options.revision)
+        for side in found:
+            if side is not None and side.checkpoint is None:
+                raise CkptconvError(f"{side.given}: holds no safetensors files; --layout compares HF models")
+        return found
+
+    hub = for_all(world, fetched)
+    hub_a, hub_b = hub
+    # a repo id is its snapshot folder from here on (nothing more is downloaded)
+    where_a = a if hub_a is None else str(hub_a.directory)
+    where_b = b if hub_b is None else str(hub_b.directory)
+    path_a, path_b = locate(world, where_a, where_b, options)
+    return everyone(world, from_main, world, lambda: compare_layouts(path_a, path_b, options, hub))

@@ -24,8 +24,14 @@ def looks_like_repo_id(src: str) -> bool:
     return bool(_REPO_ID.match(src)) and mode_of(Path(src)) is None
 
 
-def download(repo_id: str, revision: str | None) -> Path:
-    """The local snapshot of a hub repo (weights and config only), through huggingface_hub's cache.
+def download(
+    repo_id: str,
+    revision: str | None,
+    patterns: list[str] | None = HUB_PATTERNS,
+    ignore: list[str] | None = None,
+) -> Path:
+    """The local snapshot of a hub repo (by default weights and config only; else the files `patterns`
+    match and `ignore` does not), through huggingface_hub's cache.
 
     Honors HF_HOME and HF_HUB_OFFLINE: offline, a cached snapshot is used and an uncached one is an error.
     """
@@ -40,10 +46,11 @@ def download(repo_id: str, revision: str | None) -> Path:
 
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+        found = snapshot_download(repo_id, revision=revision, allow_patterns=patterns, ignore_patterns=ignore)
+        return Path(found)
     except HFValidationError as e:
         raise CkptconvError(
-            f"{where}: not a valid hub repo id or revision ({_first_line(e)}); pass org/name or a local path"
+            f"{where}: not a valid hub repo id or revision ({first_line(e)}); pass org/name or a local path"
         ) from None
     except LocalEntryNotFoundError:
         raise CkptconvError(
@@ -57,9 +64,9 @@ def download(repo_id: str, revision: str | None) -> Path:
             f"{where}: no such repository on the hub (or it is private: run `hf auth login`)"
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise CkptconvError(f"{where}: download failed ({type(e).__name__}: {_first_line(e)})") from None
+        raise CkptconvError(f"{where}: download failed ({type(e).__name__}: {first_line(e)})") from None
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     """The first line of an exception's message, at most 300 characters."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

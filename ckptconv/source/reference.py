@@ -1,10 +1,12 @@
 """The reference model of dcp-to-hf (`--reference`, or `--copy-from`'s weights) and of save_hf (`reference`,
-or `copy_from`'s): read once by rank 0 for every rank before planning (the plan follows it: `plan.follow`),
+or `copy_from`'s): where its files are (a hub repo id's small files fetched into the hub cache), read once by
+rank 0 for every rank before planning (the plan follows it: `plan.follow`),
 then the planned output compared with it before anything is written. Collective: call each step on every rank
 with the same arguments."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,43 +17,91 @@ from ckptconv.job.world import World, everyone, from_main
 from ckptconv.plan import reference as compare
 from ckptconv.plan.base import Base, Following, Words
 from ckptconv.plan.types import HfSavePlan
+from ckptconv.source.hub_reference import HubBase, fetch
 
 
-def reference_of(following: Following) -> tuple[str, Path] | None:
+@dataclass(frozen=True)
+class Bases:
+    """Where the copied model's and the reference's files are on this machine: the directories given, or for
+    a hub repo id its snapshot folder in the hub cache (its small files; its headers read in `hub`)."""
+
+    copy_from: Path | None = None
+    """The copied model's directory (a repo id's snapshot: its side files, never its weights)."""
+    reference: Path | None = None
+    """The reference's directory (a repo id's snapshot: its index and config.json)."""
+    hub: dict[str, HubBase] = field(default_factory=dict)
+    """option -> the hub repo it named, with its headers where they are the reference."""
+
+
+def locate_bases(world: World, following: Following) -> Bases:
+    """Every rank: where the copied model and the reference are; rank 0 fetches a repo id's small files and
+    reads its headers for all."""
+    words = following.words
+
+    def find() -> Bases:
+        hub: dict[str, HubBase] = {}
+        copied, alone = None, following.reference is None  # the copied model's headers: only as the reference
+        if following.copy_from is not None:
+            copied = fetch(following.copy_from, words.copy_from, side_files=True, headers=alone)
+        referred = None
+        if following.reference is not None:
+            referred = fetch(following.reference, words.reference)
+        for flag, found in ((words.copy_from, copied), (words.reference, referred)):
+            if found is not None:
+                hub[flag] = found
+        return Bases(
+            following.copy_from if copied is None else copied.directory,
+            following.reference if referred is None else referred.directory,
+            hub,
+        )
+
+    if following.copy_from is None and following.reference is None:
+        return Bases()
+    return everyone(world, from_main, world, find)
+
+
+def reference_of(following: Following, bases: Bases | None = None) -> tuple[str, Path] | None:
     """The option and directory the output is compared with: the reference named alone, else the copied
     model's when it holds weights (a directory of config and tokenizer files alone is no reference); None: no
     check."""
     words = following.words
     if following.reference is not None:
         return words.reference, following.reference
+    hub = None if bases is None else bases.hub.get(words.copy_from)
+    if hub is not None and following.copy_from is not None:
+        return (words.copy_from, following.copy_from) if hub.checkpoint is not None else None
     if following.copy_from is not None and is_hf_dir(following.copy_from):
         return words.copy_from, following.copy_from
     return None
 
 
-def _read(flag: str, path: Path, words: Words) -> Base:
+def _read(flag: str, path: Path, words: Words, hub: HubBase | None = None) -> Base:
     """The reference's tensors from its index and headers alone (a quantized weight as its logical tensor),
-    in file order, then in the order of their data in each file."""
+    in file order, then in the order of their data in each file (a hub repo's as `hub` read them)."""
     try:
-        hf = open_hf(path)
+        hf = open_hf(path) if hub is None else hub.checkpoint
     except CkptconvError as e:
         raise CkptconvError(f"{words.lead}{flag}{words.assign}{path}: {e}", exit_code=e.exit_code) from None
+    if hf is None:
+        raise CkptconvError(
+            f"{words.lead}{flag}{words.assign}{path}: holds no safetensors files; name the base model's repo"
+        )
     stored = sorted(hf.tensors.values(), key=lambda t: (hf.files.index(t.file), t.data_offset))
     return Base(
         flag,
         str(path),
         {t.key: (t.shape, t.dtype_name) for t in stored},
         {t.key: t.file.name for t in stored},
-        indexed=(path / INDEX_FILE).is_file(),
+        indexed=(hf.path / INDEX_FILE).is_file(),
         words=words,
     )
 
 
-def read_base(world: World, ui: Ui, following: Following) -> Base | None:
+def read_base(world: World, ui: Ui, following: Following, bases: Bases | None = None) -> Base | None:
     """Every rank: the reference model (rank 0 reads its index and headers for all); None without one, or
     for a LoRA adapter (an adapter's keys are its LoRA factors: nothing to follow or compare)."""
     words = following.words
-    chosen = everyone(world, from_main, world, lambda: reference_of(following))
+    chosen = everyone(world, from_main, world, lambda: reference_of(following, bases))
     if following.by_files:
         if chosen is None:
             raise CkptconvError(
@@ -72,7 +122,8 @@ def read_base(world: World, ui: Ui, following: Following) -> Base | None:
             said = f"{words.lora_adapter} writes an adapter, not base keys"
             ui.info(f"{flag}{words.assign}{path}: not compared, {said}")
         return None
-    return everyone(world, from_main, world, lambda: _read(flag, path, words))
+    hub = None if bases is None else bases.hub.get(flag)
+    return everyone(world, from_main, world, lambda: _read(flag, path, words, hub))
 
 
 def check_reference(

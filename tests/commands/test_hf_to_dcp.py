@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import WORKERS, ckptconv, torchrun, tree_sha256
+from hubcache import hub_cache
 from safetensors.torch import load_file, save_file
 from test_bad_input import assert_one_line, run
 from test_dcp_to_hf import load_dir, same_bits
@@ -158,18 +159,6 @@ def test_stash_round_trip_restores_step_and_args(
     # and dcp-to-hf again gives the same HF directory
     assert run(capsys, "dcp-to-hf", str(tmp_path / "back"), str(tmp_path / "hf2"), "--quiet")[0] == 0
     assert tree_sha256(tmp_path / "hf") == tree_sha256(tmp_path / "hf2")
-
-
-def hub_cache(home: Path, repo: str, files: dict[str, bytes]) -> None:
-    """The huggingface_hub cache layout for one snapshot of `repo`."""
-    root = home / "hub" / ("models--" + repo.replace("/", "--"))
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    (root / "refs").mkdir(parents=True)
-    (root / "refs" / "main").write_text(commit)
-    snap = root / "snapshots" / commit
-    snap.mkdir(parents=True)
-    for name, data in files.items():
-        (snap / name).write_bytes(data)
 
 
 def test_hub_repo_id_offline(hf_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

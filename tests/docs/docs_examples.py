@@ -92,7 +92,7 @@ def blocks() -> list[Block]:
 
 def _hub(root: Path, repo: str, model: Path) -> None:
     """`model`'s files as one snapshot of `repo` in the huggingface_hub cache under root/.hf (HF_HOME)."""
-    from test_hf_to_dcp import hub_cache
+    from hubcache import hub_cache
 
     hub_cache(root / ".hf", repo, {f.name: f.read_bytes() for f in model.iterdir() if f.is_file()})
 

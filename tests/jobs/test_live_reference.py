@@ -17,6 +17,7 @@ from conftest import WORKERS, ckptconv, torchrun, tree_sha256
 from safetensors.torch import load_file, save_file
 from test_dcp_to_hf import same_bits
 from test_reference_follow import TINY, file_keys, weights
+from test_reference_follow import tied as tied  # a fixture
 from titan import run_adapter
 
 import ckptconv as lib
@@ -175,3 +176,49 @@ def test_save_hf_with_a_reference_under_fsdp2_is_the_same_bytes_at_two_ranks(
     assert tree_sha256(tmp_path / "ranks1") == tree_sha256(tmp_path / "ranks2")
     cli = _dcp_to_hf(moe, tmp_path / "cli", "--copy-from", str(moe / "fused"))
     assert tree_sha256(tmp_path / "ranks2") == tree_sha256(cli)
+
+
+# -- the base's config.json and a hub repo id as the reference ----------------------------------------------
+
+
+def _dcp_state(path: Path) -> dict[str, torch.Tensor]:
+    """A DCP checkpoint's tensors, read by torch's own dcp.load into tensors shaped from its metadata."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+@pytest.mark.parametrize("form", ["with_head", "plain"])
+def test_save_hf_reads_the_config_of_a_hub_reference(
+    tied: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """No `config`: the mapping's `tie_word_embeddings` comes from the reference's config.json, here a hub
+    repo id read from an offline cache (its index, config and headers only), and the head follows the base:
+    the same bytes as dcp-to-hf with the base's directory."""
+    from hubcache import hub_cache
+
+    base = tied / form
+    hub_cache(tmp_path / "hf", f"tiny-org/{form}", {p.name: p.read_bytes() for p in base.iterdir()})
+    from huggingface_hub import constants  # read when called, not at import: this process's hub cache
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "out"
+    report = lib.save_hf(
+        _dcp_state(tied / "dcp"), out, mapping="torchtitan-llama3", reference=f"tiny-org/{form}"
+    )
+    assert report.reference is not None and report.reference["differences"] == []
+    assert report.reference["adopted"]["written"] == (["lm_head.weight"] if form == "with_head" else [])
+    cli = ckptconv(
+        "dcp-to-hf",
+        str(tied / "dcp"),
+        str(tmp_path / "cli"),
+        "--mapping",
+        "torchtitan-llama3",
+        "--reference",
+        str(base),
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert tree_sha256(out) == tree_sha256(tmp_path / "cli")
+    assert ("lm_head.weight" in load_file(out / "model.safetensors")) == (form == "with_head")

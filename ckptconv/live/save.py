@@ -41,7 +41,8 @@ from ckptconv.live.allgather import (
 )
 from ckptconv.live.host import release_host_memory
 from ckptconv.lora.select import LoraRequest
-from ckptconv.mapping import CONFIG_FILE, load_mapping
+from ckptconv.mapping import CONFIG_FILE
+from ckptconv.mapping.family import mapping_for
 from ckptconv.options import SAVE_HF, DcpToHfOptions, DtypeOptions, MappingOptions, OutputOptions
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.schedule import Holding, ShardStep, plan_rounds
@@ -87,7 +88,7 @@ def load_specs(
     specs = {".".join(p): LoadSpec.from_tensor(".".join(p), v) for p, v in leaves}
     shapes = {k: TensorSpec(k, short_name(s.dtype), s.shape) for k, s in specs.items()}
     ckpt = DcpCheckpoint(Path("<state dict>"), shapes, {}, dict(paths))
-    mapped = load_mapping(mapping) if mapping else None
+    mapped = mapping_for(mapping, config or {})
     _, outs, _ = mapped_tensors(ckpt, DtypePolicy(None), mapping=mapped, config=dict(config or {}))
     held: dict[str, list[tuple[tuple[int, ...], str]]] = {}
     for t in outs:
@@ -232,7 +233,7 @@ def save_hf(
             options.dtype.policy(),
             max_shard_size=options.shard_bytes,
             world_size=world.size,
-            mapping=load_mapping(mapping) if mapping else None,
+            mapping=mapping_for(mapping, config or {}),
             config=dict(config or {}),
             quantize=quant,
             write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),

@@ -18,7 +18,8 @@ from ckptconv.formats.hf_sharded import metadata_dir
 from ckptconv.job import gcpause
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone, on_main
-from ckptconv.mapping import load_config, load_mapping
+from ckptconv.mapping import load_config
+from ckptconv.mapping.family import mapping_for
 from ckptconv.options import DcpToHfOptions
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import HfSavePlan, RankBytes
@@ -118,8 +119,8 @@ def make_plan(world: World, ckpt: DcpCheckpoint, out: Path, options: DcpToHfOpti
             f"--keep-file-split: {located} records no file split (only the shards of torch's distributed "
             "HF writer do); leave the flag out to split by --max-shard-size"
         )
-    key_mapping = load_mapping(keys.mapping, options.hf_experts) if keys.mapping else None
     model_config = load_config(*config_file(keys.config, described, (located, located)))
+    key_mapping = mapping_for(keys.mapping, model_config, options.hf_experts)
     quant = options.quant_policy()
     hf_plan = plan_dcp_to_hf(
         ckpt,

@@ -111,6 +111,29 @@ def test_fsdp2_two_ranks_same_bytes(tmp_path: Path) -> None:
     assert sorted(got) == sorted(want) and all(same_bits(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_verify_and_inspect(tmp_path: Path, model_type: str) -> None:
+    """verify of the runtime DCP against save_pretrained's files: equal (exit 0); one expert's value changed
+    in the release: exit 1. inspect shows the mapped view: save_pretrained's keys."""
+    model = build(model_type)
+    ref = tmp_path / "ref"
+    model.save_pretrained(ref)
+    ckpt = save_runtime(model, tmp_path / "dcp")
+    config = str(ref / "config.json")
+    ok(ckptconv("verify", str(ckpt), str(ref), "--mapping", "transformers", "--config", config))
+    shown = ckptconv("inspect", str(ckpt), "--mapping", "transformers", "--config", config, "--json")
+    ok(shown)
+    mapped = {t["key"] for t in json.loads(shown.stdout)["mapped"]}
+    assert mapped == set(load_dir(ref))
+    tensors = load_dir(ref)
+    key = next(k for k in tensors if ".experts.1." in k)
+    tensors[key] = tensors[key] + 1
+    save_file(tensors, ref / "model.safetensors", metadata={"format": "pt"})
+    proc = ckptconv("verify", str(ckpt), str(ref), "--mapping", "transformers", "--config", config)
+    assert proc.returncode == 1 and key in proc.stdout + proc.stderr, (proc.stdout, proc.stderr)
+
+
 def _tiny_dcp(path: Path, config: dict | None) -> Path:
     dcp.save({"model.norm.weight": torch.ones(4)}, checkpoint_id=str(path))
     if config is not None:

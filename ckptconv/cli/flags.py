@@ -197,7 +197,9 @@ RevisionOpt = Annotated[
 MappingOpt = Annotated[
     str | None,
     typer.Option(
-        "--mapping", help="Key mapping: a preset name (docs/mapping.md lists them) or a TOML file of rules."
+        "--mapping",
+        help="Key mapping: a preset name (docs/mapping.md lists them), 'transformers' (transformers 5's "
+        "runtime layout of config.json's model_type) or a TOML file of rules.",
     ),
 ]
 ConfigOpt = Annotated[

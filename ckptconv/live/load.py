@@ -15,7 +15,7 @@ from ckptconv.errors import CkptconvError
 from ckptconv.formats.hf import open_hf
 from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.live.save import LoadSpec, flatten, local_data
-from ckptconv.mapping import load_mapping
+from ckptconv.mapping.family import mapping_for
 from ckptconv.options import LOAD_HF, DtypeOptions
 from ckptconv.plan.to_hf import plan_hf_to_dcp
 from ckptconv.remote import urls
@@ -73,7 +73,7 @@ def load_hf(
         world_size=1,
         prefix=None,
         stash=[],
-        mapping=load_mapping(mapping) if mapping else None,
+        mapping=mapping_for(mapping, config or {}),
         config=dict(config or {}),
         allow_unmapped=not strict,
     )

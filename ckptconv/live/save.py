@@ -41,7 +41,8 @@ from ckptconv.live.allgather import (
 )
 from ckptconv.live.host import release_host_memory
 from ckptconv.lora.select import LoraRequest
-from ckptconv.mapping import CONFIG_FILE, VARIANTS, load_config, load_mapping
+from ckptconv.mapping import CONFIG_FILE, VARIANTS, load_config
+from ckptconv.mapping.family import mapping_for
 from ckptconv.options import SAVE_HF, DcpToHfOptions, DtypeOptions, MappingOptions, OutputOptions
 from ckptconv.plan.follow import config_dtype, follow_experts, reference_dtypes
 from ckptconv.plan.outs import mapped_tensors
@@ -90,7 +91,7 @@ def load_specs(
     specs = {".".join(p): LoadSpec.from_tensor(".".join(p), v) for p, v in leaves}
     shapes = {k: TensorSpec(k, short_name(s.dtype), s.shape) for k, s in specs.items()}
     ckpt = DcpCheckpoint(Path("<state dict>"), shapes, {}, dict(paths))
-    mapped = load_mapping(mapping) if mapping else None
+    mapped = mapping_for(mapping, config or {})
     _, outs, _ = mapped_tensors(ckpt, DtypePolicy(None), mapping=mapped, config=dict(config or {}))
     held: dict[str, list[tuple[tuple[int, ...], str]]] = {}
     for t in outs:
@@ -275,7 +276,7 @@ def save_hf(
         model_config = dict(config) if config is not None else _base_config(bases)
         # as dcp-to-hf: the reference's HF expert form and dtypes unless hf_experts / dtype name them
         keys, experts = follow_experts(
-            load_mapping(mapping, hf_experts) if mapping else None, base, model_config, hf_experts
+            mapping_for(mapping, model_config, hf_experts), base, model_config, hf_experts
         )
         plan = plan_dcp_to_hf(
             _live_checkpoint(holding, paths),

@@ -57,10 +57,19 @@ def presets() -> list[str]:
     )
 
 
+def _generated(spec: str) -> bool:
+    """`transformers/<model_type>`: a preset scripts/gen_transformers_mappings.py wrote (family.py)."""
+    folder, _, name = spec.partition("/")
+    if folder != "transformers" or not name or "/" in name or name == "index":
+        return False
+    return resources.files(__package__).joinpath("presets", folder, name + ".toml").is_file()
+
+
 def load_mapping(spec: str, hf_experts: str | None = None, runtime_layout: str | None = None) -> KeyMapping:
-    """A preset name or a path to a TOML mapping file; `hf_experts` overrides the form dcp-to-hf writes,
-    `runtime_layout` (layout names, comma-separated) the runtime layouts hf-to-dcp writes."""
-    if spec in presets():
+    """A preset name (`transformers/<model_type>` for the generated ones) or a path to a TOML mapping file;
+    `hf_experts` overrides the form dcp-to-hf writes, `runtime_layout` (layout names, comma-separated) the
+    runtime layouts hf-to-dcp writes."""
+    if spec in presets() or _generated(spec):
         text = resources.files(__package__).joinpath("presets", spec + ".toml").read_text()
         where = f"--mapping {spec}"
     else:

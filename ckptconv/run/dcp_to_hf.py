@@ -18,7 +18,8 @@ from ckptconv.formats.hf_sharded import metadata_dir
 from ckptconv.job import gcpause
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone, on_main
-from ckptconv.mapping import load_config, load_mapping
+from ckptconv.mapping import load_config
+from ckptconv.mapping.family import mapping_for
 from ckptconv.options import DcpToHfOptions
 from ckptconv.plan.base import Base
 from ckptconv.plan.follow import follow_experts, reference_dtypes
@@ -135,11 +136,11 @@ def make_plan(
             f"--keep-file-split: {located} records no file split (only the shards of torch's distributed "
             "HF writer do); leave the flag out to split by --max-shard-size"
         )
-    key_mapping = load_mapping(keys.mapping, options.hf_experts) if keys.mapping else None
     # config.json: --config, else --copy-from's, else --reference's, else .hf_metadata's, else the DCP's own
     reference = (bases.reference, checkpoint_root(bases.reference)) if bases.reference else None
     places = (described, reference) if copy_from else (reference, described)
     model_config = load_config(*config_file(keys.config, *places, (located, located)))
+    key_mapping = mapping_for(keys.mapping, model_config, options.hf_experts)
     # BASE's way of writing the experts, unless --hf-experts names one (then the check tells)
     key_mapping, experts = follow_experts(key_mapping, base, model_config or {}, options.hf_experts)
     quant = options.quant_policy()

@@ -19,7 +19,8 @@ from ckptconv.formats.stash import read_stash
 from ckptconv.job import gcpause
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone, from_main
-from ckptconv.mapping import load_config, load_mapping
+from ckptconv.mapping import load_config
+from ckptconv.mapping.family import mapping_for
 from ckptconv.options import HfToDcpOptions
 from ckptconv.plan import megatron as megatron_out
 from ckptconv.plan.reference import Tensors
@@ -110,8 +111,8 @@ def make_plan(
     keys = options.mapping
     found = config_file(keys.config, (path, checkpoint_root(path)) if is_directory(path) else None)
     stash = read_stash(path) if is_directory(path) else []
-    key_mapping = load_mapping(keys.mapping, runtime_layout=options.runtime_layout) if keys.mapping else None
     model_config = load_config(*found)
+    key_mapping = mapping_for(keys.mapping, model_config, runtime_layout=options.runtime_layout)
     plan = plan_hf_to_dcp(
         hf,
         hf_reference.policy(options, reference),

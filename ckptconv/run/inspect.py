@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptconv.formats.files import is_directory
 from ckptconv.formats.hf import checkpoint_root
-from ckptconv.mapping import load_config, load_mapping
+from ckptconv.mapping import load_config
+from ckptconv.mapping.family import mapping_for
 from ckptconv.options import InspectOptions
 from ckptconv.remote.urls import location
 from ckptconv.run.inspect_layout import layout, read_reference, reference
@@ -42,9 +43,11 @@ def inspect_checkpoint(path: str, options: InspectOptions = InspectOptions()) ->
     m = options.mapping
     if not m.mapping:
         return Inspected(_laid_out(info, None, None, base))
-    key_mapping = load_mapping(m.mapping)
     beside = (local / "config.json", checkpoint_root(local)) if is_directory(local) else (None, None)
     model_config = load_config(m.config) if m.config else load_config(*beside)
+    key_mapping = mapping_for(m.mapping, model_config)
+    if key_mapping is None:  # --mapping transformers, a family saved as it runs: nothing to map
+        return Inspected(_laid_out(info, None, None, base))
     targets = mapped_targets(info, key_mapping, model_config, m.allow_unmapped).targets
     info["mapped"] = mapped_view(targets)
     if not options.explain:

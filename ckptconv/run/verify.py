@@ -34,7 +34,8 @@ from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone
 from ckptconv.lora.select import LoraRequest
-from ckptconv.mapping import VARIANTS, load_config, load_mapping
+from ckptconv.mapping import VARIANTS, load_config
+from ckptconv.mapping.family import mapping_for
 from ckptconv.options import VerifyOptions
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.to_hf import assign_owners
@@ -220,7 +221,7 @@ def dcp_outs(
     forms = VARIANTS if mapping and variant is None and like is not None else (variant,)
     candidates = []
     for form in forms:
-        key_mapping = load_mapping(mapping, form) if mapping else None
+        key_mapping = mapping_for(mapping, config, form)
         selection, mapped, _ = mapped_tensors(
             ckpt, DtypePolicy(None), prefix, key_mapping, config, allow_unmapped, lora=lora
         )

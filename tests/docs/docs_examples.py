@@ -183,6 +183,17 @@ def my_model(root: Path) -> None:
     (root / "my_model.toml").write_text(preset.replace('hf_experts = "per_expert"', 'hf_experts = "fused"'))
 
 
+def transformers_runtime(root: Path) -> None:
+    """A tiny Qwen3-MoE as models/Qwen3-30B-A3B (save_pretrained: experts per expert), and ckpt/step-1000 the
+    same model's `state_dict()` (transformers 5's runtime layout: experts fused) saved with `dcp.save`."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny("qwen3", root / "models" / "Qwen3-30B-A3B", moe=True)
+    live = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    dcp.save(live.state_dict(), checkpoint_id=str(root / "ckpt" / "step-1000"))
+
+
 def megatron(root: Path) -> None:
     """A Qwen3 GPTModel saved by megatron-core's own `dist_checkpointing.save` (tests/support/megatron.py) as
     iter_0000100 and run/iter_0001000, its transformers config.json, and models/Qwen3-8B its HF release."""
@@ -275,6 +286,7 @@ PARTS: dict[str, Callable[[Path], None]] = {
     "titan-qwen3": titan_qwen3,
     "titan-gpt-oss": titan_gpt_oss,
     "my-model": my_model,
+    "transformers": transformers_runtime,
     "megatron": megatron,
     "lora": lora,
     "torchtune": torchtune,

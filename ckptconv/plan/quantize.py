@@ -16,11 +16,9 @@ from typing import Any
 import torch
 
 from ckptconv.core.dtypes import DtypePolicy
-from ckptconv.plan.types import OutTensor
+from ckptconv.plan.types import SCALE_OP, OutTensor, is_scale
 from ckptconv.quant import fp8
 from ckptconv.quant.policy import QuantPolicy, scale_key
-
-SCALE_OP = "fp8_scale"
 
 
 def quantize_outs(
@@ -61,5 +59,4 @@ def quantize_outs(
     return result, quantize.config(quantized, kept), warnings
 
 
-def is_scale(t: OutTensor) -> bool:
-    return t.op == SCALE_OP
+__all__ = ["SCALE_OP", "is_scale", "quantize_outs"]

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ckptconv.core.dtype_names import short_name
-from ckptconv.plan.quantize import is_scale
-from ckptconv.plan.types import HfSavePlan
+from ckptconv.plan.types import HfSavePlan, is_scale
 
 Kind = Literal["missing", "extra", "shape", "dtype"]
 KINDS: tuple[Kind, ...] = ("missing", "extra", "shape", "dtype")

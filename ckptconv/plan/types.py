@@ -258,3 +258,12 @@ class RankBytes(NamedTuple):
         if not self.requests:  # a file system: nothing fetched
             del doc["bytes_fetched"], doc["requests"]
         return doc
+
+
+SCALE_OP = "fp8_scale"  # the op of a block-FP8 weight's scale tensor (plan/quantize.py)
+
+
+def is_scale(t: OutTensor) -> bool:
+    """Whether `t` is a quantized weight's `weight_scale_inv`, written with its weight (no tensor of its own
+    in a reference's terms). Torch-free, for inspect."""
+    return t.op == SCALE_OP

@@ -43,12 +43,14 @@ from ckptconv.live.host import release_host_memory
 from ckptconv.lora.select import LoraRequest
 from ckptconv.mapping import CONFIG_FILE, VARIANTS, load_config
 from ckptconv.mapping.family import mapping_for
+from ckptconv.mapping.types import KeyMapping
 from ckptconv.options import SAVE_HF, DcpToHfOptions, DtypeOptions, MappingOptions, OutputOptions
+from ckptconv.plan.family import follow_family
 from ckptconv.plan.follow import config_dtype, follow_experts, reference_dtypes
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.schedule import Holding, ShardStep, plan_rounds
 from ckptconv.plan.to_hf import plan_dcp_to_hf
-from ckptconv.plan.types import Granularity
+from ckptconv.plan.types import Granularity, HfSavePlan
 from ckptconv.publish import outcheck, remote_out
 from ckptconv.publish.copy_from import copy_non_weights
 from ckptconv.remote import urls
@@ -158,6 +160,9 @@ class SaveReport:
     """With a reference model (`reference`, or `copy_from` holding weights): dcp-to-hf's --json `reference`,
     `{"path", "differences": [{"kind", "key", "planned", "reference"}], "adopted": {"experts", "left_out",
     "written", "dtypes", "file_split"}}`; None without one."""
+    notes: tuple[str, ...] = ()
+    """What dcp-to-hf would print as info lines for the same plan (a mapping taken because the reference
+    calls for it, experts left as they are, ...)."""
 
 
 def _base_config(bases: Bases) -> dict[str, Any]:
@@ -278,20 +283,28 @@ def save_hf(
         keys, experts = follow_experts(
             mapping_for(mapping, model_config, hf_experts), base, model_config, hf_experts
         )
-        plan = plan_dcp_to_hf(
-            _live_checkpoint(holding, paths),
-            options.dtype.policy(reference_dtypes(base, quant is not None)),
-            max_shard_size=options.shard_bytes,
-            world_size=world.size,
-            mapping=keys,
-            config=model_config,
-            quantize=quant,
-            write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),
-            lora=options.lora,
-            base=base,
-            split_as_base=following.by_files,
-            experts=experts,
-        )
+        live = _live_checkpoint(holding, paths)
+
+        def planned(keys: KeyMapping | None, experts: str | None) -> HfSavePlan:
+            return plan_dcp_to_hf(
+                live,
+                options.dtype.policy(reference_dtypes(base, quant is not None)),
+                max_shard_size=options.shard_bytes,
+                world_size=world.size,
+                mapping=keys,
+                config=model_config,
+                quantize=quant,
+                write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),
+                lora=options.lora,
+                base=base,
+                split_as_base=following.by_files,
+                experts=experts,
+            )
+
+        plan = planned(keys, experts)
+        # without a mapping, a transformers-5 runtime layout the reference calls for (not a LoRA run's keys)
+        if not mapping and (options.lora is None or options.lora.mode is None):
+            plan = follow_family(plan, base, model_config, hf_experts, planned)
         lora_file = options.lora.config if options.lora is not None else None
         inputs = [("copy_from", bases.copy_from), ("reference", bases.reference)]
         inputs.append(("lora_config", lora_file))
@@ -347,6 +360,7 @@ def save_hf(
         sum(len(r.batches) for r in rounds),
         max((sum(r.nbytes.values()) for r in rounds), default=0),
         compared,
+        plan.notes,
     )
 
 

@@ -64,6 +64,13 @@ def family_spec(config: Mapping[str, Any]) -> str | None:
     )
 
 
+def covered_spec(config: Mapping[str, Any]) -> str | None:
+    """The generated preset of config.json's model_type when one covers it, else None (no model_type, a
+    family saved as it runs, or one not covered): never refuses."""
+    found = model_type(config)
+    return f"{FOLDER}/{found}" if found is not None and found in index()["covered"] else None
+
+
 def mapping_for(
     spec: str | None,
     config: Mapping[str, Any],

@@ -20,8 +20,10 @@ from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone, on_main
 from ckptconv.mapping import load_config
 from ckptconv.mapping.family import mapping_for
+from ckptconv.mapping.types import KeyMapping
 from ckptconv.options import DcpToHfOptions
 from ckptconv.plan.base import Base
+from ckptconv.plan.family import follow_family
 from ckptconv.plan.follow import follow_experts, reference_dtypes
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import HfSavePlan, RankBytes
@@ -146,24 +148,31 @@ def make_plan(
     quant = options.quant_policy()
     # BASE's dtype per key where --dtype is not given; a --quantize'd output keeps its own dtypes
     dtypes = reference_dtypes(base, quant is not None)
-    hf_plan = plan_dcp_to_hf(
-        ckpt,
-        options.dtype.policy(dtypes),
-        max_shard_size=options.shard_bytes,
-        world_size=world.size,
-        prefix=keys.prefix,
-        mapping=key_mapping,
-        config=model_config,
-        allow_unmapped=keys.allow_unmapped,
-        keep_trainer_state=options.keep_trainer_state,
-        file_split=ckpt.file_split if options.keep_file_split else None,
-        quantize=quant,
-        write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),
-        lora=options.lora,
-        base=base,
-        split_as_base=options.file_split == "reference",
-        experts=experts,
-    )
+
+    def planned(mapping: KeyMapping | None, experts: str | None) -> HfSavePlan:
+        return plan_dcp_to_hf(
+            ckpt,
+            options.dtype.policy(dtypes),
+            max_shard_size=options.shard_bytes,
+            world_size=world.size,
+            prefix=keys.prefix,
+            mapping=mapping,
+            config=model_config,
+            allow_unmapped=keys.allow_unmapped,
+            keep_trainer_state=options.keep_trainer_state,
+            file_split=ckpt.file_split if options.keep_file_split else None,
+            quantize=quant,
+            write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),
+            lora=options.lora,
+            base=base,
+            split_as_base=options.file_split == "reference",
+            experts=experts,
+        )
+
+    hf_plan = planned(key_mapping, experts)
+    # without --mapping, a transformers-5 runtime layout the reference calls for (not for a LoRA run's keys)
+    if not keys.mapping and (options.lora is None or options.lora.mode is None):
+        hf_plan = follow_family(hf_plan, base, model_config, options.hf_experts, planned)
     return Planned(ckpt, hf_plan, model_config, described)
 
 

@@ -197,3 +197,48 @@ def test_presets_are_what_transformers_gives(tmp_path: Path) -> None:
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.main(["--check"]) == 0
+
+
+# -- chosen by the reference, without --mapping --------------------------------------------------------------
+
+
+def test_the_reference_calls_for_the_runtime_family(tmp_path: Path) -> None:
+    """A DCP of a live Qwen3-MoE (experts fused, as transformers 5 runs it) released against its
+    save_pretrained base (per expert) with no --mapping: the family's mapping is taken because the base calls
+    for it, and the output is save_pretrained's files bit for bit; against a base that stores the experts
+    fused, the keys are written as they are."""
+    model = build("qwen3_moe")
+    base, fused = tmp_path / "base", tmp_path / "fused"
+    model.save_pretrained(base)
+    ckpt = save_runtime(model, tmp_path / "dcp")
+    proc = ckptconv("dcp-to-hf", str(ckpt), str(tmp_path / "out"), "--copy-from", str(base))
+    ok(proc)
+    said = "the checkpoint holds transformers' runtime layout of qwen3_moe; written as save_pretrained "
+    assert said + f"stores it, as in --copy-from {base} (--mapping transformers)" in proc.stderr
+    want, got = load_dir(base), load_dir(tmp_path / "out")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not same_bits(got[k], want[k])] == []
+
+    fused.mkdir()
+    runtime = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(runtime, fused / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(base / "config.json", fused / "config.json")
+    proc = ckptconv("dcp-to-hf", str(ckpt), str(tmp_path / "as-is"), "--reference", str(fused))
+    ok(proc)
+    assert "runtime layout" not in proc.stderr
+    assert sorted(load_dir(tmp_path / "as-is")) == sorted(runtime)
+
+
+def test_save_hf_from_a_live_model_follows_the_base(tmp_path: Path) -> None:
+    """save_hf of the live model's own state dict (fused experts) with its save_pretrained base as copy_from:
+    the family's mapping is taken as the base calls for it; the files are save_pretrained's, bit for bit."""
+    import ckptconv as lib
+
+    model = build("qwen3_moe")
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    report = lib.save_hf(model.state_dict(), tmp_path / "out", copy_from=base)
+    assert any("runtime layout of qwen3_moe" in note for note in report.notes), report.notes
+    want, got = load_dir(base), load_dir(tmp_path / "out")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not same_bits(got[k], want[k])] == []

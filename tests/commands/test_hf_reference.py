@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import ckptconv, tree_sha256
+from families import seeded_llama
 from test_bad_input import assert_one_line, run
 from test_json_schema import report
 
@@ -24,20 +25,8 @@ FP32_KEY = "model.model.norm.weight"  # the one tensor the job keeps in fp32
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama (transformers' own save_pretrained: hf/, fp32) and its training job's checkpoint (ref/):
     `dcp.save` of {"model": the model's state dict in bf16 with one fp32 norm, "step", "optimizer"}."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("hf_reference")
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = seeded_llama()
     model.save_pretrained(root / "hf")
     state = job_state(model.state_dict())
     extra = {"step": 7, "optimizer": {"state": {"exp_avg": torch.zeros(3)}}}  # not weights: not compared

@@ -10,9 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from conftest import ckptconv
+from families import seeded_llama
 from safetensors.torch import load_file, save_file
 from test_bad_input import assert_one_line, run
 from test_json_schema import report
@@ -23,20 +23,8 @@ from ckptconv.plan.reference import Difference, compare, dtype_note, refusal
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny fp32 Llama: its own `save_pretrained` directory (hf/) and its weights as a DCP (dcp/)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("reference")
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = seeded_llama()
     model.save_pretrained(root / "hf")
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dcp.save({"model": weights}, checkpoint_id=str(root / "dcp"), no_dist=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,33 @@ from test_dcp_to_hf import same_bits
 from test_json_schema import report
 
 TINY = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def seeded_moe() -> Any:
+    """A tiny Qwen3MoeForCausalLM (4 experts of 8, hidden 16, untied head), float32, weights from seed 0."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        head_dim=4,
+        tie_word_embeddings=False,
+        **TINY,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def save_fused(model: Any, saved: Path, fused: Path) -> None:
+    """fused/: the model's weights as it holds them (`gate_up_proj`, `down_proj`), one file by safetensors,
+    with saved/'s config.json: a base that stores its experts fused."""
+    fused.mkdir()
+    shutil.copy(saved / "config.json", fused)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # transformers 5 holds them fused
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
 
 
 def weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -45,27 +73,11 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3-MoE: per_expert/ as `save_pretrained` writes it (one tensor per expert), fused/ the same
     weights as the model holds them (`gate_up_proj`, `down_proj`) written by safetensors, and dcp/ its
     torchtitan checkpoint (hf-to-dcp --mapping torchtitan-qwen3)."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     root = tmp_path_factory.mktemp("moe")
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        intermediate_size=24,
-        moe_intermediate_size=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        head_dim=4,
-        tie_word_embeddings=False,
-        **TINY,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = seeded_moe()
     model.save_pretrained(root / "per_expert")
-    fused = root / "fused"
-    fused.mkdir()
-    shutil.copy(root / "per_expert" / "config.json", fused)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # transformers 5 holds them fused
-    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    save_fused(model, root / "per_expert", root / "fused")
     proc = ckptconv("hf-to-dcp", str(root / "per_expert"), str(root / "dcp"), "--mapping", "torchtitan-qwen3")
     assert proc.returncode == 0, proc.stderr
     return root

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import ckptconv
+from families import seeded_llama
 from safetensors.torch import load_file, save_file
 from test_bad_input import assert_one_line
 from test_json_schema import report
@@ -21,20 +22,8 @@ from test_json_schema import report
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """hf/ (fp32, one file), sharded/ (the same in 6 files), bf16/, dcp/ ({"model": the fp32 state dict})."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("layout")
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = seeded_llama()
     model.save_pretrained(root / "hf")
     model.save_pretrained(root / "sharded", max_shard_size="20KB")
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}

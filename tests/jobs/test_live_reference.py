@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import WORKERS, ckptconv, torchrun, tree_sha256
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from test_dcp_to_hf import same_bits
-from test_reference_follow import TINY, file_keys, weights
+from test_reference_follow import file_keys, save_fused, seeded_moe, weights
 from test_reference_follow import tied as tied  # a fixture
 from titan import run_adapter
 
@@ -31,28 +31,12 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """per_expert/: a tiny Qwen3-MoE as `save_pretrained` writes it in files of at most 8KB; fused/: the
     same weights as the model holds them (`gate_up_proj`, `down_proj`), one file by safetensors; titan.st:
     torchtitan 0.3.0's `Qwen3StateDictAdapter.from_hf` of per_expert/; dcp/: `dcp.save` of those tensors."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     root = tmp_path_factory.mktemp("live-moe")
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        intermediate_size=24,
-        moe_intermediate_size=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        head_dim=4,
-        tie_word_embeddings=False,
-        **TINY,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = seeded_moe()
     model.save_pretrained(root / "per_expert", max_shard_size="8KB")
     assert len(list((root / "per_expert").glob("*.safetensors"))) >= 3
-    fused = root / "fused"
-    fused.mkdir()
-    shutil.copy(root / "per_expert" / "config.json", fused)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # transformers 5 holds them fused
-    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    save_fused(model, root / "per_expert", root / "fused")
     hf_config = json.loads((root / "per_expert" / "config.json").read_text())
     run_adapter("qwen3", "from_hf", hf_config, root / "per_expert", root / "titan.st")
     runtime = load_file(root / "titan.st")

@@ -433,3 +433,21 @@ def pack_mxfp4(src: Path, dst: Path) -> dict[str, tuple[torch.Tensor, torch.Tens
     }
     (dst / "config.json").write_text(json.dumps(doc, indent=2))
     return packed
+
+
+def seeded_llama() -> Any:
+    """The reference tests' model: a LlamaForCausalLM (vocab 64, hidden 32, FFN 64, 2 layers, 4 heads and 2 KV
+    heads, untied head), float32, its weights from seed 0."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg)

@@ -103,10 +103,13 @@ def select_tensors(ckpt: DcpCheckpoint, prefix: str | None, keep_trainer_state: 
         strip = MODEL_GROUP + "."
         chosen = [fqn for fqn in ckpt.tensors if group_of(ckpt, fqn) == MODEL_GROUP]
         others = sorted(str(g) for g in groups - {MODEL_GROUP} if g is not None)
+        left = [repr(g) for g in others]
+        if None in groups:  # tensors outside any group (a trainer's `step`: stashed, not converted)
+            loose = sum(1 for fqn in ckpt.tensors if group_of(ckpt, fqn) is None)
+            left.append(f"{loose} other top-level tensor(s)")
         notes.append(
             f"taking the {MODEL_GROUP!r} group ({len(chosen)} tensors)"
-            + (f"; not converting {', '.join(repr(g) for g in others)}" if others else "")
-            + (f" nor {len(ckpt.tensors) - len(chosen)} other top-level tensors" if None in groups else "")
+            + (f"; not converting {', '.join(left)}" if left else "")
         )
     else:
         strip = ""

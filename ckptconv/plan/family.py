@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptconv.errors import CkptconvError
 from ckptconv.mapping import load_mapping
@@ -22,8 +22,27 @@ from ckptconv.plan.follow import follow_experts
 from ckptconv.plan.reference import compare, planned_tensors
 from ckptconv.plan.types import HfSavePlan
 
-Replan = Callable[[KeyMapping, "str | None"], HfSavePlan]
-"""Plans the output again with a mapping and the expert form it follows (`follow_experts`)."""
+P = TypeVar("P")
+
+
+def family_plan(
+    plan: P, fits: Callable[[P], bool], config: Mapping[str, Any], replan: Callable[[KeyMapping], P]
+) -> tuple[P, str | None]:
+    """`plan` (made with no mapping) when it `fits` the reference, else the plan of config.json's
+    transformers family (`replan` with its mapping) when that one fits, with the line that says so. A source
+    the family's mapping cannot read (not in its layout) keeps `plan`; the reference check then tells."""
+    if fits(plan):
+        return plan, None
+    spec = covered_spec(config)
+    if spec is None:
+        return plan, None
+    try:
+        other = replan(load_mapping(spec))
+    except CkptconvError:  # a key its rules do not map: the source is not in that layout
+        return plan, None
+    if not fits(other):
+        return plan, None
+    return other, f"transformers' runtime layout of {model_type(config)} (--mapping {TRANSFORMERS})"
 
 
 def refuses(plan: HfSavePlan, base: Base) -> bool:
@@ -36,26 +55,19 @@ def follow_family(
     base: Base | None,
     config: Mapping[str, Any],
     hf_experts: str | None,
-    replan: Replan,
+    replan: Callable[[KeyMapping, str | None], HfSavePlan],
 ) -> HfSavePlan:
-    """`plan` (made with no mapping), or the plan of config.json's transformers family when `plan` does not
-    match the reference `base` and that one does; a note then says so. A source the family's mapping cannot
-    read (not in its runtime layout) keeps `plan`, and the reference check tells its differences."""
-    if base is None or not refuses(plan, base):
+    """dcp-to-hf / save_hf: `plan`, or the plan of config.json's transformers family where the reference
+    `base` calls for it (`family_plan`; its HF expert form followed as any mapping's), with a note."""
+    if base is None:
         return plan
-    spec = covered_spec(config)
-    if spec is None:
+
+    def again(mapping: KeyMapping) -> HfSavePlan:
+        followed, experts = follow_experts(mapping, base, config, hf_experts)
+        return replan(followed or mapping, experts)
+
+    chosen, said = family_plan(plan, lambda p: not refuses(p, base), config, again)
+    if said is None:
         return plan
-    mapping, experts = follow_experts(load_mapping(spec, hf_experts), base, config, hf_experts)
-    assert mapping is not None
-    try:
-        other = replan(mapping, experts)
-    except CkptconvError:  # a key its rules do not map: the source is not in that runtime layout
-        return plan
-    if refuses(other, base):
-        return plan
-    said = (
-        f"the checkpoint holds transformers' runtime layout of {model_type(config)}; written as "
-        f"save_pretrained stores it, as in {base.text} (--mapping {TRANSFORMERS})"
-    )
-    return dataclasses.replace(other, notes=(*other.notes, said))
+    note = f"the checkpoint holds {said}; written as save_pretrained stores it, as in {base.text}"
+    return dataclasses.replace(chosen, notes=(*chosen.notes, note))

@@ -33,6 +33,7 @@ class Planned:
     plan: DcpSavePlan
     config: dict[str, Any]
     config_file: ConfigFile  # where `config` came from
+    notes: tuple[str, ...] = ()  # info lines about the plan (a mapping the reference called for)
 
 
 class Staging:

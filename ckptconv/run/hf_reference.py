@@ -64,6 +64,12 @@ def policy(options: HfToDcpOptions, reference: compare.Tensors | None) -> DtypeP
     return options.dtype.policy({key: dtype for key, (_, dtype) in reference.items()})
 
 
+def fits(plan: DcpSavePlan, reference: compare.Tensors) -> bool:
+    """Whether the planned DCP has the reference's keys and shapes (dtypes aside)."""
+    found = compare.compare(dcp_reference.planned_tensors(plan), reference, dtypes=False)
+    return not any(d.refuses for d in found)
+
+
 def check_reference(
     world: World, ui: Ui, plan: DcpSavePlan, options: HfToDcpOptions, reference: compare.Tensors | None
 ) -> dict[str, Any] | None:

@@ -21,8 +21,10 @@ from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone, from_main
 from ckptconv.mapping import load_config
 from ckptconv.mapping.family import mapping_for
+from ckptconv.mapping.types import KeyMapping
 from ckptconv.options import HfToDcpOptions
 from ckptconv.plan import megatron as megatron_out
+from ckptconv.plan.family import family_plan
 from ckptconv.plan.reference import Tensors
 from ckptconv.plan.to_hf import plan_hf_to_dcp
 from ckptconv.plan.types import DcpSavePlan, RankBytes
@@ -113,23 +115,33 @@ def make_plan(
     stash = read_stash(path) if is_directory(path) else []
     model_config = load_config(*found)
     key_mapping = mapping_for(keys.mapping, model_config, runtime_layout=options.runtime_layout)
-    plan = plan_hf_to_dcp(
-        hf,
-        hf_reference.policy(options, reference),
-        world_size=world.size,
-        prefix=keys.prefix,
-        stash=stash,
-        mapping=key_mapping,
-        config=model_config,
-        allow_unmapped=keys.allow_unmapped,
-    )
+
+    def planned(mapping: KeyMapping | None) -> DcpSavePlan:
+        return plan_hf_to_dcp(
+            hf,
+            hf_reference.policy(options, reference),
+            world_size=world.size,
+            prefix=keys.prefix,
+            stash=stash,
+            mapping=mapping,
+            config=model_config,
+            allow_unmapped=keys.allow_unmapped,
+        )
+
+    plan, said = planned(key_mapping), None
+    if reference is not None and not keys.mapping and options.lora_adapter is None:
+        # a transformers-5 training job's checkpoint as the reference: its runtime layout, without the flag
+        plan, said = family_plan(plan, lambda p: hf_reference.fits(p, reference), model_config, planned)
     if key_mapping is not None and key_mapping.checkpoint == "megatron":
         plan = megatron_out.with_extra_state(plan)
-    return Planned(path, hf, plan, model_config, found)
+    notes = () if said is None else (f"written in {said}, as in --reference {options.reference}",)
+    return Planned(path, hf, plan, model_config, found, notes)
 
 
 def tell(ui: Ui, job: Planned) -> None:
-    """What the plan found worth saying: its warnings, and what was dequantized."""
+    """What the plan found worth saying: its notes and warnings, and what was dequantized."""
+    for line in job.notes:
+        ui.info(line)
     for warning in job.plan.warnings:
         ui.warn(warning)
     note = dequantized_note(job.plan.tensors)

@@ -213,8 +213,8 @@ def test_the_reference_calls_for_the_runtime_family(tmp_path: Path) -> None:
     ckpt = save_runtime(model, tmp_path / "dcp")
     proc = ckptconv("dcp-to-hf", str(ckpt), str(tmp_path / "out"), "--copy-from", str(base))
     ok(proc)
-    said = "the checkpoint holds transformers' runtime layout of qwen3_moe; written as save_pretrained "
-    assert said + f"stores it, as in --copy-from {base} (--mapping transformers)" in proc.stderr
+    said = "the checkpoint holds transformers' runtime layout of qwen3_moe (--mapping transformers); "
+    assert said + f"written as save_pretrained stores it, as in --copy-from {base}" in proc.stderr
     want, got = load_dir(base), load_dir(tmp_path / "out")
     assert sorted(got) == sorted(want)
     assert [k for k in want if not same_bits(got[k], want[k])] == []
@@ -242,3 +242,31 @@ def test_save_hf_from_a_live_model_follows_the_base(tmp_path: Path) -> None:
     want, got = load_dir(base), load_dir(tmp_path / "out")
     assert sorted(got) == sorted(want)
     assert [k for k in want if not same_bits(got[k], want[k])] == []
+
+
+def test_hf_to_dcp_takes_the_runtime_family_its_reference_holds(tmp_path: Path) -> None:
+    """hf-to-dcp of save_pretrained's files with the training job's own checkpoint as --reference ({"model":
+    the live model's state dict, "step"}) and no --mapping: the DCP is written in the job's runtime layout,
+    which dcp.load reads into the model's state dict with every key, bit for bit."""
+    model = build("qwen3_moe")
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    runtime = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dcp.save({"model": runtime, "step": torch.tensor(5)}, checkpoint_id=str(tmp_path / "job"))
+    proc = ckptconv(
+        "hf-to-dcp",
+        str(base),
+        str(tmp_path / "init"),
+        "--prefix",
+        "model.",
+        "--reference",
+        str(tmp_path / "job"),
+    )
+    ok(proc)
+    said = "written in transformers' runtime layout of qwen3_moe (--mapping transformers), as in --reference"
+    assert said in proc.stderr
+    state = {"model": {k: torch.zeros_like(v) for k, v in runtime.items()}}
+    stored = set(dcp.FileSystemReader(str(tmp_path / "init")).read_metadata().state_dict_metadata)
+    assert stored == {f"model.{k}" for k in runtime}
+    dcp.load(state, checkpoint_id=str(tmp_path / "init"))
+    assert [k for k in runtime if not same_bits(state["model"][k], runtime[k])] == []

@@ -13,6 +13,10 @@ goes dcp-to-hf with the preset to the HF tensors bit for bit (the same bytes fro
 transformers with no missing or unexpected keys; hf-to-dcp --runtime-layout writes the same layout back
 (and verifies it); a w13 of a shape no layout has, and a checkpoint mixing layouts, are exit 2 naming the key,
 its shape and the layouts known.
+
+Two cases go again through torchrun at two ranks: hf-to-dcp --runtime-layout writes a DCP that reads back as
+the one-process one, and dcp-to-hf of either (and of the two-rank Shard(0) save), at one and two converting
+ranks, writes the same bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import WORKERS, torchrun, tree_sha256
+from conftest import WORKERS, ckptconv, torchrun, tree_sha256
 from families import auto_class, tiny
 from safetensors.torch import load_file
 from test_bad_input import run
@@ -54,11 +58,21 @@ CASES = {
         "torchtitan-qwen3_5",
         "fused",
     ),
+    # DeepSeek-V3's text tower under `language_model.`, with MoonViT beside it
+    "kimi_k25": (
+        "kimi_k25",
+        {"released": True, "experts": 3},
+        "kimi_k2_7",
+        "torchtitan-kimi-k2_7",
+        "per_expert",
+    ),
 }
 LAYOUTS = {  # --runtime-layout value: (dense feed-forward, routed experts)
     "w13-interleaved": ("interleaved", None),
     "w13-stacked,experts-E2FD": ("stacked", "E2FD"),
 }
+# (case, --runtime-layout) converted again at two ranks: experts per expert and fused in the HF files
+AT_TWO_RANKS = [("kimi_k25", "w13-stacked,experts-E2FD"), ("qwen3_5_moe_fused", "w13-stacked,experts-E2FD")]
 DENSE = re.compile(r"(.*)\.w1\.weight")
 EXPERTS = re.compile(r"(.*)\.w1_EFD")
 
@@ -78,12 +92,17 @@ def relayout(state: dict[str, torch.Tensor], dense: str, experts: str | None) ->
     return out
 
 
+def tensors(state: dict[str, object]) -> dict[str, torch.Tensor]:
+    """The tensors of a loaded state (less DCP's non-tensor entries)."""
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
 def titan_state(name: str, hf_dir: Path, tmp_path: Path, capsys) -> dict[str, torch.Tensor]:
     """torchtitan 0.3.0's runtime state of the HF model (see CASES)."""
     titan_family, preset = CASES[name][2:4]
     code, err = run(capsys, "hf-to-dcp", str(hf_dir), str(tmp_path / "base"), "--mapping", preset)
     assert code == 0, err
-    ours = {k: v for k, v in load_plain(tmp_path / "base").items() if isinstance(v, torch.Tensor)}
+    ours = tensors(load_plain(tmp_path / "base"))
     if titan_family is None:
         return ours
     config = json.loads((hf_dir / "config.json").read_text())
@@ -123,8 +142,49 @@ def test_later_torchtitan_layouts_convert_both_ways(name: str, layout: str, tmp_
     again = ["hf-to-dcp", str(hf_dir), str(tmp_path / "again"), "--mapping", preset, "--verify"]
     code, err = run(capsys, *again, "--runtime-layout", layout)
     assert code == 0, err
-    again = {k: v for k, v in load_plain(tmp_path / "again").items() if isinstance(v, torch.Tensor)}
+    again = tensors(load_plain(tmp_path / "again"))
     assert again.keys() == state.keys() and all(same_bits(again[k], state[k]) for k in state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "layout"), AT_TWO_RANKS)
+def test_layouts_are_the_same_bytes_at_one_and_two_ranks(
+    name: str, layout: str, tmp_path: Path, capsys
+) -> None:
+    """hf-to-dcp --runtime-layout at two ranks writes what one process writes (the layout's math on the
+    default, which the test above pins to torchtitan's); dcp-to-hf of either, at one and two ranks, and of
+    the same state saved FSDP-style (Shard(0) over two ranks: a stacked pair split across them) at two ranks,
+    writes the same bytes, the HF tensors bit for bit."""
+    family, options, _, preset, hf_experts = CASES[name]
+    hf_dir = tiny(family, tmp_path / "hf", **options)
+    code, err = run(capsys, "hf-to-dcp", str(hf_dir), str(tmp_path / "base"), "--mapping", preset)
+    assert code == 0, err
+    state = relayout(tensors(load_plain(tmp_path / "base")), *LAYOUTS[layout])
+    to_dcp = ["hf-to-dcp", str(hf_dir), "--mapping", preset, "--runtime-layout", layout]
+    code, err = run(capsys, *to_dcp[:2], str(tmp_path / "one"), *to_dcp[2:])
+    assert code == 0, err
+    proc = ckptconv(*to_dcp[:2], str(tmp_path / "two"), *to_dcp[2:], nproc=2)
+    assert proc.returncode == 0, proc.stderr
+    for ckpt in ("one", "two"):
+        written = tensors(load_plain(tmp_path / ckpt))
+        assert written.keys() == state.keys() and all(same_bits(written[k], state[k]) for k in state), ckpt
+    torch.save(state, tmp_path / "state.pt")
+    torchrun(2, str(WORKERS / "save_sharded_state.py"), str(tmp_path / "state.pt"), str(tmp_path / "fsdp"))
+    flags = ["--mapping", preset, "--copy-from", str(hf_dir), "--dtype", "keep", "--max-shard-size", "20KB"]
+    flags += ["--hf-experts", hf_experts]
+    trees = []
+    for ckpt, nproc in (("one", 0), ("one", 2), ("two", 2), ("fsdp", 2)):
+        args = ["dcp-to-hf", str(tmp_path / ckpt), str(tmp_path / f"hf_{ckpt}_{nproc}"), *flags]
+        if nproc:
+            proc = ckptconv(*args, nproc=nproc)
+            assert proc.returncode == 0, proc.stderr
+        else:
+            code, err = run(capsys, *args)
+            assert code == 0, err
+        trees.append(tree_sha256(tmp_path / f"hf_{ckpt}_{nproc}"))
+    assert len(trees[0]) > 1 and all(tree == trees[0] for tree in trees), trees
+    hf, back = load_dir(hf_dir), load_dir(tmp_path / "hf_one_0")
+    assert back.keys() == hf.keys() and all(same_bits(back[k], hf[k]) for k in hf)
 
 
 @pytest.mark.slow

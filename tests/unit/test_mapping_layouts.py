@@ -149,10 +149,13 @@ def test_bad_layout_declarations_are_named(tmp_path: Path, head: str, message: s
 def test_presets_default_to_torchtitan_0_3_and_the_official_hf_releases() -> None:
     """hf-to-dcp writes torchtitan 0.3.0's layouts unless told; Qwen3.5-MoE's experts are written fused, as
     Qwen's releases hold them; DeepSeek-V3 writes its MTP layers' embedding and head copies."""
-    for preset in ("torchtitan-llama3", "torchtitan-qwen3", "torchtitan-qwen3_5", "torchtitan-deepseek-v3"):
+    titan = ("llama3", "qwen3", "qwen3_5", "deepseek-v3", "kimi-k2_7")
+    for preset in (f"torchtitan-{name}" for name in titan):
         m = load_mapping(preset)
         assert set(m.written_layouts().values()) <= {"w1-w3", "experts-EFD"}, preset
         assert "w13-stacked" in {x.name for x in m.layouts}
+    kimi = {x.name for x in load_mapping("torchtitan-kimi-k2_7").layouts}
+    assert kimi == {x.name for x in load_mapping("torchtitan-deepseek-v3").layouts}
     assert load_mapping("torchtitan-qwen3_5").hf_experts == "fused"
     assert load_mapping("torchtitan-qwen3").hf_experts == "per_expert"
     copies = [r.hf for r in load_mapping("torchtitan-deepseek-v3").rules if r.duplicate]

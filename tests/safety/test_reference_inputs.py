@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,3 +127,109 @@ def test_a_hub_index_naming_the_parent_is_refused_before_a_byte(tmp_path: Path) 
 
     with pytest.raises(CkptconvError, match=r"puts 'a' in the file '\.\.', which is not a plain"):
         split_as_reference({"a": OutTensor.__new__(OutTensor)}, base)
+
+
+# -- a hub repo's headers and index, read online ----------------------------------------------------------
+
+
+def st_bytes(header: bytes, data: bytes = b"") -> bytes:
+    """A safetensors file of these header bytes (as given: crafted) and data."""
+    return len(header).to_bytes(8, "little") + header + data
+
+
+GOOD = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """serve(files, index=None) -> the snapshot folder of org/name whose cached index is `index` (a JSON
+    object, or bytes as given) and whose files the Hub serves (`hubcache.hub_client`) are `files`."""
+    from hubcache import COMMIT, hub_cache, hub_client
+    from huggingface_hub import constants
+    from huggingface_hub.utils import _http
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    seen: list[tuple[str, str]] = []
+    homes = iter(range(1000))
+
+    def serve(files: dict[str, bytes], index: Any = None) -> Path:
+        cached = {} if index is None else {"model.safetensors.index.json": _json(index)}
+        snap = hub_cache(tmp_path / f"home{next(homes)}", "org/name", cached)
+        monkeypatch.setattr(_http, "_GLOBAL_CLIENT_FACTORY", hub_client(files, seen))
+        monkeypatch.setattr(_http, "_GLOBAL_CLIENT", None)
+        assert snap.name == COMMIT
+        return snap
+
+    return serve
+
+
+def _json(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else json.dumps(value).encode()
+
+
+def test_hub_headers_are_read_by_the_bounded_reader(hub: Any) -> None:
+    """Before: huggingface_hub's `get_safetensors_metadata` parsed them: a JSON list was an AttributeError,
+    a deep nesting a RecursionError (tracebacks), 40,000 dims of 2**62 about 10 s of big-int products
+    (25 MB of them: hours), a duplicate key kept silently. Now each is one line, at once."""
+    from ckptconv.source.hub_reference import _headers
+
+    snap = hub({"model.safetensors": st_bytes(GOOD, bytes(8))})
+    assert _headers("org/name", snap).tensors["a"].shape == (2,)  # type: ignore[union-attr]
+    dims = json.dumps({"a": {"dtype": "F32", "shape": [2**62] * 40_000, "data_offsets": [0, 8]}})
+    crafted = {
+        b"[1]": "not a JSON object",
+        b"[" * 100_000 + b"]" * 100_000: "not valid JSON",
+        dims.encode(): "overflows a 64-bit size",
+        b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {}}': "not valid JSON",
+        b'{"a": {"dtype": "F32", "shape": "ab", "data_offsets": [0, 8]}}': "malformed header entry",
+        b'{"a": "F32"}': "malformed header entry",
+    }
+    for header, needle in crafted.items():
+        snap = hub({"model.safetensors": st_bytes(header, bytes(8))})
+        with pytest.raises(CkptconvError, match=needle) as raised:
+            _headers("org/name", snap)
+        assert "\n" not in str(raised.value)
+    # a header length past the limit: refused before it is read
+    snap = hub({"model.safetensors": (2**40).to_bytes(8, "little")})
+    with pytest.raises(CkptconvError, match="header length 1099511627776 is impossible"):
+        _headers("org/name", snap)
+    assert _headers("org/name", hub({})) is None  # no model.safetensors, no index: not a safetensors repo
+
+
+@pytest.mark.parametrize(
+    ("index", "needle"),
+    [
+        # before: huggingface_hub's json.load took each as it came (no size or depth limit), and a list
+        # in the weight_map was `set()`'s TypeError (a traceback)
+        ({"weight_map": {"a": ["model.safetensors"]}}, "not a valid safetensors index"),
+        ({"weight_map": {"a": "model.safetensors"}, "metadata": {"total_size": 8}}, None),
+        (b'{"weight_map": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "more than 100 levels of nesting"),
+        (b'{"weight_map": {"a": "model.safetensors", "a": "x.safetensors"}}', "the key 'a' appears twice"),
+        # before: the name was put in the URL, `..` resolving to another path of the Hub
+        ({"weight_map": {"a": "../../other/model.safetensors"}}, "not a file of the repo's top folder"),
+        ({"weight_map": {"a": ".."}}, "not a file of the repo's top folder"),
+    ],
+)
+def test_a_hub_index_is_read_by_the_bounded_reader(hub: Any, index: Any, needle: str | None) -> None:
+    from ckptconv.source.hub_reference import _headers
+
+    snap = hub({"model.safetensors": st_bytes(GOOD, bytes(8))}, index)
+    if needle is None:
+        assert _headers("org/name", snap).tensors["a"].shape == (2,)  # type: ignore[union-attr]
+        return
+    with pytest.raises(CkptconvError, match=needle) as raised:
+        _headers("org/name", snap)
+    assert "\n" not in str(raised.value) and "model.safetensors.index.json" in str(raised.value)
+
+
+def test_a_crafted_hub_header_is_one_line_and_nothing_written(
+    src: Path, hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import huggingface_hub
+
+    snap = hub({"model.safetensors": st_bytes(b"[1]", bytes(8))})
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: str(snap))
+    out = tmp_path / "out"
+    code, err = run(capsys, "dcp-to-hf", str(src), str(out), "--reference", "org/name")
+    assert_one_line(code, err, "--reference org/name: ", "model.safetensors", "not a JSON object")
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from ckptconv.source.hub import first_line
 
 SINGLE_FILE = "model.safetensors"  # a repo without an index: huggingface_hub's one-file convention
 TIMEOUT_S = 10.0  # huggingface_hub's own default for these reads
+FIRST_READ = 100_000  # huggingface_hub's first read: most headers are shorter, one GET a file
+WORKERS = 8  # files read at once, as huggingface_hub's thread map reads them
 
 
 def read_headers(repo_id: str, directory: Path) -> HfCheckpoint | None:
@@ -44,9 +47,12 @@ def read_headers(repo_id: str, directory: Path) -> HfCheckpoint | None:
         # `..` would read another path of the Hub with the user's token
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             raise CkptconvError(f"{index}: names {name!r}, not a file of the repo's top folder")
+    with ThreadPoolExecutor(max_workers=min(WORKERS, len(names))) as pool:  # as huggingface_hub reads them
+        found = list(
+            pool.map(lambda name: _header_bytes(repo_id, directory.name, name, directory / name), names)
+        )
     headers: dict[str, dict[str, Any]] = {}
-    for name in names:
-        raw = _header_bytes(repo_id, directory.name, name, directory / name)
+    for name, raw in zip(names, found, strict=True):
         if raw is None:
             if weight_map is not None:
                 raise CkptconvError(f"{index}: names {name}, which the repo does not hold")
@@ -56,25 +62,28 @@ def read_headers(repo_id: str, directory: Path) -> HfCheckpoint | None:
 
 
 def _header_bytes(repo_id: str, revision: str, name: str, shown: Path) -> bytes | None:
-    """The JSON bytes of file `name`'s header (None: no such file): its 8-byte length, then at most
-    `MAX_HEADER_BYTES` (`shown`: the file in messages)."""
-    head = _read(repo_id, revision, name, 0, 8)
-    if head is None:
+    """The JSON bytes of file `name`'s header (None: no such file): the first `FIRST_READ` bytes, then the
+    rest of a longer header, at most `MAX_HEADER_BYTES` (`shown`: the file in messages)."""
+    first = _read(repo_id, revision, name, 0, FIRST_READ)
+    if first is None:
         return None
-    (length,) = struct.unpack("<Q", head)
+    if len(first) < 8:
+        raise CkptconvError(f"{shown}: too short to be a safetensors file (truncated?)")
+    (length,) = struct.unpack("<Q", first[:8])
     if length > MAX_HEADER_BYTES:
         raise CkptconvError(
             f"{shown}: header length {length} is impossible; the file is corrupt or truncated"
         )
-    raw = _read(repo_id, revision, name, 8, length) if length else b""
-    if raw is None:
-        raise CkptconvError(f"{shown}: no longer in the repo at {revision}")
-    return raw
+    raw = first[8 : 8 + length] if 8 + length <= len(first) else _read(repo_id, revision, name, 8, length)
+    if raw is None or len(raw) < length:
+        got = 0 if raw is None else len(raw)
+        raise CkptconvError(f"{shown}: the hub sent {got} of its header's {length} bytes (truncated?)")
+    return raw[:length]
 
 
 def _read(repo_id: str, revision: str, name: str, start: int, size: int) -> bytes | None:
-    """Bytes `start` to `start + size` of a repo file (None: no such file), by one ranged GET, as
-    huggingface_hub's own header reads make it (a client of any of its versions)."""
+    """Bytes `start` to `start + size` of a repo file, fewer past its end (None: no such file), by one
+    ranged GET as huggingface_hub's own header reads make it (with a client of any of its versions)."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.errors import EntryNotFoundError
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
@@ -92,8 +101,6 @@ def _read(repo_id: str, revision: str, name: str, start: int, size: int) -> byte
         raise CkptconvError(f"reading {name}'s header failed ({type(e).__name__}: {first_line(e)})") from None
     if response.status_code != 206:  # a server that ignores the range sends the file from byte 0
         data = data[start:]
-    if len(data) < size:
-        raise CkptconvError(f"{name}: the hub sent {len(data)} of its header's {size} bytes (truncated?)")
     return data[:size]
 
 

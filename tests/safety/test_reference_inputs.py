@@ -194,6 +194,12 @@ def test_hub_headers_are_read_by_the_bounded_reader(hub: Any) -> None:
     with pytest.raises(CkptconvError, match="header length 1099511627776 is impossible"):
         _headers("org/name", snap)
     assert _headers("org/name", hub({})) is None  # no model.safetensors, no index: not a safetensors repo
+    # a header longer than the first read is read whole by a second; one the file cuts short is refused
+    long = json.dumps({"__metadata__": {"pad": "x" * 200_000}, **json.loads(GOOD)}).encode()
+    assert _headers("org/name", hub({"model.safetensors": st_bytes(long, bytes(8))})) is not None
+    cut = st_bytes(long, bytes(8))[:150_000]
+    with pytest.raises(CkptconvError, match="the hub sent 149992 of its header's 200"):
+        _headers("org/name", hub({"model.safetensors": cut}))
 
 
 @pytest.mark.parametrize(

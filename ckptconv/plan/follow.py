@@ -112,10 +112,19 @@ def split_as_reference(outs: dict[str, OutTensor], base: Base) -> dict[str, list
             by_file[base.files[weight]].append(key)
         else:
             extra.append(key)
+    seen: dict[str, str] = {}
     for name, keys in by_file.items():
         _plain_file_name(name, keys[0], base)
+        # on a file system that ignores case (macOS, Windows) two such names are one file: one would be lost
+        other = seen.setdefault(name.casefold(), name)
+        if other != name:
+            words = base.words
+            raise CkptconvError(
+                f"{words.lead}{words.split_reference}: {base.text} has files {other!r} and {name!r}, one "
+                f"file where case is ignored; use {words.split_size}"
+            )
     if extra:
-        if EXTRA_FILE in by_file or any(name == EXTRA_FILE for name in base.files.values()):
+        if EXTRA_FILE.casefold() in seen or any(name == EXTRA_FILE for name in base.files.values()):
             words = base.words
             raise CkptconvError(
                 f"{words.lead}{words.split_reference}: {base.text} has a file named {EXTRA_FILE}; use "

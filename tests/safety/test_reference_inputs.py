@@ -107,6 +107,25 @@ def test_split_as_reference_refuses_names_that_are_not_plain(name: str) -> None:
     assert split_as_reference(outs, plain) == {"x-1.safetensors": ["a"], "model.safetensors": ["b"]}
 
 
+def test_split_as_reference_refuses_names_one_where_case_is_ignored() -> None:
+    """Before: `Model.safetensors` and `model.safetensors` were two files of the plan, one file on macOS or
+    Windows (the last written kept, the index naming both); the extra keys' file likewise."""
+    from ckptconv.plan.base import Base
+    from ckptconv.plan.follow import split_as_reference
+    from ckptconv.plan.types import OutTensor
+
+    shapes = {"a": ((3, 4), "float32"), "b": ((5,), "float32")}
+    outs = {key: OutTensor.__new__(OutTensor) for key in shapes}
+    base = Base("--reference", "b/", shapes, {"a": "Model.safetensors", "b": "model.safetensors"})
+    with pytest.raises(
+        CkptconvError, match=r"files 'Model\.safetensors' and 'model\.safetensors', one file where"
+    ):
+        split_as_reference(outs, base)
+    lacking = Base("--reference", "b/", {"a": shapes["a"]}, {"a": "Model-Not-In-Reference.safetensors"})
+    with pytest.raises(CkptconvError, match=r"has a file named model-not-in-reference\.safetensors"):
+        split_as_reference(outs, lacking)
+
+
 def test_a_hub_index_naming_the_parent_is_refused_before_a_byte(tmp_path: Path) -> None:
     """A hub repo's headers and index (as huggingface_hub hands them over) naming `..`: from_headers takes
     the name; --file-split reference refuses it (before: planned as OUT's file `..`, which names OUT's
@@ -239,3 +258,82 @@ def test_a_crafted_hub_header_is_one_line_and_nothing_written(
     code, err = run(capsys, "dcp-to-hf", str(src), str(out), "--reference", "org/name")
     assert_one_line(code, err, "--reference org/name: ", "model.safetensors", "not a JSON object")
     assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+# -- crafted local bases: already refused, kept so -----------------------------------------------------------
+
+
+def test_crafted_local_bases_are_one_line(
+    src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An index naming a file outside BASE (`..`, an absolute path), a weight or the index linked out of
+    BASE, an impossible header length: each command that reads BASE refuses it in one line, nothing
+    written."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file({"a": torch.zeros(3, 4)}, str(outside / "x.safetensors"))
+    (outside / "index.json").write_text(json.dumps({"weight_map": {"a": "x.safetensors"}}))
+    bases = {}
+    for name in ("dotdot", "absolute", "linked", "index-linked", "length"):
+        bases[name] = tmp_path / name
+        bases[name].mkdir()
+    index = "model.safetensors.index.json"
+    (bases["dotdot"] / index).write_text(json.dumps({"weight_map": {"a": "../outside/x.safetensors"}}))
+    (bases["absolute"] / index).write_text(json.dumps({"weight_map": {"a": str(outside / "x.safetensors")}}))
+    (bases["linked"] / "model.safetensors").symlink_to(outside / "x.safetensors")
+    save_file({"a": torch.zeros(3, 4)}, str(bases["index-linked"] / "x.safetensors"))
+    (bases["index-linked"] / index).symlink_to(outside / "index.json")
+    (bases["length"] / "model.safetensors").write_bytes((2**60).to_bytes(8, "little") + b"{}")
+    needles = {
+        "dotdot": "outside the checkpoint directory",
+        "absolute": "outside the checkpoint directory",
+        "linked": "outside the checkpoint directory",
+        "index-linked": "outside the checkpoint directory",
+        "length": "header length 1152921504606846976 is impossible",
+    }
+    for name, base in bases.items():
+        out = tmp_path / f"out-{name}"
+        for args in (
+            ["dcp-to-hf", str(src), str(out), "--reference", str(base), "--file-split", "reference"],
+            ["dcp-to-hf", str(src), str(out), "--copy-from", str(base)],
+            ["inspect", str(src), "--reference", str(base)],
+            ["verify", str(base), str(src), "--layout"],
+        ):
+            code, err = run(capsys, *args)
+            assert_one_line(code, err, str(base), needles[name])
+        assert not out.exists()
+
+
+def test_hf_to_dcp_reference_metadata_is_never_unpickled(
+    src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hf-to-dcp --reference CKPT_DIR`: a `.metadata` carrying a payload is refused by the allowlist
+    unpickler (nothing runs), a FIFO is never opened; OUT the reference through a symlink is refused."""
+    import os
+    import pickle
+
+    from test_bad_input import Payload
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(hf / "model.safetensors"))
+    marker = tmp_path / "ran"
+    evil, fifo = tmp_path / "evil", tmp_path / "fifo"
+    evil.mkdir()
+    fifo.mkdir()
+    (evil / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    os.mkfifo(fifo / ".metadata")
+    out = tmp_path / "out"
+    code, err = run(capsys, "hf-to-dcp", str(hf), str(out), "--reference", str(evil))
+    assert_one_line(code, err, f"--reference {evil}", "system", "never runs code")
+    code, err = run(capsys, "hf-to-dcp", str(hf), str(out), "--reference", str(fifo))
+    assert_one_line(code, err, f"--reference {fifo}", "is a FIFO")
+    assert not marker.exists() and not out.exists()
+    (tmp_path / "alias").symlink_to(src)
+    code, err = run(
+        capsys, "hf-to-dcp", str(hf), str(tmp_path / "alias"), "--reference", str(src), "--overwrite"
+    )
+    assert_one_line(code, err, f"is --reference {src} itself")
+    code, err = run(capsys, "hf-to-dcp", str(hf), str(tmp_path / "alias" / "x"), "--reference", str(src))
+    assert_one_line(code, err, f"is inside --reference {src}")
+    assert not (src / "x").exists()

@@ -11,14 +11,16 @@ from pathlib import Path
 from ckptconv.core.specs import HfCheckpoint
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.files import exists, listdir
-from ckptconv.formats.hf import open_hf
+from ckptconv.formats.hf import INDEX_FILE, open_hf
 from ckptconv.publish.copy_from import uncopied_patterns
 from ckptconv.remote.urls import is_url
 from ckptconv.source.hub import download, looks_like_repo_id
 from ckptconv.source.hub_headers import read_headers
 
-# what a reference needs: the index (the file of each key) and config.json (sizes, a quantized model's dtypes)
-REFERENCE_PATTERNS = ["*.safetensors.index.json", "config.json"]
+# what a reference needs: the index (the file of each key) and config.json (sizes, a quantized model's
+# dtypes); by their names, as fnmatch's `*` spans folders: a pattern would fetch every index file anywhere in
+# the repo (a crafted repo's, of any size), though only the top one is read
+REFERENCE_PATTERNS = [INDEX_FILE, "config.json"]
 
 
 @dataclass(frozen=True)

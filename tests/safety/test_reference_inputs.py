@@ -337,3 +337,16 @@ def test_hf_to_dcp_reference_metadata_is_never_unpickled(
     code, err = run(capsys, "hf-to-dcp", str(hf), str(tmp_path / "alias" / "x"), "--reference", str(src))
     assert_one_line(code, err, f"is inside --reference {src}")
     assert not (src / "x").exists()
+
+
+def test_a_hub_reference_fetches_the_top_index_alone() -> None:
+    """Before: `*.safetensors.index.json` (fnmatch's `*` spans folders) fetched every index file of the repo,
+    a crafted repo's of any size and number, though only the top one is read."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from ckptconv.source.hub_reference import REFERENCE_PATTERNS
+
+    names = ["model.safetensors.index.json", "x/big.safetensors.index.json", "b.safetensors.index.json"]
+    names += ["config.json", "x/config.json", "model.safetensors"]
+    chosen = list(filter_repo_objects(names, allow_patterns=REFERENCE_PATTERNS))
+    assert chosen == ["model.safetensors.index.json", "config.json"]

@@ -278,7 +278,7 @@ def open_hf(path: Path) -> HfCheckpoint:
         return HfCheckpoint(path, _dequantized(_unsharded(path, *read_header(path)), None, None), (path,))
     root = checkpoint_root(path)
     index_path = path / INDEX_FILE
-    weight_map = _weight_map(index_path, root) if mode_of(index_path) is not None else None
+    weight_map = read_weight_map(index_path, root) if mode_of(index_path) is not None else None
     if weight_map is not None:
         names = list(dict.fromkeys(weight_map.values()))
     else:
@@ -376,7 +376,7 @@ def _unsharded(
     return tensors
 
 
-def _weight_map(index_path: Path, root: Path) -> dict[str, str]:
+def read_weight_map(index_path: Path, root: Path) -> dict[str, str]:
     """The index's weight_map (key -> file name relative to the directory), read as a regular file."""
     raw = read_regular(index_path, root, MAX_INDEX_BYTES)
     try:

@@ -112,8 +112,19 @@ def split_as_reference(outs: dict[str, OutTensor], base: Base) -> dict[str, list
             by_file[base.files[weight]].append(key)
         else:
             extra.append(key)
+    seen: dict[str, str] = {}
+    for name, keys in by_file.items():
+        _plain_file_name(name, keys[0], base)
+        # on a file system that ignores case (macOS, Windows) two such names are one file: one would be lost
+        other = seen.setdefault(name.casefold(), name)
+        if other != name:
+            words = base.words
+            raise CkptconvError(
+                f"{words.lead}{words.split_reference}: {base.text} has files {other!r} and {name!r}, one "
+                f"file where case is ignored; use {words.split_size}"
+            )
     if extra:
-        if EXTRA_FILE in by_file or any(name == EXTRA_FILE for name in base.files.values()):
+        if EXTRA_FILE.casefold() in seen or any(name == EXTRA_FILE for name in base.files.values()):
             words = base.words
             raise CkptconvError(
                 f"{words.lead}{words.split_reference}: {base.text} has a file named {EXTRA_FILE}; use "
@@ -121,6 +132,33 @@ def split_as_reference(outs: dict[str, OutTensor], base: Base) -> dict[str, list
             )
         by_file[EXTRA_FILE] = extra
     return by_file
+
+
+# the most bytes a file name may take on Linux and macOS file systems (NAME_MAX)
+_NAME_MAX = 255
+
+
+def _plain_file_name(name: str, key: str, base: Base) -> None:
+    """Refuse a file name of the reference that is not a plain `*.safetensors` name in OUT's top directory.
+
+    The names come from BASE's index (or a lone file's own name), which whoever made BASE wrote: each is
+    written into OUT as is, so one naming `..`, a subdirectory, a hidden file, or a file that is not a
+    weight (config.json, the index, the stash `ckptconv_state.json`, a tokenizer file `--copy-from` copies)
+    would write outside OUT or overwrite, or be overwritten by, another file of the release."""
+    plain = (
+        name.endswith(".safetensors")
+        and not name.startswith(".")
+        and "/" not in name
+        and "\\" not in name
+        and name.isprintable()
+        and len(name.encode("utf-8", "surrogatepass")) <= _NAME_MAX
+    )
+    if not plain:
+        words = base.words
+        raise CkptconvError(
+            f"{words.lead}{words.split_reference}: {base.text} puts {key!r} in the file {name!r}, which is "
+            f"not a plain *.safetensors file name; use {words.split_size}"
+        )
 
 
 def in_reference_order(tensors: Sequence[OutTensor], base: Base) -> tuple[OutTensor, ...]:

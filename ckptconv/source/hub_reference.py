@@ -1,24 +1,26 @@
 """A hub repo id as a base model (`--reference`, `--copy-from`, `inspect --reference`, a side of `verify
 --layout`): its index and config.json (for `--copy-from` its other side files too) through huggingface_hub's
-cache, and its safetensors headers, never a weight byte: online by HTTP range reads
-(`get_safetensors_metadata`), offline (HF_HUB_OFFLINE) from the cached snapshot."""
+cache, and its safetensors headers, never a weight byte: online by HTTP range reads parsed by ckptconv's
+own bounded reader (`hub_headers`), offline (HF_HUB_OFFLINE) from the cached snapshot."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ckptconv.core.specs import HfCheckpoint
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.files import exists, listdir
-from ckptconv.formats.hf import from_headers, open_hf
+from ckptconv.formats.hf import INDEX_FILE, open_hf
 from ckptconv.publish.copy_from import uncopied_patterns
 from ckptconv.remote.urls import is_url
-from ckptconv.source.hub import download, first_line, looks_like_repo_id
+from ckptconv.source.hub import download, looks_like_repo_id
+from ckptconv.source.hub_headers import read_headers
 
-# what a reference needs: the index (the file of each key) and config.json (sizes, a quantized model's dtypes)
-REFERENCE_PATTERNS = ["*.safetensors.index.json", "config.json"]
+# what a reference needs: the index (the file of each key) and config.json (sizes, a quantized model's
+# dtypes); by their names, as fnmatch's `*` spans folders: a pattern would fetch every index file anywhere in
+# the repo (a crafted repo's, of any size), though only the top one is read
+REFERENCE_PATTERNS = [INDEX_FILE, "config.json"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def fetch(
 
 def _headers(repo_id: str, directory: Path) -> HfCheckpoint | None:
     """The repo's tensors from its headers: read from the cached snapshot offline (its weights must be
-    cached), by ranged reads online; None: the repo holds no safetensors."""
+    cached), by ranged reads online (`hub_headers`); None: the repo holds no safetensors."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
@@ -88,27 +90,4 @@ def _headers(repo_id: str, directory: Path) -> HfCheckpoint | None:
                 "download it once online, or pass a local directory"
             )
         return open_hf(directory)
-    from huggingface_hub import get_safetensors_metadata
-    from huggingface_hub.errors import HfHubHTTPError, NotASafetensorsRepoError, SafetensorsParsingError
-
-    try:  # at the commit the snapshot is of: the headers and the index agree
-        found = get_safetensors_metadata(repo_id, revision=directory.name)
-    except NotASafetensorsRepoError:
-        return None
-    except (HfHubHTTPError, SafetensorsParsingError, OSError, ValueError) as e:
-        raise CkptconvError(
-            f"reading its safetensors headers failed ({type(e).__name__}: {first_line(e)})"
-        ) from None
-    headers = {name: _header(meta) for name, meta in found.files_metadata.items()}
-    return from_headers(directory, headers, found.weight_map if found.sharded else None)
-
-
-def _header(meta: Any) -> dict[str, Any]:
-    """A file's header as its JSON object, from huggingface_hub's parsed `SafetensorsFileMetadata`."""
-    header: dict[str, Any] = {
-        key: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
-        for key, t in meta.tensors.items()
-    }
-    if meta.metadata:
-        header["__metadata__"] = dict(meta.metadata)
-    return header
+    return read_headers(repo_id, directory)

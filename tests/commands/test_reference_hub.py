@@ -8,7 +8,6 @@ else gives one."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import ckptconv, tree_sha256
-from hubcache import COMMIT, hub_cache
+from hubcache import COMMIT, hub_cache, hub_client
 from test_bad_input import assert_one_line, run
 from test_dcp_to_hf import same_bits
 from test_json_schema import report
@@ -189,9 +188,9 @@ def test_out_inside_the_hub_cache_is_refused(offline: Path) -> None:
 
 
 class FakeHub:
-    """huggingface_hub's `snapshot_download` (the files its patterns select, from `model`) and
-    `get_safetensors_metadata` (the headers of `model`'s files, as its ranged reads parse them); anything else
-    that downloads fails the test."""
+    """huggingface_hub's `snapshot_download` (the files its patterns select, from `model`) and its HTTP
+    client (`hub_client`: ranged reads of `model`'s files, each read's repo and revision in `metadata_calls`);
+    anything else that downloads fails the test."""
 
     def __init__(self, model: Path, cache: Path) -> None:
         self.model, self.cache = model, cache
@@ -211,33 +210,19 @@ class FakeHub:
         self.fetched += chosen
         return str(snap)
 
-    def get_safetensors_metadata(self, repo_id: str, *, revision: str | None = None, **kw: Any) -> Any:
-        from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
-
-        self.metadata_calls.append((repo_id, revision))
-        files = {}
-        for f in sorted(self.model.glob("*.safetensors")):
-            raw = f.read_bytes()
-            header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
-            meta = header.pop("__metadata__", {})
-            tensors = {
-                k: TensorInfo(v["dtype"], v["shape"], tuple(v["data_offsets"])) for k, v in header.items()
-            }
-            files[f.name] = SafetensorsFileMetadata(meta, tensors)
-        index = self.model / "model.safetensors.index.json"
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return SafetensorsRepoMetadata(None, True, weight_map, files)
-
 
 @pytest.fixture
 def online(base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
     import huggingface_hub
     from huggingface_hub import constants
+    from huggingface_hub.utils import _http
 
     fake = FakeHub(base / "hf", tmp_path / "cache")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
-    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", fake.get_safetensors_metadata)
+    files = {p.name: p.read_bytes() for p in fake.model.iterdir() if p.is_file()}
+    monkeypatch.setattr(_http, "_GLOBAL_CLIENT_FACTORY", hub_client(files, fake.metadata_calls))
+    monkeypatch.setattr(_http, "_GLOBAL_CLIENT", None)  # made by the factory above; the old one comes back
 
     def no_download(*args: Any, **kw: Any) -> None:
         raise AssertionError(f"downloaded {args} {kw}")
@@ -258,7 +243,7 @@ def test_online_reads_headers_and_fetches_no_weights(
     assert tree_sha256(tmp_path / "repo") == tree_sha256(tmp_path / "dir")
     assert online.fetched and not [n for n in online.fetched if n.endswith(".safetensors")], online.fetched
     assert "tokenizer.json" in online.fetched and "model.safetensors.index.json" in online.fetched
-    assert online.metadata_calls == [(REPO, COMMIT)]  # at the commit its index was fetched from
+    assert set(online.metadata_calls) == {(REPO, COMMIT)}  # at the commit its index was fetched from
     online.fetched.clear()
     code, err = run(capsys, "dcp-to-hf", src, str(tmp_path / "ref"), "--reference", REPO, "--quiet")
     assert code == 0, err

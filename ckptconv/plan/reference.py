@@ -107,10 +107,33 @@ def refusal(
         return None
     first = "; ".join(d.text for d in refusing[:shown])
     more = f"; and {len(refusing) - shown} more" if len(refusing) > shown else ""
+    block = _missing_block(refusing)
+    where = f", all of them keys under {block!r} that {out} lacks" if block else ""
     return (
-        f"{out} would not match the reference {path}: {len(refusing)} difference(s) ({first}{more}); fix "
-        f"{fixes}, or pass {allow} to write it anyway"
+        f"{out} would not match the reference {path}: {len(refusing)} difference(s){where} ({first}{more}); "
+        f"fix {fixes}, or pass {allow} to write it anyway"
     )
+
+
+def _missing_block(refusing: list[Difference]) -> str | None:
+    """The dotted prefix every refusing difference's key shares, when they are all keys the output lacks
+    (two or more): a block of the reference the source has no part of, such as an MTP block (`mtp.`).
+
+    >>> keys = ["mtp.fc.weight", "mtp.layers.0.mlp.gate.weight", "mtp.norm.weight"]
+    >>> _missing_block([Difference("missing", k, None, "[4] bfloat16") for k in keys])
+    'mtp.'
+    >>> _missing_block([Difference("missing", "a.x", None, "[4] bfloat16")]) is None
+    True
+    """
+    if len(refusing) < 2 or any(d.kind != "missing" for d in refusing):
+        return None
+    parts = [d.key.split(".")[:-1] for d in refusing]
+    common: list[str] = []
+    for column in zip(*parts, strict=False):
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    return ".".join(common) + "." if common else None
 
 
 def dtype_note(path: str, differences: list[Difference], chosen_by: str = "--dtype and --fp32") -> str | None:

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from conftest import ckptconv
 from families import seeded_llama
@@ -214,3 +215,24 @@ def test_two_ranks_refuse_and_allow_as_one(llama: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("--allow-layout-change: shape of 'lm_head.weight'") == 1, proc.stderr
     assert (out / "model.safetensors.index.json").exists()
+
+
+def test_a_block_of_the_base_the_checkpoint_lacks_is_named(
+    llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A base holding a block the training never had (here an MTP block, as Qwen3.5's release holds
+    `mtp.*`): the refusal says every difference is a key under that block, then lists the first."""
+    base = shutil.copytree(llama / "hf", tmp_path / "base")
+    tensors = load_file(base / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.zeros(32, 64)
+    tensors["mtp.norm.weight"] = torch.ones(32)
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    args = ["dcp-to-hf", str(llama / "dcp"), str(out), "--reference", str(base)]
+    code, err = run(capsys, *args)
+    said = "2 difference(s), all of them keys under 'mtp.' that OUT lacks (missing 'mtp.fc.weight'"
+    assert_one_line(code, err, f"OUT would not match the reference {base}: {said}")
+    assert not out.exists()
+    code, err = run(capsys, *args, "--allow-layout-change")
+    assert code == 0, err
+    assert "mtp.fc.weight" not in load_file(out / "model.safetensors")

@@ -43,6 +43,7 @@ from ckptconv.mapping.types import (
     rope_rows,
     whole,
 )
+from ckptconv.mapping.variant import variants_in
 
 
 def map_keys(
@@ -110,11 +111,8 @@ def _variant(mapping: KeyMapping, direction: Direction, ctx: Ctx) -> str:
     """to_hf writes the mapping's HF expert form; to_runtime reads whichever form the HF keys are in."""
     if direction == "to_hf" or not mapping.variants:
         return mapping.hf_experts
-    for variant in mapping.variants:
-        patterns = [p for r in mapping.rules if r.when == variant for p in r.hf]
-        if any(ctx.matches(p) for p in patterns):
-            return variant
-    return mapping.hf_experts
+    found = variants_in(mapping, ctx.shapes, ctx.scope)
+    return found[0] if found else mapping.hf_experts
 
 
 def _tied(ctx: Ctx, rule: Rule, direction: Direction) -> None:

@@ -8,11 +8,13 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.core.specs import HfCheckpoint
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.hf import is_hf_dir, open_hf
+from ckptconv.formats.hf import is_hf_dir
 from ckptconv.plan.reference import KINDS, Difference, Tensors, compare
 from ckptconv.plan.variants import Seen, detect, line
 from ckptconv.source.hub_reference import fetch
+from ckptconv.source.reference import open_base
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -30,9 +32,7 @@ def read_reference(path: Path) -> Tensors:
     a BASE that is no HF directory is refused naming the flag."""
     hub = fetch(path, FLAG)
     if hub is not None:
-        if hub.checkpoint is None:
-            raise CkptconvError(f"{FLAG} {path}: holds no safetensors files; name the base model's repo")
-        return {key: (t.shape, t.dtype_name) for key, t in hub.checkpoint.tensors.items()}
+        return _tensors(open_base(f"{FLAG} {path}", path, hub))
     if not path.is_dir():
         what = "not a directory" if path.exists() else "no such directory"
         raise CkptconvError(f"{FLAG} {path}: {what}; name the base model's HF directory")
@@ -41,11 +41,11 @@ def read_reference(path: Path) -> Tensors:
             f"{FLAG} {path}: no model.safetensors.index.json or *.safetensors in it; name the base model's "
             "HF directory"
         )
-    try:
-        tensors = open_hf(path).tensors
-    except CkptconvError as e:
-        raise CkptconvError(f"{FLAG} {path}: {e}", exit_code=e.exit_code) from None
-    return {key: (t.shape, t.dtype_name) for key, t in tensors.items()}
+    return _tensors(open_base(f"{FLAG} {path}", path))
+
+
+def _tensors(hf: HfCheckpoint) -> Tensors:
+    return {key: (t.shape, t.dtype_name) for key, t in hf.tensors.items()}
 
 
 def checkpoint_tensors(info: dict[str, Any], targets: list[Target] | None) -> Tensors:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptconv.core.specs import HfCheckpoint
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.hf import INDEX_FILE, is_hf_dir, open_hf
 from ckptconv.job.ui import Ui
@@ -75,17 +76,22 @@ def reference_of(following: Following, bases: Bases | None = None) -> tuple[str,
     return None
 
 
-def _read(flag: str, path: Path, words: Words, hub: HubBase | None = None) -> Base:
-    """The reference's tensors from its index and headers alone (a quantized weight as its logical tensor),
-    in file order, then in the order of their data in each file (a hub repo's as `hub` read them)."""
+def open_base(named: str, path: Path, hub: HubBase | None = None) -> HfCheckpoint:
+    """A base model's tensors from its index and headers alone (a hub repo's as `hub` read them already);
+    an error is one line starting with `named` (`--reference BASE`)."""
     try:
         hf = open_hf(path) if hub is None else hub.checkpoint
     except CkptconvError as e:
-        raise CkptconvError(f"{words.lead}{flag}{words.assign}{path}: {e}", exit_code=e.exit_code) from None
+        raise CkptconvError(f"{named}: {e}", exit_code=e.exit_code) from None
     if hf is None:
-        raise CkptconvError(
-            f"{words.lead}{flag}{words.assign}{path}: holds no safetensors files; name the base model's repo"
-        )
+        raise CkptconvError(f"{named}: holds no safetensors files; name the base model's repo")
+    return hf
+
+
+def _read(flag: str, path: Path, words: Words, hub: HubBase | None = None) -> Base:
+    """The reference's tensors from its index and headers alone (a quantized weight as its logical tensor),
+    in file order, then in the order of their data in each file (a hub repo's as `hub` read them)."""
+    hf = open_base(f"{words.lead}{flag}{words.assign}{path}", path, hub)
     stored = sorted(hf.tensors.values(), key=lambda t: (hf.files.index(t.file), t.data_offset))
     return Base(
         flag,

@@ -152,7 +152,8 @@ def test_fsdp_dtensor_keys_values_and_items(
     if sequential and kind == "dense":
         pytest.skip("experts only")
     out = tmp_path / "fsdp"
-    convert(capsys, src, out, *(["--runtime-layout", "experts-sequential"] if sequential else []))
+    layout = ["--runtime-layout", "experts-sequential"] if sequential else []
+    convert(capsys, src, out, "--verify", *layout)  # --verify: read back as dcp-to-hf reads it
     assert not (out / "metadata.json").exists() and not (out / "common.pt").exists()
     hf = load_dir(src)
     want = expected(hf, kind == "moe", sequential, 128)

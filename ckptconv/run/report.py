@@ -150,11 +150,13 @@ def mapped_targets(
 ) -> Mapped:
     """What `mapping` makes of the tensors `inspect` found: to HF names for DCP, to runtime names for HF."""
     from ckptconv.mapping.rules import Direction, map_keys
+    from ckptconv.plan.megatron_tp import check_tp_known
 
     direction: Direction = "to_hf" if info["format"] == "dcp" else "to_runtime"
     shapes = {t["key"]: tuple(t["shape"]) for t in info["tensors"]}
     if direction == "to_hf":  # the model's tensors, as dcp-to-hf takes them
         shapes = {key: shapes[fqn] for key, fqn in info["release"]["model"].items()}
+        check_tp_known(mapping, shapes, config)
     return map_keys(mapping, direction, shapes, config, allow_unmapped=allow_unmapped)
 
 

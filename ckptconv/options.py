@@ -102,10 +102,11 @@ class DtypeOptions:
         return DtypePolicy(self.target(), self.fp32, reference, explicit=not self.defaulted)
 
 
-def check_megatron_tp(tp: int | None) -> None:
-    """`--megatron-tp N` names a TP size: an integer of at least 1."""
+def check_megatron_tp(tp: int | None, job: str = "saving") -> None:
+    """`--megatron-tp N` names a TP size (of the `job` that saved or will load the checkpoint): an integer of
+    at least 1."""
     if tp is not None and (type(tp) is not int or tp < 1):
-        raise CkptconvError(f"--megatron-tp {tp}: must be an integer of at least 1 (the saving job's TP)")
+        raise CkptconvError(f"--megatron-tp {tp!r}: must be an integer of at least 1 (the {job} job's TP)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -302,8 +303,7 @@ class HfToDcpOptions:
                 raise CkptconvError(f"{flag} {value!r} is not one of {', '.join(known)}")
             if value is not None and not self.mapping.mapping:
                 raise CkptconvError(f"{flag} applies to a Megatron mapping; pass --mapping too")
-        if self.megatron_tp is not None and (type(self.megatron_tp) is not int or self.megatron_tp < 1):
-            raise CkptconvError(f"--megatron-tp {self.megatron_tp!r}: must be a whole number >= 1")
+        check_megatron_tp(self.megatron_tp, "loading")
         if self.megatron_tp is not None and not self.mapping.mapping:
             raise CkptconvError("--megatron-tp applies to a Megatron mapping; pass --mapping too")
         if self.megatron_gdn == "fused" and self.megatron_tp is None:

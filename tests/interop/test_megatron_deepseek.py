@@ -13,7 +13,8 @@ the converted release.
 
 fsdp_dtensor: the same tensors under `model.module.` as Megatron-FSDP names them (fc1 `_w` / `_v`, experts per
 expert, both MTP namings), DTensors saved by torch DCP over gloo on 2 ranks
-(tests/support/workers/fsdp_dtensor_deepseek.py), read with --prefix model.module.
+(tests/support/workers/fsdp_dtensor_deepseek.py), read as ckptconv recognises them (the prefix stripped) and
+written back with hf-to-dcp --format fsdp_dtensor.
 """
 
 from __future__ import annotations
@@ -265,21 +266,21 @@ def test_hf_to_dcp_gives_megatrons_torch_dist_tensors(saved: Saved) -> None:
 @pytest.mark.parametrize("mtp", ["transformer_layer", "mtp_model_layer"])
 def test_fsdp_dtensor_to_hf(saved: Saved, tmp_path: Path, experts: str, mtp: str) -> None:
     """A 2-rank fsdp_dtensor save of the same tensors gives the same release, byte for byte; hf-to-dcp back
-    with --runtime-layout fsdp_dtensor (and mtp-model-layer) gives the source's tensors (local experts)."""
+    with --format fsdp_dtensor (and --runtime-layout mtp-model-layer) gives the source's tensors (local
+    experts)."""
     ckpt = tmp_path / "fsdp"
     expected = saved.ckpt.parent / "expected.pt"
     torchrun(2, str(WORKERS / "fsdp_dtensor_deepseek.py"), str(expected), str(ckpt), experts, mtp)
     out = tmp_path / "hf"
-    prefix = ("--prefix", "model.module.")
-    cli("dcp-to-hf", str(ckpt), str(out), "--mapping", PRESET, "--copy-from", str(saved.cfg), *prefix, *KEEP)
+    cli("dcp-to-hf", str(ckpt), str(out), "--mapping", PRESET, "--copy-from", str(saved.cfg), *KEEP)
     for f in sorted(saved.hf.glob("*.safetensors")):
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
     if experts != "local":
         return
-    layouts = "fsdp_dtensor" + (",mtp-model-layer" if mtp == "mtp_model_layer" else "")
+    layouts = ("--runtime-layout", "mtp-model-layer") if mtp == "mtp_model_layer" else ()
     back = tmp_path / "back"
     config = ("--config", str(saved.root / "back_config.json"))
-    cli("hf-to-dcp", str(out), str(back), "--mapping", PRESET, *config, "--runtime-layout", layouts, *prefix)
+    cli("hf-to-dcp", str(out), str(back), "--mapping", PRESET, *config, "--format", "fsdp_dtensor", *layouts, *KEEP)
     source, got = _dcp_tensors(ckpt, "model.module."), _dcp_tensors(back, "model.module.")
     assert sorted(got) == sorted(source)
     vocab = saved.meg["vocab_size"]

@@ -280,7 +280,8 @@ def test_fsdp_dtensor_to_hf(saved: Saved, tmp_path: Path, experts: str, mtp: str
     layouts = ("--runtime-layout", "mtp-model-layer") if mtp == "mtp_model_layer" else ()
     back = tmp_path / "back"
     config = ("--config", str(saved.root / "back_config.json"))
-    cli("hf-to-dcp", str(out), str(back), "--mapping", PRESET, *config, "--format", "fsdp_dtensor", *layouts, *KEEP)
+    fsdp = ("--format", "fsdp_dtensor", *layouts)
+    cli("hf-to-dcp", str(out), str(back), "--mapping", PRESET, *config, *fsdp, *KEEP)
     source, got = _dcp_tensors(ckpt, "model.module."), _dcp_tensors(back, "model.module.")
     assert sorted(got) == sorted(source)
     vocab = saved.meg["vocab_size"]

@@ -19,7 +19,7 @@ from ckptconv.plan import megatron as megatron_out
 from ckptconv.plan.config import dequantized_config
 from ckptconv.plan.types import DcpSavePlan, RankBytes
 from ckptconv.publish.target import Target
-from ckptconv.run import verify as verify_mod
+from ckptconv.run import sides
 from ckptconv.run.steps import ConfigFile, check_output
 from ckptconv.stream.dcp_save import save_dcp
 
@@ -53,18 +53,18 @@ class Staging:
         """--verify: the staged output against the HF tensors the plan read."""
         check_output(self.world, self.ui, self.source, lambda hf: self.output(staging, hf))
 
-    def source(self) -> verify_mod.Side:
+    def source(self) -> sides.Side:
         """The HF tensors the plan reads (keys a mapping drops are not output), as the plan names them."""
         plan, hf = self.job.plan, self.job.hf
         used = {id(stored) for t in plan.tensors for stored, _ in t.parts}
         read = {key for key, stored in hf.tensors.items() if id(stored) in used}
-        return verify_mod.hf_side("source", self.job.path, keys=read | {copy for copy, _ in plan.same}, hf=hf)
+        return sides.hf_side("source", self.job.path, keys=read | {copy for copy, _ in plan.same}, hf=hf)
 
-    def output(self, staging: Path, hf: verify_mod.Side) -> verify_mod.Side:
+    def output(self, staging: Path, hf: sides.Side) -> sides.Side:
         """The staged DCP checkpoint, read in the HF side's expert form."""
         keys = self.options.mapping
         lora = AS_STORED if self.options.lora_adapter is not None else None  # the wrapped names, as written
-        return verify_mod.dcp_side(
+        return sides.dcp_side(
             "output",
             staging,
             keys.prefix,

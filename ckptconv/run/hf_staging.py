@@ -20,7 +20,7 @@ from ckptconv.plan.follow import config_dtype
 from ckptconv.plan.types import HfSavePlan, RankBytes
 from ckptconv.publish.copy_from import copy_non_weights
 from ckptconv.publish.target import Target
-from ckptconv.run import verify as verify_mod
+from ckptconv.run import sides
 from ckptconv.run.steps import check_output
 from ckptconv.stream.hf_write import follow_config, write_adapter_config, write_shards
 from ckptconv.stream.unshard import check_read_pieces
@@ -66,14 +66,14 @@ class Staging:
         """The CRC-32s of chunks read in pieces; with --verify, the staged output against the source."""
         check_read_pieces(self.world, self.job.ckpt, self.pieces)
         if self.options.output.verify:
-            output = lambda a: verify_mod.hf_side("output", staging, like=a)  # noqa: E731
+            output = lambda a: sides.hf_side("output", staging, like=a)  # noqa: E731
             check_output(self.world, self.ui, self.source, output)
 
-    def source(self) -> verify_mod.Side:
+    def source(self) -> sides.Side:
         """The source side of --verify, as the plan read it."""
         plan, keys, o = self.job.plan, self.options.mapping, self.options
         quantized = frozenset(t.hf_key for f in plan.files for t in f.tensors if t.quant)
-        return verify_mod.dcp_side(
+        return sides.dcp_side(
             "source",
             self.job.ckpt.path,
             keys.prefix,

@@ -11,6 +11,7 @@ from ckptconv.formats.files import exists
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone
 from ckptconv.mapping import CONFIG_FILE
+from ckptconv.run import sides
 from ckptconv.run import verify as verify_mod
 
 ConfigFile = tuple[Path | None, Path | None]  # config.json, the root it must resolve inside (None: a flag's)
@@ -43,8 +44,8 @@ def config_file(config: Path | None, *places: tuple[Path, Path] | None) -> Confi
 def check_output(
     world: World,
     ui: Ui,
-    source: Callable[[], verify_mod.Side],
-    output: Callable[[verify_mod.Side], verify_mod.Side],
+    source: Callable[[], sides.Side],
+    output: Callable[[sides.Side], sides.Side],
 ) -> None:
     """Collective (`--verify`): the staged output against its source, before it is published."""
     a = everyone(world, source)

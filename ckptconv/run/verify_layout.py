@@ -26,7 +26,8 @@ from ckptconv.job.world import World, everyone, from_main
 from ckptconv.options import VerifyOptions
 from ckptconv.plan.reference import compare
 from ckptconv.run.compare import Finding
-from ckptconv.run.verify import Report, dcp_outs, locate, model_config
+from ckptconv.run.sides import dcp_outs
+from ckptconv.run.verify import Report, locate, model_config
 from ckptconv.source.hub_reference import HubBase, fetch
 from ckptconv.source.locate import for_all
 

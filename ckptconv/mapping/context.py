@@ -77,4 +77,7 @@ class Ctx:
             split=split,
             sizes=tuple(self.scope.size(s) for s in rule.sizes),
             groups=1 if rule.groups is None else self.scope.size(rule.groups),
+            slots=rule.slots if rule.repeated and split is not None else (),
+            hf_groups=1 if rule.hf_groups is None else self.scope.size(rule.hf_groups),
+            rule=rule.number,
         )

@@ -13,9 +13,12 @@ Shapes, with the runtime tensor on the left:
     unbind    F' [E, 2, F, D] (stacked over E, dim 1) -> E x L_0 [F, D], E x L_1 [F, D]
     grouped   F' [G*(a+b+c), D]      -> L_0 [G*a, D], L_1 [G*b, D], L_2 [G*c, D]   (per group g: a, b, c rows)
     transpose F  [E, D, 2F] (1, 2)   -> F' [E, 2F, D]
+    repeated  F' [q+k+v+z, D], hf = [A, A, A, B] -> A [q+k+v, D] (the pieces of A in list order), B [z, D]
+    hf_groups N with a repeated key: A = per group g [q_g | k_g | v_g] (each piece cut into N row groups)
 
-They compose in that order: narrow, then unstack, then one split. `pieces` lists, for each L, the blocks of
-F' it is made of and where each lands in L; `rules.py` turns them into `Part`s in either direction.
+They compose in that order: narrow, then unstack, then one split, then the pieces of a repeated key joined.
+`pieces` lists, for each L, the blocks of F' it is made of and where each lands in L; `rules.py` turns them
+into `Part`s in either direction.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class Geometry:
     split: str | None = None  # "plain", "interleave", "grouped" or "unbind"
     sizes: tuple[int, ...] = ()  # plain: each L's size along dim; grouped: each L's rows per group
     groups: int = 1
+    slots: tuple[int, ...] = ()  # repeated hf keys: for each L, the distinct key it is a piece of
+    hf_groups: int = 1  # the row groups each repeated key is laid out in, piece after piece per group
+    rule: int = 0  # the rule's number in its mapping file, for messages
 
     @property
     def dropped(self) -> tuple[int, ...]:
@@ -108,7 +114,7 @@ def pieces(fused: tuple[int, ...], g: Geometry, where: str) -> list[Piece]:
             shape = squeeze(_extent(block, parts, g.dim), g.dropped)
             placed = tuple((b, squeeze(offsets, g.dropped)) for b, offsets in parts)
             out.append(Piece(index, element, shape, placed))
-    return out
+    return _joined(out, g, where) if g.slots else out
 
 
 def _elements(fused: tuple[int, ...], dims: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -123,6 +129,8 @@ def _check_empty(whole: Block, g: Geometry, where: str) -> None:
     count = math.prod(whole.sizes[d] for d in g.stack_dims)
     if g.split == "grouped" and g.groups > 0:
         count *= g.groups
+    if g.slots and g.hf_groups > 0:
+        count *= g.hf_groups
     if count > MAX_EMPTY_ELEMENTS and not math.prod(whole.sizes):
         raise CkptconvError(
             f"{where}: a tensor of shape {list(whole.sizes)} holds no data, yet the rule cuts it into "
@@ -179,6 +187,44 @@ def _split(block: Block, g: Geometry, where: str) -> list[list[tuple[Block, tupl
                 for grp in range(g.groups)
             ]
         )
+    return out
+
+
+def _joined(found: list[Piece], g: Geometry, where: str) -> list[Piece]:
+    """The pieces of each repeated key (`g.slots`) joined into one along `g.dim`, in list order; with
+    `g.hf_groups` N, laid out per group: [group g's rows of the 1st piece, of the 2nd, ...] for g < N. A
+    block is cut where it crosses a group's boundary; each piece is then indexed by its distinct key."""
+    dim = g.dim - sum(1 for d in g.dropped if d < g.dim)  # `g.dim` in L's coordinates
+    by: dict[tuple[tuple[int, ...] | None, int], list[Piece]] = {}
+    for piece in found:
+        by.setdefault((piece.element, g.slots[piece.index]), []).append(piece)
+    out = []
+    for (element, slot), group in by.items():
+        if len(group) == 1:
+            out.append(Piece(slot, element, group[0].shape, group[0].blocks))
+            continue
+        n = g.hf_groups
+        for p in group:
+            if n < 1 or p.shape[dim] % n:
+                raise CkptconvError(
+                    f"{where}: rule {g.rule}: hf_groups {n}: a piece of {p.shape[dim]} rows (dim {g.dim}) of "
+                    f"a repeated hf key does not split into {n} equal groups; fix hf_groups or sizes"
+                )
+        per = [p.shape[dim] // n for p in group]
+        blocks = []
+        for j, p in enumerate(group):
+            before = sum(per[:j])
+            for block, offsets in p.blocks:
+                start, end = offsets[dim], offsets[dim] + block.sizes[g.dim]
+                row = start
+                while row < end:  # rows [row, stop) of the piece lie in one group
+                    grp = row // per[j]
+                    stop = min(end, (grp + 1) * per[j])
+                    at = grp * sum(per) + before + row - grp * per[j]
+                    blocks.append((block.at(g.dim, row - start, stop - row), _with(offsets, dim, at)))
+                    row = stop
+        shape = _with(group[0].shape, dim, sum(p.shape[dim] for p in group))
+        out.append(Piece(slot, element, shape, tuple(blocks)))
     return out
 
 

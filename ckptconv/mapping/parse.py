@@ -9,6 +9,7 @@ Fields of a [[rule]] are described in docs/mapping.md; [mapping] holds `name`, `
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ckptconv.errors import CkptconvError
@@ -23,7 +24,7 @@ _SIZE = (int, str)
 _FIELDS = {
     "runtime", "hf", "dim", "sizes", "stack", "stack_dim", "permute", "heads", "drop", "tied", "when",
     "transpose", "interleave", "groups", "narrow", "padded", "multiple", "hf_shape", "runtime_shape",
-    "duplicate", "layout", "ndim", "unbind",
+    "duplicate", "layout", "ndim", "unbind", "hf_groups",
 }  # fmt: skip
 
 
@@ -179,6 +180,11 @@ def _rule(r: Any, where: str, number: int) -> Rule:
             raise CkptconvError(f"{where}: {flag} must be true or false")
     if not isinstance(r.get("layout", ""), str):
         raise CkptconvError(f"{where}: layout must be the name of a [[mapping.layouts]] entry")
+    offset = r.get("offset")
+    if offset is not None and (
+        isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset)
+    ):
+        raise CkptconvError(f"{where}: offset must be a finite number (HF value = runtime value + offset)")
     ndim = _int(r, "ndim", where)
     if ndim is not None and (ndim < 1 or "layout" not in r):
         raise CkptconvError(f"{where}: ndim must be at least 1, on a rule with a layout")
@@ -206,6 +212,8 @@ def _rule(r: Any, where: str, number: int) -> Rule:
         layout=r.get("layout"),
         ndim=ndim,
         unbind=r.get("unbind", False),
+        hf_groups=_size(r, "hf_groups", where),
+        offset=None if offset is None else float(offset),
         number=number,
     )
     if rule.stack is not None and rule.stack_dim is None and "dim" in r and max(len(runtime), len(hf)) == 1:
@@ -253,3 +261,22 @@ def _check(rule: Rule, where: str) -> None:
         raise CkptconvError(f"{where}: runtime_shape goes with hf_shape")
     if (rule.padded is not None or rule.multiple is not None) and rule.narrow is None:
         raise CkptconvError(f"{where}: padded and multiple go with narrow")
+    _check_repeated(rule, where)
+    if rule.offset is not None and (len(runtime) != 1 or len(hf) != 1 or rule.tied is not None):
+        raise CkptconvError(f"{where}: offset needs one runtime key and one hf key (and no tied)")
+
+
+def _check_repeated(rule: Rule, where: str) -> None:
+    """A key named twice: only in the hf list, of a split of one runtime tensor; `hf_groups` only then."""
+    repeated = next((k for i, k in enumerate(rule.runtime) if k in rule.runtime[:i]), None)
+    if repeated is not None:
+        raise CkptconvError(f"{where}: runtime names {repeated!r} twice; only an hf key may repeat")
+    if rule.repeated and (len(rule.runtime) != 1 or rule.duplicate or rule.unbind or rule.interleave):
+        raise CkptconvError(
+            f"{where}: an hf key named twice is a concatenation of pieces of one runtime key, cut by a plain "
+            "or grouped split (not duplicate, unbind or interleave)"
+        )
+    if rule.hf_groups is not None and not rule.repeated:
+        raise CkptconvError(f"{where}: hf_groups lays out an hf key named more than once; none is")
+    if isinstance(rule.hf_groups, int) and rule.hf_groups < 1:
+        raise CkptconvError(f"{where}: hf_groups must be at least 1")

@@ -171,6 +171,7 @@ def _from_fused(ctx: Ctx, rule: Rule, direction: Direction) -> None:
     """The fused tensor is the source: cut it into the other side's tensors (split, unstack, narrow, ...)."""
     fused, others = (rule.runtime[0], rule.hf) if rule.fused_is_runtime else (rule.hf[0], rule.runtime)
     g = ctx.geometry(rule, 1 if rule.duplicate else len(others))
+    others = rule.hf_keys if rule.repeated else others  # a piece's index: its distinct key (`ops._joined`)
     op = "+".join(rule.ops(to_fused=False))
     for key, binding in ctx.matches(fused):
         if key in ctx.consumed:
@@ -190,7 +191,9 @@ def _from_fused(ctx: Ctx, rule: Rule, direction: Direction) -> None:
             element = dict(zip(rule.stacks, piece.element or (), strict=True))
             for pattern in others if rule.duplicate else [others[piece.index]]:
                 for b in _expand(ctx, pattern, {**binding, **element}):
-                    ctx.add(Target(ctx.fmt(pattern, b), shape_out, tuple(parts), op, layout, rule.number))
+                    out = ctx.fmt(pattern, b)
+                    offset = _offset(rule, 1 if direction == "to_hf" else -1)
+                    ctx.add(Target(out, shape_out, tuple(parts), op, layout, rule.number, offset))
 
 
 def _into_fused(ctx: Ctx, rule: Rule, direction: Direction) -> None:
@@ -201,6 +204,7 @@ def _into_fused(ctx: Ctx, rule: Rule, direction: Direction) -> None:
         _copies(ctx, rule)
         others = others[:1]
     g = ctx.geometry(rule, len(others))
+    others = rule.hf_keys if rule.repeated else others  # a piece's index: its distinct key (`ops._joined`)
     op = "+".join(rule.ops(to_fused=True))
     for binding, counts, keys in _groups(ctx, rule, others):
         shapes = [ctx.shapes[k[0]] for k in keys]
@@ -229,7 +233,13 @@ def _into_fused(ctx: Ctx, rule: Rule, direction: Direction) -> None:
         shape, layout = transposed(fp, rule.transpose), None
         if rule.hf_shape is not None and not to_hf:
             shape, layout = unreshaped(ctx.scope, rule, fp, g.stack_dims, keys[0][0]), fp
-        ctx.add(Target(ctx.fmt(fused, binding), shape, tuple(parts), op, layout, rule.number))
+        offset = _offset(rule, 1 if to_hf else -1)
+        ctx.add(Target(ctx.fmt(fused, binding), shape, tuple(parts), op, layout, rule.number, offset))
+
+
+def _offset(rule: Rule, sign: int) -> float | None:
+    """The value a target's elements get added: the rule's `offset` to HF, its negation to runtime."""
+    return None if rule.offset is None else sign * rule.offset
 
 
 def _groups(

@@ -22,6 +22,7 @@ class Target:
     op: str  # rename, permute, stack, unstack, split, concat, ... joined with "+"; tied, passthrough
     layout: tuple[int, ...] | None = None  # the shape the parts address, when it differs (a reshape)
     rule: int | None = None  # the rule's number in its mapping file
+    offset: float | None = None  # added to every value (a rule's `offset`; negated to runtime), else None
 
     @property
     def sources(self) -> list[str]:
@@ -58,6 +59,8 @@ class Rule:
     hf_shape: tuple[int | str, ...] | None = None
     runtime_shape: tuple[int | str, ...] | None = None
     duplicate: bool = False
+    hf_groups: int | str | None = None  # the row groups a repeated hf key is laid out in (default 1)
+    offset: float | None = None  # HF value = runtime value + offset
     number: int = 0
 
     @property
@@ -70,6 +73,22 @@ class Rule:
     @property
     def fused_is_runtime(self) -> bool:
         return len(self.runtime) == 1
+
+    @property
+    def repeated(self) -> bool:
+        """The hf list names a key more than once: that key is the concatenation of its pieces."""
+        return len(set(self.hf)) < len(self.hf)
+
+    @property
+    def hf_keys(self) -> tuple[str, ...]:
+        """The hf list with each key once, in order of first mention."""
+        return tuple(dict.fromkeys(self.hf))
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """For each entry of the hf list, the index of its key in `hf_keys`."""
+        keys = self.hf_keys
+        return tuple(keys.index(k) for k in self.hf)
 
     def ops(self, to_fused: bool) -> list[str]:
         """The operation names, as seen going from the fused tensor (`to_fused` False) or into it."""
@@ -88,10 +107,18 @@ class Rule:
             else:
                 kind = "interleave" if self.interleave else "grouped " if self.groups is not None else ""
                 names.append(kind.strip() + ("" if not kind else "-") + ("concat" if to_fused else "split"))
+            if self.repeated:  # the pieces of a repeated hf key: joined to HF, cut apart from it
+                names.append(
+                    ("hf-ungroup" if to_fused else "hf-regroup")
+                    if self.hf_groups is not None
+                    else ("hf-split" if to_fused else "hf-concat")
+                )
         if self.hf_shape is not None:
             names.append("reshape")
         if self.permute:
             names.append("permute")
+        if self.offset is not None:
+            names.append("shift")
         return names or ["rename"]
 
 

@@ -6,6 +6,7 @@ usage: megatron_save.py sharded OUT
        megatron_save.py gpt OUT [--moe] [--optimizer {dist,local,none}]
                                 [--sharding {dp_reshardable,fully_reshardable}] [--singleton-local-shards]
                                 [--qk-layernorm]
+       megatron_save.py deepseek OUT [--no-q-lora]
        megatron_save.py load OUT RESULT [OUT RESULT ...]
        megatron_save.py load-gpt CONFIG CKPT RESULT [CONFIG CKPT RESULT ...]
 
@@ -28,6 +29,7 @@ gpt      (2 ranks) a tiny megatron-core GPTModel, local (non-TransformerEngine) 
          metadata flag NeMo 2 sets (per-layer keys, SwiGLU halves as separate keys). --moe: 3 experts
          (SequentialMLP, top-2 router) in both layers. --qk-layernorm: Qwen3's RMSNorm of each query and
          key head (q_layernorm, k_layernorm).
+deepseek (1 rank) a tiny DeepSeek-V3-style GPTModel (MLA, dense + MoE layers, MTP): see megatron_deepseek.py.
 load     (any number of ranks) `dist_checkpointing.load` of each OUT with every tensor and ShardedObject in
          full (`load_sharded_metadata`); rank 0 torch.save's {"tensors": {key: tensor}, "common": {...}} to
          RESULT with Namespaces and numpy values made plain (loadable with weights_only=True).
@@ -131,6 +133,10 @@ def main() -> None:
         p.add_argument("--qk-layernorm", action="store_true")
         o = p.parse_args(sys.argv[3:])
         save_gpt(out, o.moe, o.optimizer, o.sharding, o.singleton_local_shards, o.qk_layernorm)
+    elif mode == "deepseek":
+        from megatron_deepseek import save_deepseek
+
+        save_deepseek(out, sys.argv[3:])
     elif mode == "load":
         paths = [Path(a) for a in sys.argv[2:]]
         for ckpt, result in zip(paths[::2], paths[1::2], strict=True):

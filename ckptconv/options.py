@@ -33,6 +33,8 @@ ReadPath = Literal["direct", "gather"]  # as stream.hf_write names it
 READ_PATHS: tuple[str, ...] = ("direct", "gather")
 FILE_SPLITS: tuple[str, ...] = ("size", "source", "reference")  # --file-split
 WRITE_GRANULARITIES: tuple[str, ...] = ("tensor", "file")  # the user's choices (a plan also has "parts")
+MEGATRON_FORMATS: tuple[str, ...] = ("torch_dist", "fsdp_dtensor")  # hf-to-dcp --format
+MEGATRON_GDN: tuple[str, ...] = ("split", "fused")  # hf-to-dcp --megatron-gdn
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -261,14 +263,43 @@ class HfToDcpOptions:
     """Write a DCP that differs from `reference`, each difference a warning (refused otherwise)."""
     runtime_layout: str | None = None
     """The mapping's runtime layout(s) written, comma-separated names (None: each layout group's default)."""
+    format: str | None = None
+    """A Megatron mapping's checkpoint format: torch_dist or fsdp_dtensor (the layout of its "format" group;
+    None: the mapping's default)."""
+    megatron_gdn: str | None = None
+    """split or fused: the GDN tensors' layout (the mapping's "gdn" layouts gdn-split / gdn-fused)."""
+    megatron_tp: int | None = None
+    """The tensor-parallel size of the Megatron job that will load the checkpoint: fused GDN tensors are
+    grouped by it, the vocabulary padded for it, and fsdp_dtensor's `args` say it."""
 
     def __post_init__(self) -> None:
         if self.dtype.dtype is None:  # keep; with a reference, each key its reference's dtype (`policy`)
+            # (the run step makes it fp32 for --format fsdp_dtensor: Megatron-FSDP's main weights)
             object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep", defaulted=True))
+        self._check_megatron()
         if self.lora_adapter is not None and self.mapping.mapping:
             raise CkptconvError("--lora-adapter with --mapping is not supported yet; leave --mapping out")
         if self.runtime_layout is not None and not self.mapping.mapping:
             raise CkptconvError("--runtime-layout picks a layout of a mapping; pass --mapping too")
+
+    def _check_megatron(self) -> None:
+        """--format, --megatron-gdn and --megatron-tp on their own (the mapping's checks: the run step)."""
+        for flag, value, known in (
+            ("--format", self.format, MEGATRON_FORMATS),
+            ("--megatron-gdn", self.megatron_gdn, MEGATRON_GDN),
+        ):
+            if value is not None and value not in known:
+                raise CkptconvError(f"{flag} {value!r} is not one of {', '.join(known)}")
+            if value is not None and not self.mapping.mapping:
+                raise CkptconvError(f"{flag} applies to a Megatron mapping; pass --mapping too")
+        if self.megatron_tp is not None and (type(self.megatron_tp) is not int or self.megatron_tp < 1):
+            raise CkptconvError(f"--megatron-tp {self.megatron_tp!r}: must be a whole number >= 1")
+        if self.megatron_tp is not None and not self.mapping.mapping:
+            raise CkptconvError("--megatron-tp applies to a Megatron mapping; pass --mapping too")
+        if self.megatron_gdn == "fused" and self.megatron_tp is None:
+            raise CkptconvError(
+                "--megatron-gdn fused needs the TP size of the job that will load it: --megatron-tp N"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -195,6 +195,30 @@ def hf_to_dcp_cmd(
             help="The mapping's runtime layout(s) to write, comma-separated (default: the mapping's).",
         ),
     ] = None,
+    format: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="A Megatron mapping's checkpoint format: torch_dist or fsdp_dtensor (Megatron-FSDP) "
+            "(default: the mapping's).",
+        ),
+    ] = None,
+    megatron_gdn: Annotated[
+        str | None,
+        typer.Option(
+            "--megatron-gdn",
+            help="GDN tensors split (Megatron's torch_dist, dev) or fused by TP rank (Megatron-LM main's "
+            "fsdp_dtensor; needs --megatron-tp) (default: the mapping's).",
+        ),
+    ] = None,
+    megatron_tp: Annotated[
+        int | None,
+        typer.Option(
+            "--megatron-tp",
+            help="The TP size of the Megatron job that will load it: fused GDN grouping, vocabulary "
+            "padding, fsdp_dtensor's args.",
+        ),
+    ] = None,
     overwrite: OverwriteOpt = False,
     no_fsync: opt.NoFsyncOpt = False,
     dry_run: DryRunOpt = False,

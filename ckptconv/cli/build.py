@@ -98,6 +98,9 @@ def hf_to_dcp_options(flags: Mapping[str, Any]) -> HfToDcpOptions:
         reference=flags["reference"],
         allow_layout_change=flags["allow_layout_change"],
         runtime_layout=flags["runtime_layout"],
+        format=flags["format"],
+        megatron_gdn=flags["megatron_gdn"],
+        megatron_tp=flags["megatron_tp"],
     )
 
 

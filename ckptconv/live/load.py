@@ -105,11 +105,11 @@ def load_hf(
                 want = policy.resolve(key, src.dtype)
             else:
                 want = torch.promote_types(src.dtype, spec.dtype)
-            # a quantized weight is dequantized straight into `want` (one rounding), others cast after reading
+            # a quantized weight is dequantized straight into `want` (one rounding), and a shifted one (its
+            # rule's offset) shifted straight into it; others cast after reading
             quantized = any(stored.quant is not None for stored, _ in src.parts)
-            values = block_of(
-                replace(src, dtype=want) if quantized else src, spec.offsets, spec.sizes, reader
-            )
+            once = quantized or src.offset is not None
+            values = block_of(replace(src, dtype=want) if once else src, spec.offsets, spec.sizes, reader)
             local = local_data(target)
             if want == local.dtype:
                 with torch.no_grad():

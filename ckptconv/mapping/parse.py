@@ -24,7 +24,7 @@ _SIZE = (int, str)
 _FIELDS = {
     "runtime", "hf", "dim", "sizes", "stack", "stack_dim", "permute", "heads", "drop", "tied", "when",
     "transpose", "interleave", "groups", "narrow", "padded", "multiple", "hf_shape", "runtime_shape",
-    "duplicate", "layout", "ndim", "unbind", "hf_groups",
+    "duplicate", "layout", "ndim", "unbind", "hf_groups", "offset",
 }  # fmt: skip
 
 

@@ -10,6 +10,8 @@ directions (every operation, with the shapes on both sides, in docs/mapping.md):
 - split / concat (one side a list) along `dim`: plain (`sizes`), `interleave`d, or `groups` (fused QKV
   laid out per KV group);
 - `unbind = true`: the list's tensors are the slices of `dim` ([2, F, D] <-> [F, D], [F, D]);
+- an hf key named more than once in the list: the concatenation of its pieces (`hf_groups`: per group);
+- `offset = 1`: HF value = runtime value + offset (the only value transform: `Target.offset`);
 - `transpose = [a, b]`, `narrow` (vocabulary padding), `hf_shape` (reshape), `duplicate` (HF copies);
 - `drop = true`, `tied = "<hf key pattern>"`; `when` (an HF expert form), `layout` (a runtime layout, told
   apart by the source's keys and shapes: `layouts.py`).

@@ -18,6 +18,7 @@ from ckptconv.lora.select import LoraPlan, LoraRequest, Merge, lora_plan
 from ckptconv.lora.settings import mapped_config
 from ckptconv.mapping.rules import KeyMapping, Part, Target, map_keys
 from ckptconv.plan.release import Selection, select_tensors
+from ckptconv.plan.shift import check_shift
 from ckptconv.plan.types import OutTensor, SourcePart, TiedHead
 from ckptconv.remote.urls import UrlPath
 
@@ -55,7 +56,9 @@ def _out_tensors(
         if len(dtypes) > 1:
             raise CkptconvError(f"{target.key!r} would combine tensors of dtypes {sorted(map(str, dtypes))}")
         dtype = policy.resolve(target.key, parts[0].spec.dtype)
-        return OutTensor(target.key, target.shape, dtype, parts, target.op, target.layout, target.padded)
+        check_shift(target, [parts[0].spec.dtype, dtype])
+        shape, op, offset = target.shape, target.op, target.offset
+        return OutTensor(target.key, shape, dtype, parts, op, target.layout, target.padded, offset=offset)
 
     heads = tuple(TiedHead(None if t is None else out(t), src, key) for t, src, key in tied)
     return [out(target) for target in targets], unmapped, heads

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ckptconv.core.dtypes import DtypePolicy
+from ckptconv.errors import CkptconvError
 from ckptconv.plan.types import SCALE_OP, OutTensor, is_scale
 from ckptconv.quant import fp8
 from ckptconv.quant.policy import QuantPolicy, scale_key
@@ -36,6 +37,11 @@ def quantize_outs(
             if len(t.shape) == 2 and t.hf_key.endswith(".weight"):
                 kept.append(t.hf_key)
             continue
+        if t.offset is not None:
+            raise CkptconvError(
+                f"--quantize fp8: {t.hf_key!r} is shifted by its mapping rule's offset, which is not "
+                "quantized; pass --quantize-skip with a pattern matching it"
+            )
         quantized.append(t.hf_key)
         result.append(dataclasses.replace(t, dtype=fp8.FP8, quant="fp8"))
         shape = fp8.scale_shape(t.shape)

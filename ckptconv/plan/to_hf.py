@@ -31,6 +31,7 @@ from ckptconv.mapping.rules import whole as _whole
 from ckptconv.plan.base import Adopted, Base
 from ckptconv.plan.follow import follow_copies, in_reference_order, kept_dtypes, split_as_reference
 from ckptconv.plan.outs import mapped_tensors
+from ckptconv.plan.shift import check_shift
 from ckptconv.plan.types import (
     DcpOutTensor,
     DcpSavePlan,
@@ -217,7 +218,10 @@ def plan_hf_to_dcp(
             raise CkptconvError(f"{target.key!r} would combine tensors of different dtypes")
         key = lead + target.key
         dtype = policy.resolve(key, parts[0][0].dtype)
-        tensors.append(DcpOutTensor(key, target.shape, dtype, parts, target.op, target.layout, target.padded))
+        quantized = next((s.quant.scheme for s, _ in parts if s.quant is not None), None)
+        check_shift(target, [parts[0][0].dtype, dtype], quantized and f"a {quantized} HF weight")
+        shape, op, offset = target.shape, target.op, target.offset
+        tensors.append(DcpOutTensor(key, shape, dtype, parts, op, target.layout, target.padded, offset))
     for item in stash:
         for t in tensors:
             if item.key == t.key or t.key.startswith(item.key + ".") or item.key.startswith(t.key + "."):

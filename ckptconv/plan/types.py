@@ -54,6 +54,7 @@ class OutTensor:
     padded: bool = False  # some elements come from no part: zeros
     quant: str | None = None  # "fp8": assembled in the source dtype, written quantized with its scale
     lora: LoraParts | None = None  # --lora merge: W + scaling * B @ A, assembled in fp32, cast once
+    offset: float | None = None  # added to every value placed (a rule's `offset`), in fp32 / fp64
 
     @property
     def work_dtype(self) -> torch.dtype:
@@ -152,6 +153,7 @@ class DcpOutTensor:
     op: str = "rename"
     layout: tuple[int, ...] | None = None  # the shape the parts address (a reshape), when not `shape`
     padded: bool = False  # some elements come from no part: zeros
+    offset: float | None = None  # added to every value placed (a rule's `offset`, negated), in fp32 / fp64
 
     @property
     def src(self) -> StoredTensor:

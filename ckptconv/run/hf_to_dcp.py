@@ -7,11 +7,12 @@ Every function here is collective under torchrun: call it on every rank with the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ckptconv.core.specs import HfCheckpoint
+from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import METADATA_FILE
 from ckptconv.formats.files import is_directory
 from ckptconv.formats.hf import checkpoint_root, open_hf
@@ -24,6 +25,7 @@ from ckptconv.mapping.family import mapping_for
 from ckptconv.mapping.types import KeyMapping
 from ckptconv.options import HfToDcpOptions
 from ckptconv.plan import megatron as megatron_out
+from ckptconv.plan import megatron_fsdp
 from ckptconv.plan.family import family_plan
 from ckptconv.plan.reference import Tensors
 from ckptconv.plan.to_hf import plan_hf_to_dcp
@@ -73,6 +75,7 @@ def hf_to_dcp(
     adapter = sources.adapter_source(world, options.lora_adapter)  # an input too: OUT must keep clear of it
     with gcpause.paused():
         target = everyone(world, check_inputs, world, path, adapter, out, options)
+        options = everyone(world, megatron_options, path, options)
         hf = everyone(
             world, from_main, world, lambda: with_adapter(open_hf(path), adapter, options.lora_name)
         )
@@ -105,6 +108,40 @@ def check_inputs(
     return outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, False)
 
 
+def megatron_options(path: Path, options: HfToDcpOptions) -> HfToDcpOptions:
+    """Every rank: `options` with `--format` and `--megatron-gdn` made runtime layouts of the mapping
+    (`plan.megatron_fsdp.runtime_layouts`, which refuses them on a mapping without such layouts); for an
+    fsdp_dtensor output also its `model.module.` prefix and, no --dtype given, fp32 (Megatron-FSDP's main
+    weights: see plan/megatron_fsdp.py)."""
+    keys = options.mapping
+    if not keys.mapping:
+        return options
+    found = config_file(keys.config, (path, checkpoint_root(path)) if is_directory(path) else None)
+    model_config = load_config(*found)
+    key_mapping = mapping_for(keys.mapping, model_config)
+    if key_mapping is None:
+        return options
+    layouts = megatron_fsdp.runtime_layouts(
+        key_mapping,
+        options.runtime_layout,
+        options.format,
+        options.megatron_gdn,
+        options.megatron_tp,
+        model_config,
+    )
+    options = replace(options, runtime_layout=layouts)
+    if not megatron_fsdp.writes_fsdp(mapping_for(keys.mapping, model_config, runtime_layout=layouts)):
+        return options
+    if keys.prefix is not None:
+        raise CkptconvError(
+            f"--prefix {keys.prefix!r}: --format {megatron_fsdp.FSDP_DTENSOR} writes its keys under "
+            f"{megatron_fsdp.PREFIX!r}; leave --prefix out"
+        )
+    mapping = replace(keys, prefix=megatron_fsdp.PREFIX)
+    dtype = replace(options.dtype, dtype="fp32") if options.dtype.defaulted else options.dtype
+    return replace(options, mapping=mapping, dtype=dtype)
+
+
 def make_plan(
     world: World, path: Path, hf: HfCheckpoint, options: HfToDcpOptions, reference: Tensors | None = None
 ) -> Planned:
@@ -113,7 +150,7 @@ def make_plan(
     keys = options.mapping
     found = config_file(keys.config, (path, checkpoint_root(path)) if is_directory(path) else None)
     stash = read_stash(path) if is_directory(path) else []
-    model_config = load_config(*found)
+    model_config = megatron_fsdp.with_tp(load_config(*found), options.megatron_tp)
     key_mapping = mapping_for(keys.mapping, model_config, runtime_layout=options.runtime_layout)
 
     def planned(mapping: KeyMapping | None) -> DcpSavePlan:
@@ -132,7 +169,10 @@ def make_plan(
     if reference is not None and not keys.mapping and options.lora_adapter is None:
         # a transformers-5 training job's checkpoint as the reference: its runtime layout, without the flag
         plan, said = family_plan(plan, lambda p: hf_reference.fits(p, reference), model_config, planned)
-    if key_mapping is not None and key_mapping.checkpoint == "megatron":
+    if megatron_fsdp.writes_fsdp(key_mapping):
+        assert key_mapping is not None
+        plan = megatron_fsdp.with_items(plan, model_config, key_mapping)
+    elif key_mapping is not None and key_mapping.checkpoint == "megatron":
         plan = megatron_out.with_extra_state(plan)
     notes = () if said is None else (f"written in {said}, as in --reference {options.reference}",)
     return Planned(path, hf, plan, model_config, found, notes)

@@ -220,12 +220,19 @@ def dcp_outs(
     that shares the most keys with the other side's keys `like`. Reads `.metadata` only."""
     forms = VARIANTS if mapping and variant is None and like is not None else (variant,)
     candidates = []
+    refused: list[CkptconvError] = []
     for form in forms:
         key_mapping = mapping_for(mapping, config, form)
-        selection, mapped, _ = mapped_tensors(
-            ckpt, DtypePolicy(None), prefix, key_mapping, config, allow_unmapped, lora=lora
-        )
+        try:
+            selection, mapped, _ = mapped_tensors(
+                ckpt, DtypePolicy(None), prefix, key_mapping, config, allow_unmapped, lora=lora
+            )
+        except CkptconvError as e:  # keys read into one form only (per-layer experts: per expert)
+            refused.append(e)
+            continue
         candidates.append(({t.hf_key: t for t in mapped}, selection.tied))
+    if not candidates:
+        raise refused[0]
     pick = (lambda c: len(c[0].keys() & like)) if like is not None else (lambda c: 0)
     return max(candidates, key=pick)
 

@@ -27,9 +27,26 @@ def strided(
     return t
 
 
-def place(out: torch.Tensor, part: Part, box: Box, data: torch.Tensor, window: int | None = None) -> None:
+def shifted(values: torch.Tensor, offset: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """`values` + `offset` (a rule's `offset`) for a target of `dtype`: in float32, or float64 when the
+    values or the target are float64; cast to the target's dtype by the copy that places them."""
+    if offset is None:
+        return values
+    work = torch.float64 if torch.float64 in (values.dtype, dtype) else torch.float32
+    return values.to(work) + offset
+
+
+def place(
+    out: torch.Tensor,
+    part: Part,
+    box: Box,
+    data: torch.Tensor,
+    window: int | None = None,
+    shift: float | None = None,
+) -> None:
     """Copy the elements of `part` that `data` (block `box` of the part's source, global coordinates)
-    holds into `out`: the whole target (in its layout), or target rows [window, window + len(out))."""
+    holds into `out`: the whole target (in its layout), or target rows [window, window + len(out)); with
+    `shift`, each value plus `shift` (`shifted`: a rule's `offset`)."""
     if not part.numel:
         return
     ndim = len(part.src_sizes)
@@ -48,7 +65,7 @@ def place(out: torch.Tensor, part: Part, box: Box, data: torch.Tensor, window: i
     dims = part.dims
     dst_k0 = [0 if s is None else k0[s] for s in dims]
     dst_count = [1 if s is None else count[s] for s in dims]
-    values = values.reshape(dst_count)
+    values = shifted(values.reshape(dst_count), shift, out.dtype)
     dst_start = [part.dst_offsets[d] + dst_k0[d] * part.step("dst", d) for d in range(len(dims))]
     dst_steps = [part.step("dst", d) for d in range(len(dims))]
     if part.perm is not None:  # a plain block: dst_k0[0] and dst_count[0] are source rows of the block

@@ -19,7 +19,7 @@ from ckptconv.core.specs import StoredTensor
 from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.mapping.parts import Part, src_rows
 from ckptconv.plan.types import DcpOutTensor
-from ckptconv.stream.blocks import place
+from ckptconv.stream.blocks import place, shifted
 
 SLAB_BYTES = 32 * 2**20  # source rows are read and placed this many bytes at a time
 
@@ -34,9 +34,11 @@ def target_rows(
     """
     if not t.shape:
         stored, _ = t.parts[0]
+        if t.offset is not None:
+            return shifted(reader.rows(stored, 0, 1), t.offset, t.dtype).to(t.dtype)
         return reader.rows(stored, 0, 1, dtype=t.dtype)
     shape = (hi - lo, *t.shape[1:])
-    if len(t.parts) == 1 and is_whole(*t.parts[0], t.shape):  # a plain rename: the rows as read
+    if len(t.parts) == 1 and is_whole(*t.parts[0], t.shape) and t.offset is None:  # the rows as read
         stored = t.parts[0][0]
         if stored.dtype == t.dtype:
             return reader.rows(stored, lo, hi, out=_within(scratch, shape, t.dtype))
@@ -57,7 +59,7 @@ def target_rows(
                 else ((), ())
             )
             dtype = t.dtype if stored.quant is not None else None  # others: cast by `place`
-            place(view, part, box, reader.rows(stored, a, b, dtype=dtype), window=lo)
+            place(view, part, box, reader.rows(stored, a, b, dtype=dtype), window=lo, shift=t.offset)
     return out
 
 
@@ -68,7 +70,7 @@ def block_of(
     tensor stored as is (any shard dims), else the rows of the block composed from `t`'s parts, then cut."""
     if not t.shape:
         return target_rows(t, 0, 1, reader)
-    if len(t.parts) == 1 and is_whole(t.parts[0][0], t.parts[0][1], t.shape):
+    if len(t.parts) == 1 and is_whole(t.parts[0][0], t.parts[0][1], t.shape) and t.offset is None:
         return reader.block(t.parts[0][0], offsets, sizes, dtype=t.dtype)
     rows = target_rows(t, offsets[0], offsets[0] + sizes[0], reader)
     for dim in range(1, len(t.shape)):

@@ -138,7 +138,7 @@ def gather_tensors(plan: HfSavePlan, world: World, source: RowsFn, bucket_bytes:
                 view = laid_out(outs[id(w)], w.tensor, w.window)
                 for sp in w.tensor.parts:
                     if sp.spec.fqn == tr.spec.fqn:
-                        place(view, sp, rows_box(tr.chunk, tr.r0, tr.r1), data, w.window)
+                        place(view, sp, rows_box(tr.chunk, tr.r0, tr.r1), data, w.window, w.tensor.offset)
         for w in mine:
             yield w, outs.pop(id(w))
 

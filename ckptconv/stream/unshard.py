@@ -81,7 +81,8 @@ def assemble(
     out = new_out(t, window, pool)
     view = laid_out(out, t, window)
     for sp in t.parts:
-        if window is None and sp.whole and sp.spec.shape == t.shape and reader is not None and not sp.lora:
+        whole = sp.whole and sp.spec.shape == t.shape and t.offset is None  # shifted: placed value by value
+        if window is None and whole and reader is not None and not sp.lora:
             _fill_whole(reader, sp.spec, out)
             continue
         read = _factors(rows)
@@ -97,7 +98,7 @@ def assemble(
                     written = merged.to(view.dtype)
                     check_finite(sp.spec.fqn, box[0][0] if box[0] else 0, merged, written, data)
                     data = written
-                place(view, sp, box, data, window)
+                place(view, sp, box, data, window, t.offset)
     return out
 
 
@@ -194,11 +195,17 @@ def rows_box(chunk: ChunkSpec, r0: int, r1: int) -> Box:
 
 
 def place(
-    out: torch.Tensor, sp: SourcePart, box: Box, data: torch.Tensor, window: tuple[int, int] | None = None
+    out: torch.Tensor,
+    sp: SourcePart,
+    box: Box,
+    data: torch.Tensor,
+    window: tuple[int, int] | None = None,
+    shift: float | None = None,
 ) -> None:
     """Cast what `data` (the block `box` of `sp`'s stored tensor) holds of `sp` into its place in `out` (the
-    output tensor as `laid_out` gives it, or with `window` its rows [lo, hi)); see `blocks.place`."""
-    blocks.place(out, sp.part, box, data, window[0] if window else None)
+    output tensor as `laid_out` gives it, or with `window` its rows [lo, hi)), plus `shift` if given (the
+    output tensor's `offset`); see `blocks.place`."""
+    blocks.place(out, sp.part, box, data, window[0] if window else None, shift)
 
 
 def direct_rows(reader: DcpReader, reuse: bool = False) -> RowsFn:

@@ -20,6 +20,7 @@ transformers' Qwen3_5(Moe)ForCausalLM loads the result (it reads `model.language
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -237,6 +238,35 @@ def test_hf_to_dcp_names_a_delta_net_layers_input_norm(cases: dict[str, Case], t
     case = cases["qwen3_5"]
     got = _back(case, tmp_path / "back")
     assert "decoder.layers.0" + GDN_INPUT_NORM in got
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", (1, 2))
+def test_hf_to_dcp_fsdp_dtensor_gives_bridges_fused_gdn(
+    cases: dict[str, Case], family: str, tp: int, tmp_path: Path
+) -> None:
+    """hf-to-dcp --format fsdp_dtensor --megatron-gdn fused --megatron-tp TP: under `model.module.`, every
+    tensor Bridge's functions give for a job at TP (in_proj / conv1d fused by its ranks) bit for bit.
+
+    The `args` item is built from config.json's top-level sizes only, so Qwen3.5's text_config is copied to
+    the top level of the config.json given here (the preset reads text_config either way)."""
+    case = cases[family]
+    config = json.loads(case.config.read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config.get("text_config", {}), **config}))
+    layout = ("--runtime-layout", "norm-separate") if case.moe else ()
+    back = tmp_path / "back"
+    argv = ("hf-to-dcp", str(case.to_hf(case.torch_dist)), str(back), "--mapping", case.preset, *layout)
+    fused = ("--format", "fsdp_dtensor", "--megatron-gdn", "fused", "--megatron-tp", str(tp))
+    assert cli(*argv, "--config", str(tmp_path / "config.json"), *fused) == 0
+    want = {
+        "model.module." + k: v
+        for k, v in case.meg[f"fused{tp}"].items()
+        if not k.endswith(GDN_INPUT_NORM) and not k.endswith("_extra_state")
+    }
+    got = {k: torch.empty_like(v) for k, v in want.items()}
+    dcp.load(got, checkpoint_id=str(back))
+    bad = [k for k in want if not same_bits(got[k], want[k])]
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("family", FAMILIES)

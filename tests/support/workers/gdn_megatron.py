@@ -114,14 +114,14 @@ def build(pm: Any, hf: dict[str, torch.Tensor], text: dict[str, Any], family: st
             if name != "split":
                 d[key] = value
 
-    vocab, divisor = text["vocab_size"], 128  # Megatron-LM's make_vocab_size_divisible_by x TP 1
-    padded = -(-vocab // divisor) * divisor
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros(padded - vocab, t.shape[1])])
-
-    both("embedding.word_embeddings.weight", pad(hf[prefix + "embed_tokens.weight"]))
-    both("output_layer.weight", pad(hf["lm_head.weight"]))
+    vocab = text["vocab_size"]
+    for name, d in out.items():  # Megatron-LM pads to make_vocab_size_divisible_by (128) x TP
+        multiple = 128 * (1 if name == "split" else int(name[len("fused") :]))
+        rows = -(-vocab // multiple) * multiple - vocab
+        pairs = (("embedding.word_embeddings", prefix + "embed_tokens"), ("output_layer", "lm_head"))
+        for key, hf_key in pairs:
+            weight = hf[hf_key + ".weight"]
+            d[key + ".weight"] = torch.cat([weight, weight.new_zeros(rows, weight.shape[1])])
     both("decoder.final_layernorm.weight", hf[prefix + "norm.weight"])
     blocks = [(prefix + f"layers.{i}.", f"decoder.layers.{i}.") for i in range(text["num_hidden_layers"])]
     if "mtp.fc.weight" in hf:

@@ -102,6 +102,12 @@ class DtypeOptions:
         return DtypePolicy(self.target(), self.fp32, reference, explicit=not self.defaulted)
 
 
+def check_megatron_tp(tp: int | None) -> None:
+    """`--megatron-tp N` names a TP size: an integer of at least 1."""
+    if tp is not None and (type(tp) is not int or tp < 1):
+        raise CkptconvError(f"--megatron-tp {tp}: must be an integer of at least 1 (the saving job's TP)")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MappingOptions:
     """Which keys are converted and what they are called: `--mapping`, its config, `--prefix`."""
@@ -152,6 +158,9 @@ class DcpToHfOptions:
     """per_expert or fused: how a mapping writes MoE experts (None: the mapping's default)."""
     keep_trainer_state: bool = False
     """Also stash the dataloader, LR-scheduler, RNG and module extra state."""
+    megatron_tp: int | None = None
+    """The TP size of the Megatron job that saved the checkpoint, where its args do not say (`--megatron-tp`):
+    what mapping rules grouping fused tensors by `gdn_tensor_parallel_size` read."""
     keep_file_split: bool = False
     """Write each tensor to the file the source's writer put it in, not split by `max_shard_size` (the same as
     `file_split="source"`)."""
@@ -213,6 +222,7 @@ class DcpToHfOptions:
             check_scheme(self.quantize)
             for pattern in self.quantize_skip:
                 UserRegex(pattern, "--quantize-skip")
+        check_megatron_tp(self.megatron_tp)
         if self.write_granularity not in WRITE_GRANULARITIES:
             raise CkptconvError(wording.write_granularity.format(self.write_granularity))
         if self.push is not None:
@@ -319,6 +329,8 @@ class VerifyOptions:
     layout: bool = False
     """Compare layouts only (keys, shapes, dtypes; two HF directories' file split too), reading no tensor
     bytes: the index, safetensors headers and `.metadata`."""
+    megatron_tp: int | None = None
+    """The TP size of the Megatron job that saved a DCP side, where its args do not say (`--megatron-tp`)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--atol", self.atol), ("--rtol", self.rtol)):
@@ -328,6 +340,7 @@ class VerifyOptions:
                 raise CkptconvError(f"{flag} with --layout: --layout compares no values; leave {flag} out")
         if self.lora is not None:
             self.lora.check()
+        check_megatron_tp(self.megatron_tp)
 
     @property
     def bit_for_bit(self) -> bool:

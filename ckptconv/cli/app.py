@@ -114,6 +114,7 @@ def dcp_to_hf_cmd(
         str | None, typer.Option("--hf-experts", help="per_expert or fused: how MoE experts are written.")
     ] = None,
     keep_trainer_state: KeepTrainerStateOpt = False,
+    megatron_tp: opt.MegatronTpOpt = None,
     keep_file_split: KeepFileSplitOpt = False,
     file_split: opt.FileSplitOpt = "size",
     quantize: QuantizeOpt = None,
@@ -268,6 +269,7 @@ def verify_cmd(
         typer.Option("--prefix", help="DCP sides: compare only keys under this prefix, stripped ('model.')."),
     ] = None,
     allow_unmapped: AllowUnmappedOpt = False,
+    megatron_tp: opt.MegatronTpOpt = None,
     atol: Annotated[
         float | None, typer.Option("--atol", help="Absolute tolerance: |a-b| <= atol + rtol*|b| in fp32.")
     ] = None,

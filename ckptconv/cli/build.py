@@ -73,6 +73,7 @@ def dcp_to_hf_options(flags: Mapping[str, Any]) -> DcpToHfOptions:
         write_granularity=flags["write_granularity"],
         hf_experts=flags["hf_experts"],
         keep_trainer_state=flags["keep_trainer_state"],
+        megatron_tp=flags["megatron_tp"],
         keep_file_split=flags["keep_file_split"],
         file_split=flags["file_split"],
         quantize=flags["quantize"],
@@ -116,6 +117,7 @@ def verify_options(flags: Mapping[str, Any]) -> VerifyOptions:
         revision=flags["revision"],
         lora=None if lora == LoraRequest() else lora,  # no --lora flag: as the library's default
         layout=flags["layout"],
+        megatron_tp=flags["megatron_tp"],
     )
 
 

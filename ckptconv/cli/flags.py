@@ -217,6 +217,15 @@ KeepTrainerStateOpt = Annotated[
         help="Also stash the dataloader, LR-scheduler, RNG and module extra state (left out by default).",
     ),
 ]
+MegatronTpOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--megatron-tp",
+        help="The tensor-parallel size of the Megatron job that saved the checkpoint, where its args do not "
+        "say (mapping rules that group fused tensors by it need it).",
+        show_default=False,
+    ),
+]
 KeepFileSplitOpt = Annotated[
     bool,
     typer.Option(

@@ -93,6 +93,32 @@ class Common:
     values: dict[str, Any]
     unreadable: dict[str, tuple[str, ...]]
     raw: bytes
+    source: str = "common.pt"
+    """What it was read from, as messages name it (relative to the checkpoint): a file, or a DCP item."""
+    raw_key: str = "common.pt"
+    """The stash key its `raw` bytes are kept under when some part of it is left out."""
+    items: tuple[str, ...] = ()
+    """The DCP bytes items it was read from: stashed through it, never again on their own."""
+
+
+@dataclass(frozen=True)
+class MegatronInfo:
+    """What a Megatron checkpoint says of itself (its `args`, `iteration`, `checkpoint_version`)."""
+
+    format: str
+    """"torch_dist" (Megatron-Core dist_checkpointing) or "fsdp_dtensor" (Megatron-FSDP)."""
+    iteration: int | None
+    """The training step it was saved at; None when it does not say."""
+    checkpoint_version: float | None
+    """Megatron-LM's checkpoint format version; None when it does not say."""
+    tensor_model_parallel_size: int | None
+    """The TP size of the job that saved it (`args.tensor_model_parallel_size`); None when unknown."""
+    pipeline_model_parallel_size: int | None
+    """The PP size of the job that saved it; None when unknown."""
+    virtual_pipeline_chunks: int | None
+    """The number of virtual pipeline model chunks (`model0.`, `model1.` ... in fsdp_dtensor); None: none."""
+    args: dict[str, Any] | None
+    """The saved `args` as JSON-safe values (classes and enums left out); None without args."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +130,8 @@ class DcpCheckpoint:
     items: dict[str, NonTensorItem]
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # fqn -> nesting in the saved dict
     stamps: dict[str, Stamp] = field(default_factory=dict)  # file -> identity when .metadata was read
-    kind: str = "dcp"  # "megatron": Megatron-Core torch_dist (keys without nesting, common.pt beside)
-    common: Common | None = None  # Megatron's common.pt, read without running it
+    kind: str = "dcp"  # "megatron": Megatron-Core torch_dist; "fsdp_dtensor": Megatron-FSDP (model.module.)
+    common: Common | None = None  # Megatron's common state (common.pt or DCP items), read without running it
     file_split: dict[str, int] | None = None  # key -> output file number, from torch's distributed HF writer
 
     @property

@@ -43,7 +43,8 @@ from ckptconv.formats.hf import (
     MAX_HEADER_BYTES,  # a larger safetensors header inside a .distcp is refused too
 )
 from ckptconv.formats.megatron import MARKER_FILE as MEGATRON_MARKER
-from ckptconv.formats.megatron import is_megatron, read_common
+from ckptconv.formats.megatron import is_megatron, read_common, read_common_state
+from ckptconv.formats.megatron_fsdp import is_fsdp_dtensor, read_items
 from ckptconv.job.gcpause import paused
 from ckptconv.remote.files import RemoteFiles
 from ckptconv.remote.urls import UrlPath
@@ -95,8 +96,11 @@ def open_dcp(path: Path) -> DcpCheckpoint:
             raise CkptconvError(
                 f"{md_path}: malformed DCP metadata ({e}); re-save or re-copy the checkpoint"
             ) from None
-    if remote is None and is_megatron(path):
-        ckpt = dataclasses.replace(ckpt, kind="megatron", common=read_common(path))
+    if remote is None and is_megatron(path):  # common.pt beside, or (0.19) the common_state item inside
+        common = read_common(path) or read_common_state(ckpt)
+        ckpt = dataclasses.replace(ckpt, kind="megatron", common=common)
+    elif is_fsdp_dtensor(ckpt):
+        ckpt = dataclasses.replace(ckpt, kind="fsdp_dtensor", common=read_items(ckpt, remote))
     return ckpt
 
 

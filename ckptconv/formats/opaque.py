@@ -164,15 +164,16 @@ _READ_ONLY: dict[tuple[str, str], Any] = {
 
 
 class _OpaqueUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, extra: dict[tuple[str, str], Any] | None = None) -> None:
         super().__init__(io.BytesIO(data))
         self.names: dict[str, None] = {}  # every global the pickle named, in order
+        self.extra = extra or {}
 
     def find_class(self, module: str, name: str) -> Any:
         module = "builtins" if module == "__builtin__" else module  # protocol 2's name, as torch maps it
         full = clip(f"{module}.{name}", 200)
         self.names[full] = None
-        found = STAND_INS.get((module, name), _READ_ONLY.get((module, name)))
+        found = self.extra.get((module, name), STAND_INS.get((module, name), _READ_ONLY.get((module, name))))
         return found if found is not None else _opaque(full)
 
     def persistent_load(self, pid: Any) -> Any:  # a tensor's storage: never read
@@ -194,9 +195,9 @@ class Scanned:
         return [n for n in self.names if n not in TORCH_LOADS and n not in storage]
 
 
-def scan(raw: bytes, budget: Budget) -> Scanned:
-    """The object of a torch.save file (zip) or a plain pickle, every global a stand-in, within `budget`
-    (LimitExceeded past it; the pickle's own errors as they come)."""
+def scan(raw: bytes, budget: Budget, extra: dict[tuple[str, str], Any] | None = None) -> Scanned:
+    """The object of a torch.save file (zip) or a plain pickle, every global a stand-in (`extra`'s first),
+    within `budget` (LimitExceeded past it; the pickle's own errors as they come)."""
     if raw[:4] == b"PK\x03\x04":
         archive = TorchZip(raw, budget.where, budget)
         names = [n for n in archive.entries if n == "data.pkl"]
@@ -205,12 +206,37 @@ def scan(raw: bytes, budget: Budget) -> Scanned:
         raw = archive.read("data.pkl")
     budget_token, classes_token = _BUDGET.set(budget), _CLASSES.set({})
     try:
-        unpickler = _OpaqueUnpickler(raw)
+        unpickler = _OpaqueUnpickler(raw, extra)
         value = unpickler.load()
         return Scanned(value, tuple(unpickler.names))
     finally:
         _BUDGET.reset(budget_token)
         _CLASSES.reset(classes_token)
+
+
+class _BytesIO:
+    """`io.BytesIO` as pickled (its state is `(bytes, position, dict)`): only its bytes are kept."""
+
+    value = b""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and state and isinstance(state[0], bytes):
+            self.value = state[0]
+
+
+def _latin1(text: Any, encoding: Any = "utf-8", *_: Any) -> bytes:
+    """`_codecs.encode(str, "latin1")`, made: how protocol 2 pickles the bytes of a BytesIO."""
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise pickle.UnpicklingError(f"_codecs.encode with the codec {short(encoding)}")
+    _BUDGET.get().bytes(len(text), "bytes encoded")
+    return text.encode("latin1")
+
+
+def bytes_io(raw: bytes, budget: Budget) -> bytes | None:
+    """The bytes of the `io.BytesIO` a torch.save file holds (as torch's DCP saves a BytesIO value: Megatron's
+    ShardedObjects), read with stand-ins within `budget`; None when it holds anything else."""
+    value = scan(raw, budget, {("_io", "BytesIO"): _BytesIO, ("_codecs", "encode"): _latin1}).value
+    return value.value if isinstance(value, _BytesIO) else None
 
 
 def load_opaque(raw: bytes, where: object = "a pickle", budget: Budget | None = None) -> Any:

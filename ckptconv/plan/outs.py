@@ -17,6 +17,7 @@ from ckptconv.lora.merge import LoraParts
 from ckptconv.lora.select import LoraPlan, LoraRequest, Merge, lora_plan
 from ckptconv.lora.settings import mapped_config
 from ckptconv.mapping.rules import KeyMapping, Part, Target, map_keys
+from ckptconv.plan.megatron_tp import check_tp_known
 from ckptconv.plan.release import Selection, select_tensors
 from ckptconv.plan.shift import check_shift
 from ckptconv.plan.types import OutTensor, SourcePart, TiedHead
@@ -45,6 +46,7 @@ def _out_tensors(
         ]
         unmapped: list[str] = []
     else:
+        check_tp_known(mapping, shapes, config)
         mapped = map_keys(mapping, "to_hf", shapes, config, allow_unmapped=allow_unmapped)
         targets, unmapped, tied = mapped.targets, mapped.unmapped, mapped.tied
     if derive is not None:

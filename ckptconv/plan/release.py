@@ -4,14 +4,18 @@ A training checkpoint holds more than the model. Its top-level groups (the nesti
 `planner_data`; for Megatron-Core, whose keys are global names with no nesting record, the first dotted or
 slashed part of the key) say what each entry is:
 
-  model                the weights (when the checkpoint has such a group, only it is converted)
+  model                the weights (when the checkpoint has such a group, only it is converted; of
+                       Megatron-FSDP, `model.module.` and each virtual pipeline chunk's `model<N>.module.`,
+                       stripped and joined)
   optimizer state      `optim`, `optimizer`, ...: never written to an HF directory
   trainer state        dataloader, LR scheduler, RNG, module `_extra_state` (TransformerEngine's FP8
                        metadata): what a job needs to resume, not a release; left out unless
                        `--keep-trainer-state`, and named in the notes
   progress             everything else that is not a weight: `step`, `iteration`, tokens seen, `args`,
                        0-d tensors in non-model groups (an older torchtitan's `train_state.step`) and
-                       Megatron's common.pt values: stashed in `ckptconv_state.json`
+                       Megatron's common state (common.pt, 0.19's common_state item, Megatron-FSDP's
+                       `args` / `iteration` / `checkpoint_version`) as values: stashed in
+                       `ckptconv_state.json`
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ckptconv.core.specs import DcpCheckpoint, NonTensorItem, StashedItem, TensorSpec
 from ckptconv.errors import CkptconvError
+from ckptconv.formats.megatron_fsdp import model_key
 
 if TYPE_CHECKING:
     from ckptconv.lora.select import LoraPlan
@@ -99,6 +104,10 @@ def select_tensors(ckpt: DcpCheckpoint, prefix: str | None, keep_trainer_state: 
         skipped = len(ckpt.tensors) - len(chosen)
         if skipped:
             notes.append(f"--prefix {prefix!r}: {len(chosen)} tensors kept, {skipped} outside it skipped")
+    elif ckpt.kind == "fsdp_dtensor":
+        strip, chosen = "", []
+        fsdp_keys, note = _fsdp_model(ckpt, groups)
+        notes.append(note)
     elif MODEL_GROUP in groups:
         strip = MODEL_GROUP + "."
         chosen = [fqn for fqn in ckpt.tensors if group_of(ckpt, fqn) == MODEL_GROUP]
@@ -125,6 +134,8 @@ def select_tensors(ckpt: DcpCheckpoint, prefix: str | None, keep_trainer_state: 
         if dropped:
             notes.append(f"not converting the {', '.join(repr(g) for g in dropped)} state")
     keys = tuple((fqn[len(strip) :], fqn) for fqn in chosen)
+    if ckpt.kind == "fsdp_dtensor" and prefix is None:
+        keys, chosen = fsdp_keys, [fqn for _, fqn in fsdp_keys]
     for hf_key, fqn in keys:
         if not hf_key and prefix is not None:
             raise CkptconvError(f"--prefix {prefix!r} leaves the key {fqn!r} empty; use a shorter prefix")
@@ -142,7 +153,12 @@ def select_tensors(ckpt: DcpCheckpoint, prefix: str | None, keep_trainer_state: 
             left_out[name] = left_out.get(name, 0) + 1
         return kind == "progress" or (kind == "trainer" and keep_trainer_state)
 
-    stash = tuple(item for fqn, item in ckpt.items.items() if kept(fqn, group_of(ckpt, fqn)))
+    through_common = set(ckpt.common.items) if ckpt.common is not None else set()
+    stash = tuple(
+        item
+        for fqn, item in ckpt.items.items()
+        if fqn not in through_common and kept(fqn, group_of(ckpt, fqn))
+    )
     taken = set(chosen)
     scalars = tuple(
         spec
@@ -190,9 +206,39 @@ def _common(
             items.append(StashedItem(key, (key,), b"", value, True))
     if not unreadable:
         return tuple(items), ()
-    items.append(StashedItem("common.pt", ("common.pt",), common.raw, None, False, "holds classes"))
-    warning = (
-        f"{ckpt.path / 'common.pt'}: left out {', '.join(unreadable)}: ckptconv never runs a checkpoint's "
-        "classes; the whole common.pt is kept as bytes in ckptconv_state.json"
-    )
+    raw_key = common.raw_key
+    items.append(StashedItem(raw_key, (raw_key,), common.raw, None, False, "holds classes"))
+    if common.items:  # DCP items: name the item, and where its bytes went
+        where, kept = f"{ckpt.path}: {common.source!r}", f"the whole {common.source!r} item is kept as bytes"
+        kept += f" in ckptconv_state.json ({raw_key!r})"
+    else:
+        where, kept = str(ckpt.path / common.source), f"the whole {common.source} is kept as bytes"
+        kept += " in ckptconv_state.json"
+    warning = f"{where}: left out {', '.join(unreadable)}: ckptconv never runs a checkpoint's classes; {kept}"
     return tuple(items), (warning,)
+
+
+def _fsdp_model(ckpt: DcpCheckpoint, groups: set[str | None]) -> tuple[tuple[tuple[str, str], ...], str]:
+    """A Megatron-FSDP checkpoint's model tensors, `model.module.` (or each virtual pipeline chunk's
+    `model<N>.module.`) stripped, the chunks' keys together; a key in two chunks is refused. And the note
+    saying what was taken."""
+    seen: dict[str, str] = {}
+    chunks: set[str] = set()
+    for fqn in ckpt.tensors:
+        found = model_key(fqn)
+        if found is None:
+            continue
+        chunk, key = found
+        chunks.add(chunk)
+        if key in seen:
+            raise CkptconvError(
+                f"{ckpt.path}: {seen[key]!r} and {fqn!r} are one tensor in two virtual pipeline chunks; "
+                "the checkpoint is inconsistent (re-save it)"
+            )
+        seen[key] = fqn
+    others = sorted(str(g) for g in groups if g is not None and not re.fullmatch(r"model[0-9]*", str(g)))
+    under = ", ".join(repr(c) for c in sorted(chunks))
+    note = f"Megatron-FSDP: taking the model under {under} ({len(seen)} tensors)"
+    if others:
+        note += f"; not converting {', '.join(repr(g) for g in others)}"
+    return tuple((key, fqn) for key, fqn in seen.items()), note

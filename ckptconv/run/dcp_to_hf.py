@@ -25,6 +25,7 @@ from ckptconv.options import DcpToHfOptions
 from ckptconv.plan.base import Base
 from ckptconv.plan.family import follow_family
 from ckptconv.plan.follow import follow_experts, reference_dtypes
+from ckptconv.plan.megatron_tp import saved_tp, with_tp
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import HfSavePlan, RankBytes
 from ckptconv.publish import hub_push, outcheck, remote_out
@@ -142,6 +143,8 @@ def make_plan(
     reference = (bases.reference, checkpoint_root(bases.reference)) if bases.reference else None
     places = (described, reference) if copy_from else (reference, described)
     model_config = load_config(*config_file(keys.config, *places, (located, located)))
+    # the TP size a Megatron checkpoint was saved at, for the rules that group by it (`megatron_tp`)
+    model_config = with_tp(model_config, saved_tp(ckpt), options.megatron_tp)
     key_mapping = mapping_for(keys.mapping, model_config, options.hf_experts)
     # BASE's way of writing the experts, unless --hf-experts names one (then the check tells)
     key_mapping, experts = follow_experts(key_mapping, base, model_config or {}, options.hf_experts)

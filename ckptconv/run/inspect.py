@@ -13,6 +13,7 @@ from ckptconv.formats.hf import checkpoint_root
 from ckptconv.mapping import load_config
 from ckptconv.mapping.family import mapping_for
 from ckptconv.options import InspectOptions
+from ckptconv.plan.megatron_tp import with_tp
 from ckptconv.remote.urls import location
 from ckptconv.run.inspect_layout import layout, read_reference, reference
 from ckptconv.run.report import inspect, mapped_targets, mapped_view
@@ -45,6 +46,8 @@ def inspect_checkpoint(path: str, options: InspectOptions = InspectOptions()) ->
         return Inspected(_laid_out(info, None, None, base))
     beside = (local / "config.json", checkpoint_root(local)) if is_directory(local) else (None, None)
     model_config = load_config(m.config) if m.config else load_config(*beside)
+    megatron = info.get("megatron") or {}  # the TP size a Megatron checkpoint was saved at, for its rules
+    model_config = with_tp(model_config, megatron.get("tensor_model_parallel_size"), None)
     key_mapping = mapping_for(m.mapping, model_config)
     if key_mapping is None:  # --mapping transformers, a family saved as it runs: nothing to map
         return Inspected(_laid_out(info, None, None, base))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp import is_dcp_dir, open_dcp
 from ckptconv.formats.files import exists, is_directory
 from ckptconv.formats.hf import is_hf_dir, open_hf
+from ckptconv.formats.megatron import megatron_info
 from ckptconv.job.gcpause import paused
 from ckptconv.job.ui import human_bytes
 from ckptconv.plan.writes import bytes_per_rank
@@ -57,6 +59,9 @@ def _inspect(path: Path) -> dict[str, Any]:
             extra["writer"] = ckpt.kind
         if ckpt.common is not None:
             extra["common"] = {k: v for k, v in ckpt.common.values.items() if v is not None}
+        info = megatron_info(ckpt)
+        if info is not None:
+            extra["megatron"] = dataclasses.asdict(info)
         kind = "dcp"
     elif is_hf_dir(path) or (not is_directory(path) and path.suffix == ".safetensors"):
         hf = open_hf(path)
@@ -145,11 +150,13 @@ def mapped_targets(
 ) -> Mapped:
     """What `mapping` makes of the tensors `inspect` found: to HF names for DCP, to runtime names for HF."""
     from ckptconv.mapping.rules import Direction, map_keys
+    from ckptconv.plan.megatron_tp import check_tp_known
 
     direction: Direction = "to_hf" if info["format"] == "dcp" else "to_runtime"
     shapes = {t["key"]: tuple(t["shape"]) for t in info["tensors"]}
     if direction == "to_hf":  # the model's tensors, as dcp-to-hf takes them
         shapes = {key: shapes[fqn] for key, fqn in info["release"]["model"].items()}
+        check_tp_known(mapping, shapes, config)
     return map_keys(mapping, direction, shapes, config, allow_unmapped=allow_unmapped)
 
 
@@ -181,11 +188,9 @@ def render_inspect(info: dict[str, Any], console: Console) -> None:
         console.print(_quantized_line(quantized), markup=False)
     if info.get("non_tensor_items"):
         console.print("non-tensor items: " + ", ".join(info["non_tensor_items"]), markup=False)
-    if info.get("writer") == "megatron":
-        common = info.get("common", {})
-        console.print(
-            f"Megatron-Core torch_dist checkpoint, iteration {common.get('iteration', '?')}", markup=False
-        )
+    megatron = info.get("megatron")
+    if megatron is not None:
+        console.print(megatron_line(megatron), markup=False)
     release = info.get("release")
     if release:
         console.print(
@@ -199,6 +204,16 @@ def render_inspect(info: dict[str, Any], console: Console) -> None:
             from ckptconv.lora.describe import line as lora_line
 
             console.print(lora_line(adapter), markup=False)
+
+
+def megatron_line(megatron: dict[str, Any]) -> str:
+    """The line `inspect` prints: "Megatron-FSDP fsdp_dtensor checkpoint, iteration 7, TP at save 2"."""
+    fsdp = megatron["format"] == "fsdp_dtensor"
+    what = "Megatron-FSDP fsdp_dtensor" if fsdp else "Megatron-Core torch_dist"
+    iteration = megatron["iteration"]
+    line = f"{what} checkpoint, iteration {'?' if iteration is None else iteration}"
+    tp = megatron["tensor_model_parallel_size"]
+    return line if tp is None else f"{line}, TP at save {tp}"
 
 
 def _dtype_cell(t: dict[str, Any]) -> str:

@@ -37,6 +37,7 @@ from ckptconv.lora.select import LoraRequest
 from ckptconv.mapping import VARIANTS, load_config
 from ckptconv.mapping.family import mapping_for
 from ckptconv.options import VerifyOptions
+from ckptconv.plan.megatron_tp import saved_tp, with_tp
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.to_hf import assign_owners
 from ckptconv.plan.types import OutTensor, TiedHead
@@ -157,14 +158,17 @@ def dcp_side(
     quantized: frozenset[str] = frozenset(),
     lora: LoraRequest | None = None,
     drop_untied_head: bool = False,
+    megatron_tp: int | None = None,
 ) -> Side:
     """A DCP directory seen as dcp-to-hf would write it, dtypes kept. With a mapping and no `variant`, in the
     expert form (per expert or fused) that shares the most keys with the HF side `like`. The `quantized` keys
     (`dcp-to-hf --quantize fp8 --verify`) read as their block-FP8 round trip, dequantize(quantize(w)) in w's
     dtype: what the FP8 output holds, read in this side's dtype, iff its bytes and scales are right. An
     output head tie_word_embeddings leaves out is a key of this side when it differs from its embedding
-    (`tied`), unless `drop_untied_head` (then a note says it was left out)."""
+    (`tied`), unless `drop_untied_head` (then a note says it was left out). `megatron_tp`: the TP size a
+    Megatron checkpoint was saved at, where its args do not say (`--megatron-tp`)."""
     ckpt = open_dcp(path)
+    config = with_tp(config, saved_tp(ckpt), megatron_tp)  # a Megatron checkpoint's TP size at save
     like_keys = None if like is None else like.shapes.keys()
     outs, heads = dcp_outs(ckpt, prefix, mapping, config, allow_unmapped, variant, like_keys, lora)
     reader = DcpReader(ckpt)
@@ -246,6 +250,7 @@ def open_sides(
     config: dict[str, Any] | None = None,
     allow_unmapped: bool = False,
     lora: LoraRequest | None = None,
+    megatron_tp: int | None = None,
 ) -> tuple[Side, Side]:
     """Both sides; with a mapping, every DCP side is viewed under HF names, in the expert form (per expert or
     fused) of the other side when that is HF."""
@@ -259,7 +264,15 @@ def open_sides(
         if is_dcp_dir(path):
             other = sides[1 - i]
             sides[i] = dcp_side(
-                label, path, prefix, mapping, config or {}, allow_unmapped, like=other, lora=lora
+                label,
+                path,
+                prefix,
+                mapping,
+                config or {},
+                allow_unmapped,
+                like=other,
+                lora=lora,
+                megatron_tp=megatron_tp,
             )
     assert sides[0] is not None and sides[1] is not None
     follow(sides[0], sides[1])
@@ -342,6 +355,7 @@ def verify(
             config=model_config(path_a, path_b, options),
             allow_unmapped=mapping.allow_unmapped,
             lora=options.lora,
+            megatron_tp=options.megatron_tp,
         )
 
     side_a, side_b = everyone(world, prepare)

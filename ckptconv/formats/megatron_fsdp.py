@@ -1,0 +1,63 @@
+"""Megatron-FSDP `fsdp_dtensor` checkpoints: what tells one apart, and its `args` read without running it.
+
+Megatron-LM's `--ckpt-format fsdp_dtensor` saves a plain torch DCP directory (no `metadata.json`, no
+`common.pt`) of the dict `{"model": {"module.<fqn>": DTensor}, "optimizer": ..., "rng_state": ...,
+"opt_param_scheduler": ..., "rerun_state_machine": ..., "args": Namespace, "iteration": int,
+"checkpoint_version": float}`; with virtual pipeline stages the model is `model0`, `model1`, ... So its
+tensors sit under `model.module.` (or `model<N>.module.`) and `args`, `iteration` and `checkpoint_version`
+are top-level bytes items. Both together make it one: a name alone does not.
+
+Those three items are read as `common.pt` is (formats/megatron.common_of): every global of their pickles a
+stand-in, within one read's limits. Nothing from them is imported or called.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ckptconv.core.specs import Common, DcpCheckpoint
+from ckptconv.errors import CkptconvError
+from ckptconv.formats.megatron import item_bytes, readable_item
+from ckptconv.remote.files import RemoteFiles
+
+ITEMS = ("args", "iteration", "checkpoint_version")  # the top-level bytes items Megatron-LM saves
+# the model's prefix: `model.module.`, or a virtual pipeline chunk's `model<N>.module.`
+PREFIX = re.compile(r"model([0-9]*)\.module\.")
+
+
+def is_fsdp_dtensor(ckpt: DcpCheckpoint) -> bool:
+    """Whether `ckpt` holds tensors under `model.module.` (or `model<N>.module.`) with the top-level bytes
+    items `args`, `iteration` and `checkpoint_version` beside them."""
+    for name in ITEMS:
+        item = ckpt.items.get(name)
+        if item is None or len(item.path) != 1:
+            return False
+    return any(PREFIX.match(fqn) for fqn in ckpt.tensors)
+
+
+def model_key(fqn: str) -> tuple[str, str] | None:
+    """(the chunk's prefix, the key under it) of a model tensor key, None for any other key."""
+    m = PREFIX.match(fqn)
+    return None if m is None or not fqn[m.end() :] else (m.group(0), fqn[m.end() :])
+
+
+def read_items(ckpt: DcpCheckpoint, remote: RemoteFiles | None = None) -> Common:
+    """`args`, `iteration` and `checkpoint_version` read without running them, as one `Common` (what
+    `read_common` makes of torch_dist's common.pt): each item's readable value, and what of it was left out.
+    Some part of `args` left out (megatron's enums), its raw bytes are kept under `args.pt`."""
+    values: dict[str, Any] = {}
+    unreadable: dict[str, tuple[str, ...]] = {}
+    kept = b""
+    for name in ITEMS:
+        item = ckpt.items[name]
+        raw = item_bytes(ckpt.path, item, remote)
+        values[name], unreadable[name] = readable_item(raw, f"{ckpt.path / item.file}: {name!r}", name)
+        if unreadable[name] and name != "args":  # Megatron-LM saves plain numbers there
+            raise CkptconvError(
+                f"{ckpt.path / item.file}: the item {name!r} holds {', '.join(unreadable[name])}, not a "
+                "number; not a Megatron-FSDP checkpoint ckptconv can read (re-save it)"
+            )
+        if name == "args":
+            kept = raw
+    return Common(values, unreadable, kept, source="args", raw_key="args.pt", items=ITEMS)

@@ -124,6 +124,28 @@ def test_a_model_group_alone_is_not_megatron_fsdp(tmp_path: Path, capsys: pytest
     assert info["release"]["model"] == {"module.w": "model.module.w"}
 
 
+def test_megatron_module_names_without_items_are_megatron_fsdp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Megatron-Bridge conversion saves no `args` / `iteration` / `checkpoint_version`: GPTModel's names under
+    `model.module.` make it Megatron-FSDP's all the same, its iteration and TP unknown, nothing stashed."""
+    w, e = torch.arange(6.0).reshape(3, 2), torch.ones(4, 2)
+    model = {"module.decoder.layers.0.mlp.linear_fc2.weight": w, "module.embedding.word_embeddings.weight": e}
+    with pytest.warns(UserWarning):
+        dcp.save({"model": model}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    info = _inspect_json(capsys, tmp_path / "c")
+    assert info["megatron"]["format"] == "fsdp_dtensor"
+    assert info["megatron"]["iteration"] is None and info["megatron"]["tensor_model_parallel_size"] is None
+    assert info["release"]["model"] == {k.removeprefix("module."): f"model.{k}" for k in model}
+    assert info["release"]["stash"] == []
+    out = tmp_path / "out"
+    code, err = run(capsys, "dcp-to-hf", str(tmp_path / "c"), str(out), "--allow-unmapped", "--dtype", "keep")
+    assert code == 0, err
+    got = load_file(str(out / "model.safetensors"))
+    assert torch.equal(got["decoder.layers.0.mlp.linear_fc2.weight"], w)
+    assert torch.equal(got["embedding.word_embeddings.weight"], e)
+
+
 def test_torch_dist_says_its_tp_when_its_args_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Megatron-Core 0.19 keeps the common state in the DCP (`common_state/shard_0_1`, a torch.save of
     `[common]`), no common.pt: its values are read as 0.16's common.pt is."""

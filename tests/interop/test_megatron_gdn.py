@@ -281,19 +281,20 @@ def test_fsdp_dtensor_tp1_and_tp2_give_one_release(cases: dict[str, Case], famil
 def test_fused_gdn_without_its_tp_size_is_refused(
     cases: dict[str, Case], family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Without `args` the directory is no Megatron-FSDP checkpoint to ckptconv (it needs the three items), so
-    its `model.module.` keys map to nothing: exit 2. Read with --prefix model.module., the fused GDN tensor's
-    TP size is unknown: exit 2 naming the tensor and --megatron-tp. Nothing written either way."""
+    """Without `args` (as a Megatron-Bridge conversion has none) the directory is still Megatron-FSDP's by its
+    GPTModel names under `model.module.`, but the fused GDN tensor's TP size is unknown: exit 2 naming the
+    tensor and --megatron-tp, nothing written. Told the TP size, it gives the TP 2 release byte for byte."""
     case = cases[family]
     ckpt = case.fsdp(2, args=False)
     argv = ("dcp-to-hf", str(ckpt), str(tmp_path / "out"), "--mapping", case.preset)
     argv += ("--config", str(case.config))
     assert cli(*argv) == 2
-    assert cli(*argv, "--prefix", "model.module.") == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert "in_proj.weight" in err or "conv1d.weight" in err
     assert "pass --megatron-tp N (the TP size of the job that saved it)" in err
     assert not (tmp_path / "out").exists()
+    told, saved = case.to_hf(ckpt, "--megatron-tp", "2"), case.to_hf(case.fsdp(2))
+    assert (told / "model.safetensors").read_bytes() == (saved / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

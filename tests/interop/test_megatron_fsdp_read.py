@@ -127,8 +127,9 @@ def test_a_model_group_alone_is_not_megatron_fsdp(tmp_path: Path, capsys: pytest
 def test_megatron_module_names_without_items_are_megatron_fsdp(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A Megatron-Bridge conversion saves no `args` / `iteration` / `checkpoint_version`: GPTModel's names under
-    `model.module.` make it Megatron-FSDP's all the same, its iteration and TP unknown, nothing stashed."""
+    """A Megatron-Bridge conversion saves no `args` / `iteration` / `checkpoint_version`: GPTModel's names
+    under `model.module.` make it Megatron-FSDP's all the same, its iteration and TP unknown, nothing
+    stashed."""
     w, e = torch.arange(6.0).reshape(3, 2), torch.ones(4, 2)
     model = {"module.decoder.layers.0.mlp.linear_fc2.weight": w, "module.embedding.word_embeddings.weight": e}
     with pytest.warns(UserWarning):

@@ -108,7 +108,15 @@ def writes_fsdp(mapping: KeyMapping | None) -> bool:
 
 
 def _moe(config: Mapping[str, Any]) -> bool:
+    config = language_model(config)
     return any(isinstance(config.get(k), int) and config[k] > 0 for k in _EXPERTS)
+
+
+def language_model(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's sizes: config.json's own, with a multimodal model's `text_config` (Qwen3.5's
+    Qwen3_5ForConditionalGeneration) over them."""
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else dict(config)
 
 
 def with_tp(config: Mapping[str, Any], tp: int | None) -> dict[str, Any]:
@@ -134,6 +142,7 @@ def megatron_args(
     """The `args` Megatron-LM's load reads, from config.json (`config`, with the mapping's defaults and
     --megatron-tp applied) and the planned tensors' runtime keys and shapes (the padded vocabulary,
     qk_layernorm)."""
+    config = language_model(config)
     heads = _int(config, "num_attention_heads")
     hidden = _int(config, "hidden_size")
     groups = config.get("num_key_value_heads") or heads

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -246,18 +247,20 @@ def test_hf_to_dcp_fsdp_dtensor_gives_bridges_fused_gdn(
     cases: dict[str, Case], family: str, tp: int, tmp_path: Path
 ) -> None:
     """hf-to-dcp --format fsdp_dtensor --megatron-gdn fused --megatron-tp TP: under `model.module.`, every
-    tensor Bridge's functions give for a job at TP (in_proj / conv1d fused by its ranks) bit for bit.
-
-    The `args` item is built from config.json's top-level sizes only, so Qwen3.5's text_config is copied to
-    the top level of the config.json given here (the preset reads text_config either way)."""
+    tensor Bridge's functions give for a job at TP (in_proj / conv1d fused by its ranks) bit for bit, and the
+    `args` item has the language model's sizes (Qwen3.5's from text_config) and the TP."""
     case = cases[family]
-    config = json.loads(case.config.read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config.get("text_config", {}), **config}))
-    layout = ("--runtime-layout", "norm-separate") if case.moe else ()
     back = tmp_path / "back"
-    argv = ("hf-to-dcp", str(case.to_hf(case.torch_dist)), str(back), "--mapping", case.preset, *layout)
+    argv = ("hf-to-dcp", str(case.to_hf(case.torch_dist)), str(back), "--mapping", case.preset)
     fused = ("--format", "fsdp_dtensor", "--megatron-gdn", "fused", "--megatron-tp", str(tp))
-    assert cli(*argv, "--config", str(tmp_path / "config.json"), *fused) == 0
+    assert cli(*argv, "--config", str(case.config), *fused) == 0
+    items: dict[str, Any] = {"args": None}
+    dcp.load(items, checkpoint_id=str(back), no_dist=True)
+    text = json.loads(case.config.read_text())
+    text = text.get("text_config", text)
+    assert items["args"].tensor_model_parallel_size == tp
+    assert items["args"].num_layers == text["num_hidden_layers"]
+    assert items["args"].num_attention_heads == text["num_attention_heads"]
     want = {
         "model.module." + k: v
         for k, v in case.meg[f"fused{tp}"].items()

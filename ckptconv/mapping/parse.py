@@ -86,10 +86,15 @@ def _flatten(table: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
 
 
 def _ranges(table: Any, where: str) -> tuple[tuple[str, Range], ...]:
+    """[mapping.ranges]: placeholder -> a size, `{ below = size, default = integer }`, or the layers of one
+    type, `{ where = "layer_types", equals = "linear_attention" }` (`Range.of_type`)."""
     if not isinstance(table, dict):
         raise CkptconvError(f"{where}: [mapping.ranges] must be a table of placeholder = size")
     out = []
     for name, spec in table.items():
+        if isinstance(spec, dict) and ("where" in spec or "equals" in spec):
+            out.append((str(name), Range.of_type(str(name), spec, where)))
+            continue
         if isinstance(spec, dict) and set(spec) <= {"below", "default"} and "below" in spec:
             below, default = spec["below"], spec.get("default")
         else:
@@ -100,7 +105,8 @@ def _ranges(table: Any, where: str) -> tuple[tuple[str, Range], ...]:
             or not (default is None or type(default) is int)
         ):
             raise CkptconvError(
-                f"{where}: range of {name!r} must be a size, or {{ below = size, default = integer }}"
+                f"{where}: range of {name!r} must be a size, {{ below = size, default = integer }} or "
+                '{ where = "layer_types", equals = "<layer type>" }'
             )
         out.append((str(name), Range(below, default)))
     return tuple(out)

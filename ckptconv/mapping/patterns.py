@@ -3,9 +3,11 @@
     layers.{layer}.attention.wq.weight              {layer} matches a number: 0, 1, 12 (never 01)
     model.layers.{mtp + num_hidden_layers}.eh_proj   the key's number is mtp plus a config.json size
 
-A mapping's `[mapping.ranges]` bounds a placeholder (`layer = "num_hidden_layers"`: 0 <= layer < it). A key
-whose binding falls outside a range does not match the pattern at all, so another rule may take it (an MTP
-layer, numbered after the main layers, is never read as a main layer).
+A mapping's `[mapping.ranges]` bounds a placeholder (`layer = "num_hidden_layers"`: 0 <= layer < it), or
+picks the layers of one type from a config.json list (`linear = { where = "layer_types", equals =
+"linear_attention" }`: the i with layer_types[i] == "linear_attention"). A key whose binding falls outside a
+range does not match the pattern at all, so another rule may take it (an MTP layer, numbered after the main
+layers, is never read as a main layer; a delta-net layer's input norm is not a full-attention layer's).
 """
 
 from __future__ import annotations
@@ -21,14 +23,42 @@ from ckptconv.mapping import expr
 
 _SLOT = re.compile(r"\{\s*([a-z_][a-z0-9_]*)\s*(?:([+-])\s*([^{}\s](?:[^{}]*[^{}\s])?)\s*)?\}")  # linear
 _NUMBER = "(0|[1-9][0-9]*)"
+_CONFIG_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}(?:\.[A-Za-z_][A-Za-z0-9_]{0,99}){0,7}")  # a dotted key
+MAX_TYPES = 2**20  # the most entries a config.json list of layer types may have (no model has 2**20 layers)
 
 
 @dataclass(frozen=True)
 class Range:
-    """0 <= placeholder < `below` (a size expression); `default` when config.json lacks its keys."""
+    """0 <= placeholder < `below` (a size expression), or, with `where`, the indices i of the config.json
+    list `where` with list[i] == `equals` (then `below`, if given, is the length the list must have)."""
 
-    below: str | int
+    below: str | int | None
+    """The exclusive upper bound; with `where`, the list's required length (None: any length)."""
     default: int | None = None
+    """The bound when config.json lacks the keys of `below` (not with `where`)."""
+    where: str | None = None
+    """A config.json key (dotted for a nested one) holding a list of strings, one per layer."""
+    equals: str | None = None
+    """The entry of `where` whose indices the placeholder takes."""
+
+    @classmethod
+    def of_type(cls, name: str, spec: Mapping[str, Any], where: str) -> Range:
+        """`{ where = config key, equals = layer type[, below = size: the list's length] }`, checked."""
+        key, equals, below = spec.get("where"), spec.get("equals"), spec.get("below")
+        if (
+            not set(spec) <= {"where", "equals", "below"}
+            or not isinstance(key, str)
+            or not _CONFIG_KEY.fullmatch(key)
+            or not isinstance(equals, str)
+            or not 0 < len(equals) <= expr.MAX_EXPR_CHARS
+            or not (below is None or (isinstance(below, int | str) and not isinstance(below, bool)))
+        ):
+            raise CkptconvError(
+                f"{where}: range of {name!r} must be {{ where = config key (a list of layer types), equals = "
+                'layer type[, below = size: the list\'s length] }, e.g. { where = "layer_types", equals = '
+                '"linear_attention" }'
+            )
+        return cls(below, None, key, equals)
 
 
 @dataclass
@@ -41,28 +71,74 @@ class Scope:
     where: str
     defaults: Mapping[str, int] = field(default_factory=dict)
     _bounds: dict[str, int] = field(default_factory=dict)
+    _members: dict[str, frozenset[int]] = field(default_factory=dict)
 
     def size(self, value: int | str) -> int:
         return expr.size(value, self.config, self.where, self.defaults)
 
     def bound(self, name: str) -> int | None:
-        """The exclusive upper bound of placeholder `name`, None if it has no range."""
+        """The exclusive upper bound of placeholder `name`, None if it has no range. A range of layer types
+        has none (its indices need not be contiguous): a stack over it is refused."""
         spec = self.ranges.get(name)
         if spec is None:
             return None
+        if spec.where is not None:
+            raise CkptconvError(
+                f"{self.where}: {{{name}}} ranges over the layers whose {spec.where} is {spec.equals!r}, "
+                "not 0..N-1; a stack needs a range with `below`; fix the mapping"
+            )
         if name not in self._bounds:
-            try:
-                self._bounds[name] = self.size(spec.below)
-            except expr.MissingKey:
-                if spec.default is None:
-                    raise CkptconvError(
-                        f"{self.where}: the range of {{{name}}} needs {spec.below!r} from config.json; "
-                        "pass --config"
-                    ) from None
-                self._bounds[name] = spec.default
+            self._bounds[name] = self._size_of(name, spec)
         return self._bounds[name]
 
+    def _size_of(self, name: str, spec: Range) -> int:
+        assert spec.below is not None
+        try:
+            return self.size(spec.below)
+        except expr.MissingKey:
+            if spec.default is None:
+                raise CkptconvError(
+                    f"{self.where}: the range of {{{name}}} needs {spec.below!r} from config.json; "
+                    "pass --config"
+                ) from None
+            return spec.default
+
+    def members(self, name: str, spec: Range) -> frozenset[int]:
+        """The indices i with config[spec.where][i] == spec.equals, the list checked once: a list of
+        strings, no longer than MAX_TYPES, of length `below` where the range gives one."""
+        if name not in self._members:
+            assert spec.where is not None
+            types = expr.lookup(self.config, spec.where)
+            what = f"the range of {{{name}}} ({spec.where} == {spec.equals!r})"
+            if not isinstance(types, list):
+                raise CkptconvError(
+                    f"{self.where}: {what} needs config.json's {spec.where!r}, a list of layer types; "
+                    "pass --config with it"
+                )
+            if len(types) > MAX_TYPES:
+                raise CkptconvError(
+                    f"{self.where}: config.json's {spec.where!r} has {len(types)} entries, more than "
+                    f"{MAX_TYPES}; fix the config ({what})"
+                )
+            bad = next((t for t in types if not isinstance(t, str)), None)
+            if bad is not None:
+                raise CkptconvError(
+                    f"{self.where}: config.json's {spec.where!r} has an entry of type "
+                    f"{type(bad).__name__}; it must be a list of layer type names ({what})"
+                )
+            if spec.below is not None and len(types) != (n := self._size_of(name, spec)):
+                raise CkptconvError(
+                    f"{self.where}: config.json's {spec.where!r} has {len(types)} entries, not {n} "
+                    f"({spec.below}); fix the config ({what})"
+                )
+            self._members[name] = frozenset(i for i, t in enumerate(types) if t == spec.equals)
+        return self._members[name]
+
     def in_range(self, name: str, value: int) -> bool:
+        """Whether `value` is one of placeholder `name`'s: below its bound, or a layer of its type."""
+        spec = self.ranges.get(name)
+        if spec is not None and spec.where is not None:
+            return value in self.members(name, spec)
         bound = self.bound(name)
         return value >= 0 and (bound is None or value < bound)
 

@@ -204,6 +204,7 @@ def test_mtp_model_layer_naming_reads_the_same(cases: dict[str, Case], family: s
 
 
 GDN_INPUT_NORM = ".self_attention.in_proj.layer_norm_weight"
+QKV_INPUT_NORM = ".self_attention.linear_qkv.layer_norm_weight"
 
 
 def _back(case: Case, root: Path) -> dict[str, torch.Tensor]:
@@ -220,25 +221,28 @@ def _back(case: Case, root: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_to_dcp_gives_torch_dists_split_keys(cases: dict[str, Case], family: str, tmp_path: Path) -> None:
-    """Every tensor of the torch_dist checkpoint bit for bit, GDN split keys and MTP included, but the input
-    norm of a gated delta-net layer (the xfail below)."""
+    """Every tensor of the torch_dist checkpoint bit for bit under its own key and no other key, GDN split
+    keys, MTP and every layer's input norm included."""
+    case = cases[family]
+    assert_same(_back(case, tmp_path / "back"), case.meg["split"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_to_dcp_names_a_delta_net_layers_input_norm(
+    cases: dict[str, Case], family: str, tmp_path: Path
+) -> None:
+    """HF names every layer's input norm `input_layernorm`; Megatron names it by the layer's type, which
+    config.json's layer_types gives (the preset's ranges `full` / `linear`): `in_proj.layer_norm_weight` on a
+    gated delta-net layer, `linear_qkv.layer_norm_weight` on a full-attention one."""
     case = cases[family]
     got = _back(case, tmp_path / "back")
-    want = {k: v for k, v in case.meg["split"].items() if not k.endswith(GDN_INPUT_NORM)}
-    bad = [k for k in want if k not in got or not same_bits(got[k], want[k])]
-    assert not bad, bad
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engine cannot tell a layer's type on the HF side: input_layernorm is written as "
-    "linear_qkv.layer_norm_weight (the first rule) also for gated delta-net layers, which Megatron names "
-    "in_proj.layer_norm_weight; a rule condition on the layer's other HF keys (or layer_types) is needed",
-)
-def test_hf_to_dcp_names_a_delta_net_layers_input_norm(cases: dict[str, Case], tmp_path: Path) -> None:
-    case = cases["qwen3_5"]
-    got = _back(case, tmp_path / "back")
-    assert "decoder.layers.0" + GDN_INPUT_NORM in got
+    config = json.loads(case.config.read_text())
+    types = config.get("text_config", config)["layer_types"]
+    assert "linear_attention" in types and "full_attention" in types
+    for i, kind in enumerate(types):
+        gdn = kind == "linear_attention"
+        assert (f"decoder.layers.{i}{GDN_INPUT_NORM}" in got) == gdn, (i, kind)
+        assert (f"decoder.layers.{i}{QKV_INPUT_NORM}" in got) != gdn, (i, kind)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -262,9 +266,7 @@ def test_hf_to_dcp_fsdp_dtensor_gives_bridges_fused_gdn(
     assert items["args"].num_layers == text["num_hidden_layers"]
     assert items["args"].num_attention_heads == text["num_attention_heads"]
     want = {
-        "model.module." + k: v
-        for k, v in case.meg[f"fused{tp}"].items()
-        if not k.endswith(GDN_INPUT_NORM) and not k.endswith("_extra_state")
+        "model.module." + k: v for k, v in case.meg[f"fused{tp}"].items() if not k.endswith("_extra_state")
     }
     got = {k: torch.empty_like(v) for k, v in want.items()}
     dcp.load(got, checkpoint_id=str(back))

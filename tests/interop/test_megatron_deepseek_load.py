@@ -95,3 +95,39 @@ def test_megatron_loads_hf_to_dcp_strictly(
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert same_bits(got[key], value), key
+
+
+def test_extra_state_offsets_follow_the_stacked_axes() -> None:
+    """The rule the slow tests check against megatron, without it: layer-stacked keys take the layer axis,
+    stacked experts the expert axis, per-layer keys (decoder or MTP) only the expert axis if any; the output
+    layer, router, embedding and norms have no `_extra_state`."""
+    shapes = {
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 3, 8, 4),
+        "decoder.layers.self_attention.linear_qkv.weight": (2, 12, 4),
+        "decoder.layers.1.mlp.experts.experts.linear_fc2.weight": (3, 4, 8),
+        "decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight_w": (8, 4),
+        "decoder.layers.0.self_attention.linear_q_down_proj.weight": (6, 4),
+        "mtp.layers.0.eh_proj.weight": (4, 8),
+        "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight": (2, 8, 4),
+        "mtp.layers.0.transformer_layer.mlp.router.weight": (2, 4),
+        "decoder.layers.0.self_attention.kv_layernorm.weight": (4,),
+        "output_layer.weight": (16, 4),
+        "embedding.word_embeddings.weight": (16, 4),
+    }
+    want = {
+        *(
+            f"decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_{i}.{e}_2.3"
+            for i in range(2)
+            for e in range(3)
+        ),
+        *(f"decoder.layers.self_attention.linear_qkv._extra_state/shard_{i}_2" for i in range(2)),
+        *(f"decoder.layers.1.mlp.experts.experts.linear_fc2._extra_state/shard_{e}_3" for e in range(3)),
+        "decoder.layers.1.mlp.experts.experts.2.linear_fc1._extra_state/shard_0_1",
+        "decoder.layers.0.self_attention.linear_q_down_proj._extra_state/shard_0_1",
+        "mtp.layers.0.eh_proj._extra_state/shard_0_1",
+        *(
+            f"mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1._extra_state/shard_{e}_2"
+            for e in range(2)
+        ),
+    }
+    assert set(extra_state_objects(shapes)) == want

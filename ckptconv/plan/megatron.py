@@ -43,8 +43,13 @@ from ckptconv.core.specs import StashedItem
 if TYPE_CHECKING:
     from ckptconv.plan.types import DcpSavePlan
 
-# a linear layer's weight: its module, then (with singleton_local_shards) the SwiGLU half
-_LINEAR = re.compile(r"(decoder\.layers\..*\.linear_(?:qkv|proj|fc1|fc2))\.weight(?:_w|_v)?")
+# a parallel linear layer's weight in a decoder or MTP layer (megatron names them `linear_*`, MLA's
+# linear_q_down_proj etc. included, or `*_proj` as MTP's eh_proj): its module, then (with
+# singleton_local_shards) the SwiGLU half. Not the output layer (GPTModel drops its `_extra_state`), the
+# router, the embedding or the norms, which have none.
+_LINEAR = re.compile(r"((?:[^.]+\.)*layers\..*\.(?:linear_\w+|\w+_proj))\.weight(?:_w|_v)?")
+# experts stacked along a prepended axis: the experts' linear layer right under `experts.experts.`
+_STACKED_EXPERTS = re.compile(r".*\.experts\.experts\.linear_\w+")
 
 
 def extra_state_objects(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[None]]:
@@ -52,18 +57,22 @@ def extra_state_objects(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list
     global shapes), as `dist_checkpointing.save` names them, each with what megatron stores for it: the list
     of the objects of that key on a rank, `[None]` (torch.save of it is the item's bytes).
 
-    The object's offsets are the weight's stacked axes: `decoder.layers.X.weight` [L, ...] gives
-    `decoder.layers.X._extra_state/shard_{l}_{L}` for every layer l; experts [L, E, ...] give
-    `.../shard_{l}.{e}_{L}.{E}`; a per-layer key (singleton_local_shards) `.../shard_0_1`. TP plays no part:
-    the object is replicated over it."""
+    The object's offsets are the weight's stacked axes: the layer axis of a key whose layers are stacked
+    (`decoder.layers.X.weight` [L, ...]), then the expert axis of stacked experts (`...experts.experts.
+    linear_fc1.weight`). `decoder.layers.X.weight` gives `decoder.layers.X._extra_state/shard_{l}_{L}` for
+    every layer l; experts [L, E, ...] give `.../shard_{l}.{e}_{L}.{E}`; a per-layer key (MTP layers,
+    non-homogeneous models such as a dense then MoE stack) with stacked experts [E, ...] `.../shard_{e}_{E}`;
+    a key with no stacked axis (a per-layer linear, singleton_local_shards) `.../shard_0_1`. TP plays no
+    part: the object is replicated over it."""
     out: dict[str, list[None]] = {}
     for key, shape in shapes.items():
         m = _LINEAR.fullmatch(key)
         if m is None:
             continue
         module = m.group(1)
-        stacked = int(not module[len("decoder.layers.") :][:1].isdigit())
-        stacked += int(stacked == 1 and ".mlp.experts.experts.linear_" in module)
+        parts = module.split(".")
+        stacked = int(not parts[parts.index("layers") + 1].isdigit())  # no layer number: layers stacked
+        stacked += int(_STACKED_EXPERTS.fullmatch(module) is not None)
         grid = shape[:stacked] if stacked else (1,)
         for index in itertools.product(*(range(n) for n in grid)):
             name = f"{module}._extra_state/shard_{_dotted(index)}_{_dotted(grid)}"

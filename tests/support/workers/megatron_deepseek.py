@@ -1,6 +1,8 @@
-"""megatron_save.py's `deepseek` mode: a tiny DeepSeek-V3-style megatron-core 0.16.1 GPTModel, torch_dist.
+"""megatron_save.py's `deepseek` and `load-deepseek` modes: a tiny DeepSeek-V3-style megatron-core 0.16.1
+GPTModel, torch_dist, saved and loaded by megatron's own code.
 
 usage (under torchrun, 1 rank, TP=1): megatron_save.py deepseek OUT [--no-q-lora]
+                                       megatron_save.py load-deepseek CKPT RESULT [--no-q-lora]
 
 The model: local (non-TransformerEngine) spec built by megatron's own get_gpt_decoder_block_spec and
 get_gpt_mtp_block_spec from an MLATransformerConfig: 2 layers, the first dense and the second MoE
@@ -76,20 +78,17 @@ def _stand_ins() -> None:
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
 
 
-def save_deepseek(out: Path, argv: list[str]) -> None:
+def build_deepseek(sizes: dict[str, Any]) -> Any:
+    """The tiny GPTModel of `sizes` (DS, or DS without q_lora_rank) at TP=1, bf16 as Float16Module makes it,
+    its parameters from a fixed seed."""
     import torch.nn.functional as F
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import MLATransformerConfig
     from megatron_save import cuda_on_cpu
 
-    p = argparse.ArgumentParser(prog="megatron_save.py deepseek OUT")
-    p.add_argument("--no-q-lora", action="store_true")
-    o = p.parse_args(argv)
-    assert dist.get_world_size() == 1, "deepseek: 1 rank, TP=1"
-    sizes = {**DS, "q_lora_rank": None if o.no_q_lora else DS["q_lora_rank"]}
     _stand_ins()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     torch.manual_seed(1234)
@@ -126,16 +125,57 @@ def save_deepseek(out: Path, argv: list[str]) -> None:
             mtp_block_spec=mtp,
         )
         Float16Module(config, gpt)  # as Megatron-LM's get_model does for --bf16: every tensor bf16
+    return gpt
+
+
+def model_tensors(gpt: Any) -> dict[str, torch.Tensor]:
+    """GPTModel.state_dict() without the `_extra_state` entries and the routers' token counters: the
+    parameters and the routers' expert_bias."""
+    model = {k: v.detach().clone() for k, v in gpt.state_dict().items() if "_extra_state" not in k}
+    return {k: v for k, v in model.items() if not k.endswith("local_tokens_per_expert")}
+
+
+def _sizes(argv: list[str], prog: str) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--no-q-lora", action="store_true")
+    o = p.parse_args(argv)
+    assert dist.get_world_size() == 1, "deepseek: 1 rank, TP=1"
+    return {**DS, "q_lora_rank": None if o.no_q_lora else DS["q_lora_rank"]}
+
+
+def save_deepseek(out: Path, argv: list[str]) -> None:
+    from megatron.core import dist_checkpointing
+
+    sizes = _sizes(argv, "megatron_save.py deepseek OUT")
+    gpt = build_deepseek(sizes)
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():  # distinct norms and biases: a mapping that swapped two would show
         for name, t in gpt.state_dict().items():
             if "norm" in name or name.endswith("expert_bias"):
                 t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
-    model = {k: v.detach().clone() for k, v in gpt.state_dict().items() if "_extra_state" not in k}
-    model = {k: v for k, v in model.items() if not k.endswith("local_tokens_per_expert")}
+    model = model_tensors(gpt)
     args = argparse.Namespace(**sizes)
     sd = {"model": gpt.sharded_state_dict(), "args": args, "iteration": 1, "checkpoint_version": 3.0}
     out.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(sd, str(out))
     torch.save({"model": model}, out.parent / "expected.pt")
     (out.parent / "config.json").write_text(json.dumps(sizes, indent=1) + "\n")
+
+
+def load_deepseek(ckpt: Path, result: Path, argv: list[str]) -> None:
+    """megatron's own load of CKPT into the model save_deepseek builds: every parameter and expert_bias set
+    to zero (whatever the load misses shows), `dist_checkpointing.load({"model": gpt.sharded_state_dict()},
+    CKPT)` with megatron's default strictness (a missing or unexpected key or ShardedObject raises), then
+    `load_state_dict(strict=True)`. Saves {"model": model_tensors(gpt)} to RESULT."""
+    from megatron.core import dist_checkpointing
+    from megatron_save import cuda_on_cpu
+
+    gpt = build_deepseek(_sizes(argv, "megatron_save.py load-deepseek CKPT RESULT"))
+    with torch.no_grad():
+        for name, t in gpt.state_dict().items():
+            if "_extra_state" not in name and t.is_floating_point():
+                t.zero_()
+    with cuda_on_cpu():  # under "model", as Megatron-LM asks for it: the common values land beside it
+        loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(ckpt))
+    gpt.load_state_dict(loaded["model"], strict=True)
+    torch.save({"model": model_tensors(gpt)}, result)

@@ -9,6 +9,7 @@ usage: megatron_save.py sharded OUT
        megatron_save.py deepseek OUT [--no-q-lora]
        megatron_save.py load OUT RESULT [OUT RESULT ...]
        megatron_save.py load-gpt CONFIG CKPT RESULT [CONFIG CKPT RESULT ...]
+       megatron_save.py load-deepseek CKPT RESULT [--no-q-lora]
 
 sharded  (2 ranks) a hand-built sharded state dict of megatron-core ShardedTensors in the layout Megatron-LM
          gives a GPT at TP=2: vocab-parallel embedding and output layer, layer-stacked (prepended layer
@@ -30,6 +31,8 @@ gpt      (2 ranks) a tiny megatron-core GPTModel, local (non-TransformerEngine) 
          (SequentialMLP, top-2 router) in both layers. --qk-layernorm: Qwen3's RMSNorm of each query and
          key head (q_layernorm, k_layernorm).
 deepseek (1 rank) a tiny DeepSeek-V3-style GPTModel (MLA, dense + MoE layers, MTP): see megatron_deepseek.py.
+load-deepseek (1 rank) that model loaded from CKPT by megatron's own dist_checkpointing.load (default
+         strictness): see megatron_deepseek.py.
 load     (any number of ranks) `dist_checkpointing.load` of each OUT with every tensor and ShardedObject in
          full (`load_sharded_metadata`); rank 0 torch.save's {"tensors": {key: tensor}, "common": {...}} to
          RESULT with Namespaces and numpy values made plain (loadable with weights_only=True).
@@ -137,6 +140,10 @@ def main() -> None:
         from megatron_deepseek import save_deepseek
 
         save_deepseek(out, sys.argv[3:])
+    elif mode == "load-deepseek":
+        from megatron_deepseek import load_deepseek
+
+        load_deepseek(out, Path(sys.argv[3]), sys.argv[4:])
     elif mode == "load":
         paths = [Path(a) for a in sys.argv[2:]]
         for ckpt, result in zip(paths[::2], paths[1::2], strict=True):

@@ -196,7 +196,9 @@ def transformers_runtime(root: Path) -> None:
 
 def megatron(root: Path) -> None:
     """A Qwen3 GPTModel saved by megatron-core's own `dist_checkpointing.save` (tests/support/megatron.py) as
-    iter_0000100 and run/iter_0001000, its transformers config.json, and models/Qwen3-8B its HF release."""
+    iter_0000100 and run/iter_0001000, its transformers config.json, models/Qwen3-8B its HF release, and
+    run/fsdp/iter_0000200 that release as Megatron-FSDP's fsdp_dtensor (tests/interop/test_megatron_fsdp_*.py
+    check the format against torch's own DTensor saves and megatron-core's key functions)."""
     from megatron import saved
     from test_megatron_gpt import hf_config
 
@@ -218,6 +220,8 @@ def megatron(root: Path) -> None:
         str(root / "config.json"),
     )
     shutil.copy(root / "config.json", release)
+    fsdp = root / "run" / "fsdp" / "iter_0000200"
+    _cli("hf-to-dcp", str(release), str(fsdp), "--mapping", "megatron-gpt", "--format", "fsdp_dtensor")
 
 
 def lora(root: Path) -> None:

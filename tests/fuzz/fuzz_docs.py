@@ -269,6 +269,8 @@ RULE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "drop": st.sampled_from([True, False, 0]),
     "tied": typed(st.sampled_from(PATTERNS)),
     "when": typed(st.sampled_from(["fused", "per_expert", "x"])),
+    "hf_groups": SIZE_VALUES,
+    "offset": st.sampled_from([1, -0.5, 1e308, float("inf"), float("nan"), True, "1"]),
     "zzz": VALUES,
 }
 RANGES = st.dictionaries(

@@ -175,9 +175,15 @@ def _rule(r: Any, where: str, number: int) -> Rule:
     sizes = r.get("sizes", [])
     if not isinstance(sizes, list) or not all(isinstance(s, _SIZE) for s in sizes):
         raise CkptconvError(f"{where}: sizes must be a list of integers or config.json expressions")
-    for flag in ("interleave", "duplicate", "unbind"):
+    for flag in ("interleave", "unbind"):
         if not isinstance(r.get(flag, False), bool):
             raise CkptconvError(f"{where}: {flag} must be true or false")
+    duplicate = r.get("duplicate", False)
+    if not isinstance(duplicate, bool) and duplicate != "reference":
+        raise CkptconvError(
+            f"{where}: duplicate must be true, false or \"reference\" (copies written only where the "
+            "reference holds them)"
+        )
     if not isinstance(r.get("layout", ""), str):
         raise CkptconvError(f"{where}: layout must be the name of a [[mapping.layouts]] entry")
     offset = r.get("offset")
@@ -208,7 +214,8 @@ def _rule(r: Any, where: str, number: int) -> Rule:
         multiple=_size(r, "multiple", where),
         hf_shape=_shape(r, "hf_shape", where),
         runtime_shape=_shape(r, "runtime_shape", where),
-        duplicate=r.get("duplicate", False),
+        duplicate=duplicate is not False,
+        reference_copies=duplicate == "reference",
         layout=r.get("layout"),
         ndim=ndim,
         unbind=r.get("unbind", False),
@@ -253,7 +260,10 @@ def _check(rule: Rule, where: str) -> None:
         raise CkptconvError(f"{where}: interleave splits equally; drop groups and sizes")
     if rule.unbind and (rule.interleave or rule.groups is not None or rule.sizes or rule.transpose):
         raise CkptconvError(f"{where}: unbind takes one slice of dim per key; drop the other split fields")
-    if (rule.narrow is not None or rule.hf_shape is not None) and (listed or len(runtime) != 1):
+    narrowed_copies = rule.duplicate and rule.hf_shape is None  # each copy narrowed alike
+    if (rule.narrow is not None or rule.hf_shape is not None) and (
+        len(runtime) != 1 or (listed and not narrowed_copies)
+    ):
         raise CkptconvError(f"{where}: narrow and hf_shape need one runtime key and one hf key")
     if rule.hf_shape is not None and rule.transpose:
         raise CkptconvError(f"{where}: hf_shape and transpose cannot be combined in one rule")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Collection
 from collections.abc import Mapping as MappingT
 from typing import Any
 
@@ -56,9 +57,11 @@ def map_keys(
     *,
     allow_unmapped: bool = False,
     where: str = "--mapping",
+    reference: Collection[str] | None = None,
 ) -> Mapped:
     """Targets for every source key, in source order, the keys passed through unmapped, and the HF copies to
-    check equal.
+    check equal. `reference`: the HF keys a reference model holds (`--copy-from` / `--reference`), None
+    without one: a `duplicate = "reference"` rule writes its copies only where it holds them.
 
     Strict: a source key no rule consumes, an incomplete stack or concat, inconsistent shapes, or a target
     produced twice raise CkptconvError naming the key (`allow_unmapped` passes unconsumed keys through).
@@ -66,6 +69,7 @@ def map_keys(
     sides = [r.runtime if direction == "to_hf" else r.hf for r in mapping.rules]
     scope = Scope(config, dict(mapping.ranges), where, dict(mapping.defaults))
     ctx = Ctx(shapes, scope, [p for side in sides for p in side])
+    ctx.reference = None if reference is None else set(reference)
     tied = _tie_word_embeddings(config, where)
     variant = _variant(mapping, direction, ctx)
     layouts = detect(mapping, shapes, scope) if direction == "to_hf" else mapping.written_layouts()
@@ -191,9 +195,11 @@ def _from_fused(ctx: Ctx, rule: Rule, direction: Direction) -> None:
                 parts.append(Part(key, src[0], src[1], offsets, sizes, perm, src[2], None, axes))
             shape_out, layout = reshaped(ctx.scope, rule, piece.shape, direction == "to_hf", key)
             element = dict(zip(rule.stacks, piece.element or (), strict=True))
-            for pattern in others if rule.duplicate else [others[piece.index]]:
+            for n, pattern in list(enumerate(others)) if rule.duplicate else [(0, others[piece.index])]:
                 for b in _expand(ctx, pattern, {**binding, **element}):
                     out = ctx.fmt(pattern, b)
+                    if n and rule.reference_copies and out not in (ctx.reference or ()):
+                        continue  # a copy only a reference that holds it asks for
                     offset = _offset(rule, 1 if direction == "to_hf" else -1)
                     ctx.add(Target(out, shape_out, tuple(parts), op, layout, rule.number, offset))
 

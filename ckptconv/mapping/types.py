@@ -59,6 +59,7 @@ class Rule:
     hf_shape: tuple[int | str, ...] | None = None
     runtime_shape: tuple[int | str, ...] | None = None
     duplicate: bool = False
+    reference_copies: bool = False  # `duplicate = "reference"`: copies only where a reference has them
     hf_groups: int | str | None = None  # the row groups a repeated hf key is laid out in (default 1)
     offset: float | None = None  # HF value = runtime value + offset
     number: int = 0

@@ -288,3 +288,35 @@ def test_fsdp_dtensor_to_hf(saved: Saved, tmp_path: Path, experts: str, mtp: str
     for key, want in source.items():
         n = vocab if key in ("embedding.word_embeddings.weight", "output_layer.weight") else None
         assert same_bits(got[key][:n], want[:n]), key
+
+
+@pytest.mark.slow
+def test_a_base_holding_the_mtp_copies_gets_them_bit_exact(saved: Saved, tmp_path: Path) -> None:
+    """DeepSeek's own files repeat the embedding and the head in each MTP layer: with --copy-from a base that
+    holds them, the release has them too, narrowed to vocab_size like the main ones, bit for bit (without
+    one, as above, it has none); hf-to-dcp checks them equal to the main ones and drops them."""
+    from safetensors.torch import save_file
+
+    mtp = f"model.layers.{saved.meg['num_layers']}."
+    copies = {
+        mtp + "embed_tokens.weight": saved.want["model.embed_tokens.weight"],
+        mtp + "shared_head.head.weight": saved.want["lm_head.weight"],
+    }
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_bytes((saved.cfg / "config.json").read_bytes())
+    tensors = {k: v.contiguous().clone() for k, v in (saved.want | copies).items()}
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "hf"
+    cli("dcp-to-hf", str(saved.ckpt), str(out), "--mapping", PRESET, "--copy-from", str(base), *KEEP)
+    got = load_dir(out)
+    assert sorted(got) == sorted(tensors)
+    for key, value in tensors.items():
+        assert same_bits(got[key], value), key
+    back = tmp_path / "back"
+    config = ("--config", str(saved.root / "back_config.json"))
+    cli("hf-to-dcp", str(out), str(back), "--mapping", PRESET, *config)
+    want, again = _dcp_tensors(saved.back), _dcp_tensors(back)
+    assert sorted(again) == sorted(want)
+    for key, value in want.items():
+        assert same_bits(again[key], value), key

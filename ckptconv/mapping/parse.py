@@ -50,14 +50,22 @@ def parse(
     defaults = _defaults(head.get("defaults", {}), where)
     layouts, chosen = parse_layouts(head.get("layouts", []), where, runtime_layout)
     rules = tuple(_rule(r, f"{where} rule {i}", i) for i, r in enumerate(rules_doc, 1))
-    known = {layout.name for layout in layouts}
+    group_of = {layout.name: layout.group for layout in layouts}
     for rule in rules:
-        if rule.layout is not None and rule.layout not in known:
-            listed = ", ".join(sorted(known)) or "none declared"
-            raise CkptconvError(
-                f"{where} rule {rule.number}: layout {rule.layout!r} is not a [[mapping.layouts]] name "
-                f"({listed})"
-            )
+        groups: dict[str, str] = {}
+        for name in rule.layout or ():
+            if name not in group_of:
+                listed = ", ".join(sorted(group_of)) or "none declared"
+                raise CkptconvError(
+                    f"{where} rule {rule.number}: layout {name!r} is not a [[mapping.layouts]] name "
+                    f"({listed})"
+                )
+            other = groups.setdefault(group_of[name], name)
+            if other != name:
+                raise CkptconvError(
+                    f"{where} rule {rule.number}: layouts {other!r} and {name!r} are both of group "
+                    f"{group_of[name]!r}; a checkpoint holds one layout of each group (name one)"
+                )
     variants = tuple(sorted({r.when for r in rules if r.when}))
     name = str(head.get("name", where))
     return KeyMapping(name, rules, form, variants, ranges, defaults, checkpoint, layouts, chosen)
@@ -181,11 +189,22 @@ def _rule(r: Any, where: str, number: int) -> Rule:
     duplicate = r.get("duplicate", False)
     if not isinstance(duplicate, bool) and duplicate != "reference":
         raise CkptconvError(
-            f"{where}: duplicate must be true, false or \"reference\" (copies written only where the "
+            f'{where}: duplicate must be true, false or "reference" (copies written only where the '
             "reference holds them)"
         )
-    if not isinstance(r.get("layout", ""), str):
-        raise CkptconvError(f"{where}: layout must be the name of a [[mapping.layouts]] entry")
+    layout = r.get("layout")
+    if isinstance(layout, str):
+        layout = [layout]
+    if layout is not None and (
+        not isinstance(layout, list)
+        or not layout
+        or not all(isinstance(n, str) for n in layout)
+        or len(set(layout)) != len(layout)
+    ):
+        raise CkptconvError(
+            f"{where}: layout must be the name of a [[mapping.layouts]] entry, or a list of different names "
+            "(the rule applies when all of them are in effect)"
+        )
     offset = r.get("offset")
     if offset is not None and (
         isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset)
@@ -216,7 +235,7 @@ def _rule(r: Any, where: str, number: int) -> Rule:
         runtime_shape=_shape(r, "runtime_shape", where),
         duplicate=duplicate is not False,
         reference_copies=duplicate == "reference",
-        layout=r.get("layout"),
+        layout=None if layout is None else tuple(layout),
         ndim=ndim,
         unbind=r.get("unbind", False),
         hf_groups=_size(r, "hf_groups", where),

@@ -13,8 +13,8 @@ directions (every operation, with the shapes on both sides, in docs/mapping.md):
 - an hf key named more than once in the list: the concatenation of its pieces (`hf_groups`: per group);
 - `offset = 1`: HF value = runtime value + offset (the only value transform: `Target.offset`);
 - `transpose = [a, b]`, `narrow` (vocabulary padding), `hf_shape` (reshape), `duplicate` (HF copies);
-- `drop = true`, `tied = "<hf key pattern>"`; `when` (an HF expert form), `layout` (a runtime layout, told
-  apart by the source's keys and shapes: `layouts.py`).
+- `drop = true`, `tied = "<hf key pattern>"`; `when` (an HF expert form), `layout` (a runtime layout, or a
+  list of them, of different groups, all in effect; told apart by the source's keys and shapes: `layouts.py`).
 
 The side with one key is the fused tensor F; `ops.pieces` cuts F into the other side's tensors, and each
 piece becomes a `Part` (a block copy) in either direction: `map_keys` gives every target its parts.
@@ -75,7 +75,7 @@ def map_keys(
     layouts = detect(mapping, shapes, scope) if direction == "to_hf" else mapping.written_layouts()
     chosen = set(layouts.values())
     for rule in mapping.rules:
-        if (rule.when is not None and rule.when != variant) or (rule.layout and rule.layout not in chosen):
+        if (rule.when is not None and rule.when != variant) or not chosen.issuperset(rule.layout or ()):
             continue
         if rule.drop:
             for pattern in rule.runtime if direction == "to_hf" else rule.hf:

@@ -45,7 +45,7 @@ class Rule:
     drop: bool = False
     tied: str | None = None
     when: str | None = None  # only with this variant ("per_expert" or "fused" HF experts)
-    layout: str | None = None  # only with this runtime layout (a [[mapping.layouts]] name)
+    layout: tuple[str, ...] | None = None  # only with these runtime layouts, all ([[mapping.layouts]] names)
     ndim: int | None = None  # the runtime tensor's number of dims, where a layout's key name is not enough
     unbind: bool = False  # the list's tensors are the slices of `dim` (one per key), which they drop
     stack_dim: int | None = None

@@ -320,3 +320,30 @@ def test_a_base_holding_the_mtp_copies_gets_them_bit_exact(saved: Saved, tmp_pat
     assert sorted(again) == sorted(want)
     for key, value in want.items():
         assert same_bits(again[key], value), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch_dist", "fsdp_dtensor"])
+def test_mtp_model_layer_in_either_format_round_trips(saved: Saved, tmp_path: Path, fmt: str) -> None:
+    """--runtime-layout mtp-model-layer writes the inner MTP layer as `mtp_model_layer` in the format's own
+    keys (torch_dist: fc1 [gate; up], experts stacked; fsdp_dtensor: fc1 `_w` / `_v`, one key per expert);
+    dcp-to-hf of that gives the release back, bit for bit."""
+    back = tmp_path / "back"
+    config = ("--config", str(saved.root / "back_config.json"))
+    fsdp = ("--format", "fsdp_dtensor") if fmt == "fsdp_dtensor" else ()
+    cli("hf-to-dcp", str(saved.hf), str(back), "--mapping", PRESET, *config, *fsdp, *KEEP,
+        "--runtime-layout", "mtp-model-layer")  # fmt: skip
+    keys = sorted(_dcp_tensors(back, "model.module." if fsdp else ""))
+    mtp = [k for k in keys if k.startswith("mtp.")]
+    outer = ("enorm", "hnorm", "eh_proj", "final_layernorm")  # the modules around the inner layer
+    assert mtp and all(".mtp_model_layer." in k for k in mtp if k.split(".")[3] not in outer)
+    assert not any(".transformer_layer." in k for k in keys)
+    fc1 = [k for k in mtp if "linear_fc1.weight" in k]
+    halves = [k for k in fc1 if k.endswith(("_w", "_v"))]
+    assert fc1 and (halves == fc1 if fsdp else not halves), fc1
+    out = tmp_path / "hf"
+    cli("dcp-to-hf", str(back), str(out), "--mapping", PRESET, "--copy-from", str(saved.cfg), *KEEP)
+    want, got = load_dir(saved.hf), load_dir(out)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert same_bits(got[key], value), key

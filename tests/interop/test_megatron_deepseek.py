@@ -169,6 +169,8 @@ class Saved:
             PRESET,
             "--config",
             str(root / "back_config.json"),
+            "--runtime-layout",
+            "local",  # megatron-core built the model with the local spec
         )
 
     def source_model(self) -> Any:
@@ -277,7 +279,7 @@ def test_fsdp_dtensor_to_hf(saved: Saved, tmp_path: Path, experts: str, mtp: str
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
     if experts != "local":
         return
-    layouts = ("--runtime-layout", "mtp-model-layer") if mtp == "mtp_model_layer" else ()
+    layouts = ("--runtime-layout", "mtp-model-layer,local" if mtp == "mtp_model_layer" else "local")
     back = tmp_path / "back"
     config = ("--config", str(saved.root / "back_config.json"))
     fsdp = ("--format", "fsdp_dtensor", *layouts)
@@ -315,7 +317,7 @@ def test_a_base_holding_the_mtp_copies_gets_them_bit_exact(saved: Saved, tmp_pat
         assert same_bits(got[key], value), key
     back = tmp_path / "back"
     config = ("--config", str(saved.root / "back_config.json"))
-    cli("hf-to-dcp", str(out), str(back), "--mapping", PRESET, *config)
+    cli("hf-to-dcp", str(out), str(back), "--mapping", PRESET, *config, "--runtime-layout", "local")
     want, again = _dcp_tensors(saved.back), _dcp_tensors(back)
     assert sorted(again) == sorted(want)
     for key, value in want.items():
@@ -347,3 +349,47 @@ def test_mtp_model_layer_in_either_format_round_trips(saved: Saved, tmp_path: Pa
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert same_bits(got[key], value), key
+
+
+# the local spec's norm names -> TransformerEngine's (gpt_layer_specs.py, MLA with qk_layernorm): dense layers
+# fuse the pre-MLP norm into fc1; MoE layers (and DeepSeek's MTP layer, an MoE layer) keep pre_mlp_layernorm
+TE_NAMES = {
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+}
+
+
+@pytest.mark.slow
+def test_transformer_engine_spec_is_written_by_default_and_read_back(saved: Saved, tmp_path: Path) -> None:
+    """hf-to-dcp writes TransformerEngine's norm names (the spec Megatron-LM uses on GPU): the local-spec
+    checkpoint's tensors under those names, bit for bit; dcp-to-hf reads them to the same release."""
+    back = tmp_path / "back"
+    cli(
+        "hf-to-dcp",
+        str(saved.hf),
+        str(back),
+        "--mapping",
+        PRESET,
+        "--config",
+        str(saved.root / "back_config.json"),
+    )
+    dense = saved.meg["moe_layer_freq"].index(1)
+    want = {}
+    for key, value in _dcp_tensors(saved.back).items():
+        for local, te in TE_NAMES.items():
+            key = key.replace(local, te)
+        if key.startswith("decoder.layers.") and int(key.split(".")[2]) < dense:
+            key = key.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+        want[key] = value
+    got = _dcp_tensors(back)
+    assert sorted(got) == sorted(want)
+    assert any(k.endswith("mlp.linear_fc1.layer_norm_weight") for k in got)
+    assert any(k.startswith("decoder.") and k.endswith("pre_mlp_layernorm.weight") for k in got)
+    for key, value in want.items():
+        assert same_bits(got[key], value), key
+    out = tmp_path / "hf"
+    cli("dcp-to-hf", str(back), str(out), "--mapping", PRESET, "--copy-from", str(saved.cfg), *KEEP)
+    release, again = load_dir(saved.hf), load_dir(out)
+    assert sorted(again) == sorted(release)
+    for key, value in release.items():
+        assert same_bits(again[key], value), key

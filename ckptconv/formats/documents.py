@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import tomllib
 from typing import Any
 
@@ -31,7 +32,10 @@ def load_json(raw: bytes | str, where: object, **options: Any) -> Any:
     text = raw.decode(json.detect_encoding(raw), "surrogatepass") if isinstance(raw, bytes) else raw
     scan_json(text, Budget(where))
     options.setdefault("object_pairs_hook", unique)  # a key twice in one object: refused (jsonkeys)
-    return json.loads(text, **options)
+    try:
+        return json.loads(text, **options)
+    except ValueError as e:
+        raise _long_number(e) or e from None  # the callers name the file
 
 
 def scan_json(text: str, budget: Budget) -> None:
@@ -73,9 +77,26 @@ def load_toml(text: str, where: object) -> dict[str, Any]:
     the depth of what tomllib made is checked too (without recursing) before anything reads it."""
     budget = Budget(where)
     scan_toml(text, budget)
-    doc = tomllib.loads(text)
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        raise
+    except ValueError as e:  # an integer past Python's int string limit: not a TOML error, so said here
+        long = _long_number(e)
+        if long is None:
+            raise
+        raise CkptconvError(f"{where}: {long}") from None
     check_depth(doc, budget)
     return doc
+
+
+def _long_number(e: ValueError) -> ValueError | None:
+    """The error of an integer longer than Python converts (`sys.get_int_max_str_digits`), said in terms of
+    the document, not of the interpreter; None for any other error."""
+    if not str(e).startswith("Exceeds the limit"):
+        return None
+    digits = sys.get_int_max_str_digits()
+    return ValueError(f"an integer of more than {digits} digits; write it with fewer digits")
 
 
 def scan_toml(text: str, budget: Budget) -> None:

@@ -67,7 +67,8 @@ def _renamed(t: Target, f: Factors, shapes: dict[str, tuple[int, ...]]) -> list[
     """An embedding the mapping only renames: its factors, renamed (and its base weight, as PEFT saves it)."""
     a, b = shapes[f.a], shapes[f.b]
     return [
-        Target(_key(t, ".base_layer.weight"), t.shape, t.parts, t.op),
+        # the base weight is the mapped weight, offset and all: PEFT's merge adds the update to it
+        Target(_key(t, ".base_layer.weight"), t.shape, t.parts, t.op, rule=t.rule, offset=t.offset),
         Target(_key(t, ".lora_embedding_A"), a, (whole(f.a, a),), t.op),
         Target(_key(t, ".lora_embedding_B"), b, (whole(f.b, b),), t.op),
     ]

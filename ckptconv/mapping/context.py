@@ -21,6 +21,7 @@ class Ctx:
         self.targets: dict[str, Target] = {}
         self.same: list[tuple[str, str]] = []
         self.tied: list[tuple[Target | None, str, str]] = []
+        self.reference: set[str] | None = None  # the HF keys a reference model holds (None: no reference)
 
     def add(self, target: Target) -> None:
         if target.key in self.targets:

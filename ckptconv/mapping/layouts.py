@@ -1,12 +1,13 @@
 """Runtime layouts: the ways a trainer has stored one family of keys, and which one a checkpoint holds. Pure.
 
 A mapping declares them in `[[mapping.layouts]]` (name, description, group, default) and tags the rules of
-each with `layout = NAME`; untagged rules apply to every layout. To HF the layout of each group is read off
-the source's keys and shapes (a rule's `ndim` tells apart layouts whose key names collide: torchtitan's
-`feed_forward.w13.weight` is `[2F, D]` interleaved or `[2, F, D]` stacked), from the global metadata alone,
-so every rank picks the same. A key that fits a tagged rule's pattern but none of its group's layouts, or a
-source holding two layouts of one group, is refused naming the key, its shape and the layouts known. To
-runtime, each group's default is written unless `--runtime-layout` names another.
+each with `layout = NAME` (or `layout = [NAME, ...]`, layouts of different groups: the rule applies when all
+of them are in effect, and a key it matches shows each of them); untagged rules apply to every layout. To HF
+the layout of each group is read off the source's keys and shapes (a rule's `ndim` tells apart layouts whose
+key names collide: torchtitan's `feed_forward.w13.weight` is `[2F, D]` interleaved or `[2, F, D]` stacked),
+from the global metadata alone, so every rank picks the same. A key that fits a tagged rule's pattern but none
+of its group's layouts, or a source holding two layouts of one group, is refused naming the key, its shape and
+the layouts known. To runtime, each group's default is written unless `--runtime-layout` names another.
 """
 
 from __future__ import annotations
@@ -93,19 +94,19 @@ def detect(mapping: KeyMapping, shapes: Mapping[str, tuple[int, ...]], scope: Sc
     misfit: dict[str, str] = {}  # key -> group: a tagged rule's pattern took it, its shape no layout's
     fitted: set[str] = set()
     for rule in mapping.rules:
-        if rule.layout is None:
-            continue
-        group = group_of[rule.layout]
-        for pattern in rule.runtime:
+        for pattern in rule.runtime if rule.layout else ():
             compiled = Pattern(pattern)
             for key, shape in shapes.items():
                 if compiled.match(key, scope) is None:
                     continue
-                if _fits(rule, shape):
+                fits = _fits(rule, shape)
+                if fits:
                     fitted.add(key)
-                    found.setdefault(group, {}).setdefault(rule.layout, key)
-                else:
-                    misfit.setdefault(key, group)
+                for name in rule.layout or ():  # a key of a rule of several layouts shows each of them
+                    if fits:
+                        found.setdefault(group_of[name], {}).setdefault(name, key)
+                    else:
+                        misfit.setdefault(key, group_of[name])
     for key, group in misfit.items():
         if key not in fitted:
             raise CkptconvError(

@@ -50,14 +50,22 @@ def parse(
     defaults = _defaults(head.get("defaults", {}), where)
     layouts, chosen = parse_layouts(head.get("layouts", []), where, runtime_layout)
     rules = tuple(_rule(r, f"{where} rule {i}", i) for i, r in enumerate(rules_doc, 1))
-    known = {layout.name for layout in layouts}
+    group_of = {layout.name: layout.group for layout in layouts}
     for rule in rules:
-        if rule.layout is not None and rule.layout not in known:
-            listed = ", ".join(sorted(known)) or "none declared"
-            raise CkptconvError(
-                f"{where} rule {rule.number}: layout {rule.layout!r} is not a [[mapping.layouts]] name "
-                f"({listed})"
-            )
+        groups: dict[str, str] = {}
+        for name in rule.layout or ():
+            if name not in group_of:
+                listed = ", ".join(sorted(group_of)) or "none declared"
+                raise CkptconvError(
+                    f"{where} rule {rule.number}: layout {name!r} is not a [[mapping.layouts]] name "
+                    f"({listed})"
+                )
+            other = groups.setdefault(group_of[name], name)
+            if other != name:
+                raise CkptconvError(
+                    f"{where} rule {rule.number}: layouts {other!r} and {name!r} are both of group "
+                    f"{group_of[name]!r}; a checkpoint holds one layout of each group (name one)"
+                )
     variants = tuple(sorted({r.when for r in rules if r.when}))
     name = str(head.get("name", where))
     return KeyMapping(name, rules, form, variants, ranges, defaults, checkpoint, layouts, chosen)
@@ -181,11 +189,28 @@ def _rule(r: Any, where: str, number: int) -> Rule:
     sizes = r.get("sizes", [])
     if not isinstance(sizes, list) or not all(isinstance(s, _SIZE) for s in sizes):
         raise CkptconvError(f"{where}: sizes must be a list of integers or config.json expressions")
-    for flag in ("interleave", "duplicate", "unbind"):
+    for flag in ("interleave", "unbind"):
         if not isinstance(r.get(flag, False), bool):
             raise CkptconvError(f"{where}: {flag} must be true or false")
-    if not isinstance(r.get("layout", ""), str):
-        raise CkptconvError(f"{where}: layout must be the name of a [[mapping.layouts]] entry")
+    duplicate = r.get("duplicate", False)
+    if not isinstance(duplicate, bool) and duplicate != "reference":
+        raise CkptconvError(
+            f'{where}: duplicate must be true, false or "reference" (copies written only where the '
+            "reference holds them)"
+        )
+    layout = r.get("layout")
+    if isinstance(layout, str):
+        layout = [layout]
+    if layout is not None and (
+        not isinstance(layout, list)
+        or not layout
+        or not all(isinstance(n, str) for n in layout)
+        or len(set(layout)) != len(layout)
+    ):
+        raise CkptconvError(
+            f"{where}: layout must be the name of a [[mapping.layouts]] entry, or a list of different names "
+            "(the rule applies when all of them are in effect)"
+        )
     offset = r.get("offset")
     if offset is not None and (
         isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset)
@@ -214,8 +239,9 @@ def _rule(r: Any, where: str, number: int) -> Rule:
         multiple=_size(r, "multiple", where),
         hf_shape=_shape(r, "hf_shape", where),
         runtime_shape=_shape(r, "runtime_shape", where),
-        duplicate=r.get("duplicate", False),
-        layout=r.get("layout"),
+        duplicate=duplicate is not False,
+        reference_copies=duplicate == "reference",
+        layout=None if layout is None else tuple(layout),
         ndim=ndim,
         unbind=r.get("unbind", False),
         hf_groups=_size(r, "hf_groups", where),
@@ -259,7 +285,10 @@ def _check(rule: Rule, where: str) -> None:
         raise CkptconvError(f"{where}: interleave splits equally; drop groups and sizes")
     if rule.unbind and (rule.interleave or rule.groups is not None or rule.sizes or rule.transpose):
         raise CkptconvError(f"{where}: unbind takes one slice of dim per key; drop the other split fields")
-    if (rule.narrow is not None or rule.hf_shape is not None) and (listed or len(runtime) != 1):
+    narrowed_copies = rule.duplicate and rule.hf_shape is None  # each copy narrowed alike
+    if (rule.narrow is not None or rule.hf_shape is not None) and (
+        len(runtime) != 1 or (listed and not narrowed_copies)
+    ):
         raise CkptconvError(f"{where}: narrow and hf_shape need one runtime key and one hf key")
     if rule.hf_shape is not None and rule.transpose:
         raise CkptconvError(f"{where}: hf_shape and transpose cannot be combined in one rule")

@@ -13,8 +13,8 @@ directions (every operation, with the shapes on both sides, in docs/mapping.md):
 - an hf key named more than once in the list: the concatenation of its pieces (`hf_groups`: per group);
 - `offset = 1`: HF value = runtime value + offset (the only value transform: `Target.offset`);
 - `transpose = [a, b]`, `narrow` (vocabulary padding), `hf_shape` (reshape), `duplicate` (HF copies);
-- `drop = true`, `tied = "<hf key pattern>"`; `when` (an HF expert form), `layout` (a runtime layout, told
-  apart by the source's keys and shapes: `layouts.py`).
+- `drop = true`, `tied = "<hf key pattern>"`; `when` (an HF expert form), `layout` (a runtime layout, or a
+  list of them, of different groups, all in effect; told apart by the source's keys and shapes: `layouts.py`).
 
 The side with one key is the fused tensor F; `ops.pieces` cuts F into the other side's tensors, and each
 piece becomes a `Part` (a block copy) in either direction: `map_keys` gives every target its parts.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Collection
 from collections.abc import Mapping as MappingT
 from typing import Any
 
@@ -56,9 +57,11 @@ def map_keys(
     *,
     allow_unmapped: bool = False,
     where: str = "--mapping",
+    reference: Collection[str] | None = None,
 ) -> Mapped:
     """Targets for every source key, in source order, the keys passed through unmapped, and the HF copies to
-    check equal.
+    check equal. `reference`: the HF keys a reference model holds (`--copy-from` / `--reference`), None
+    without one: a `duplicate = "reference"` rule writes its copies only where it holds them.
 
     Strict: a source key no rule consumes, an incomplete stack or concat, inconsistent shapes, or a target
     produced twice raise CkptconvError naming the key (`allow_unmapped` passes unconsumed keys through).
@@ -66,12 +69,13 @@ def map_keys(
     sides = [r.runtime if direction == "to_hf" else r.hf for r in mapping.rules]
     scope = Scope(config, dict(mapping.ranges), where, dict(mapping.defaults))
     ctx = Ctx(shapes, scope, [p for side in sides for p in side])
+    ctx.reference = None if reference is None else set(reference)
     tied = _tie_word_embeddings(config, where)
     variant = _variant(mapping, direction, ctx)
     layouts = detect(mapping, shapes, scope) if direction == "to_hf" else mapping.written_layouts()
     chosen = set(layouts.values())
     for rule in mapping.rules:
-        if (rule.when is not None and rule.when != variant) or (rule.layout and rule.layout not in chosen):
+        if (rule.when is not None and rule.when != variant) or not chosen.issuperset(rule.layout or ()):
             continue
         if rule.drop:
             for pattern in rule.runtime if direction == "to_hf" else rule.hf:
@@ -191,9 +195,11 @@ def _from_fused(ctx: Ctx, rule: Rule, direction: Direction) -> None:
                 parts.append(Part(key, src[0], src[1], offsets, sizes, perm, src[2], None, axes))
             shape_out, layout = reshaped(ctx.scope, rule, piece.shape, direction == "to_hf", key)
             element = dict(zip(rule.stacks, piece.element or (), strict=True))
-            for pattern in others if rule.duplicate else [others[piece.index]]:
+            for n, pattern in list(enumerate(others)) if rule.duplicate else [(0, others[piece.index])]:
                 for b in _expand(ctx, pattern, {**binding, **element}):
                     out = ctx.fmt(pattern, b)
+                    if n and rule.reference_copies and out not in (ctx.reference or ()):
+                        continue  # a copy only a reference that holds it asks for
                     offset = _offset(rule, 1 if direction == "to_hf" else -1)
                     ctx.add(Target(out, shape_out, tuple(parts), op, layout, rule.number, offset))
 

@@ -45,7 +45,7 @@ class Rule:
     drop: bool = False
     tied: str | None = None
     when: str | None = None  # only with this variant ("per_expert" or "fused" HF experts)
-    layout: str | None = None  # only with this runtime layout (a [[mapping.layouts]] name)
+    layout: tuple[str, ...] | None = None  # only with these runtime layouts, all ([[mapping.layouts]] names)
     ndim: int | None = None  # the runtime tensor's number of dims, where a layout's key name is not enough
     unbind: bool = False  # the list's tensors are the slices of `dim` (one per key), which they drop
     stack_dim: int | None = None
@@ -59,6 +59,7 @@ class Rule:
     hf_shape: tuple[int | str, ...] | None = None
     runtime_shape: tuple[int | str, ...] | None = None
     duplicate: bool = False
+    reference_copies: bool = False  # `duplicate = "reference"`: copies only where a reference has them
     hf_groups: int | str | None = None  # the row groups a repeated hf key is laid out in (default 1)
     offset: float | None = None  # HF value = runtime value + offset
     number: int = 0

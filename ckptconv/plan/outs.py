@@ -5,7 +5,7 @@ Pure. `plan.plan_dcp_to_hf` lays them out in files; `verify` compares them."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ckptconv.core.dtypes import DtypePolicy
@@ -33,10 +33,11 @@ def _out_tensors(
     allow_unmapped: bool,
     derive: Callable[[list[Target]], list[Target]] | None = None,
     sources: dict[str, str] | None = None,
+    reference: Collection[str] | None = None,
 ) -> tuple[list[OutTensor], list[str], tuple[TiedHead, ...]]:
     """Output tensors (HF keys, parts) for the selected checkpoint tensors, mapped when a mapping is given;
     `derive` makes other targets of the mapped ones (an adapter's factors), whose parts read `sources`; and
-    the heads a tied embedding drops."""
+    the heads a tied embedding drops. `reference`: the HF keys of the reference followed (`map_keys`)."""
     fqn_of = dict(selection.keys) | (sources or {})
     shapes = {key: ckpt.tensors[fqn].shape for key, fqn in selection.keys}
     tied: list[tuple[Target | None, str, str]] = []
@@ -47,7 +48,9 @@ def _out_tensors(
         unmapped: list[str] = []
     else:
         check_tp_known(mapping, shapes, config)
-        mapped = map_keys(mapping, "to_hf", shapes, config, allow_unmapped=allow_unmapped)
+        mapped = map_keys(
+            mapping, "to_hf", shapes, config, allow_unmapped=allow_unmapped, reference=reference
+        )
         targets, unmapped, tied = mapped.targets, mapped.unmapped, mapped.tied
     if derive is not None:
         targets = derive(targets)
@@ -75,9 +78,12 @@ def mapped_tensors(
     allow_unmapped: bool = False,
     keep_trainer_state: bool = False,
     lora: LoraRequest | None = None,
+    reference: Collection[str] | None = None,
 ) -> tuple[Selection, list[OutTensor], list[str]]:
     """The checkpoint's tensors as HF-named output tensors (selected, mapped, LoRA applied as `lora` says,
-    dtypes resolved), before any file planning: what dcp-to-hf writes and what verify compares."""
+    dtypes resolved), before any file planning: what dcp-to-hf writes and what verify compares. `reference`:
+    the HF keys of the reference dcp-to-hf follows, if any (a mapping writes some copies only where it
+    holds them)."""
     selection = select_tensors(ckpt, prefix, keep_trainer_state)
     if not selection.keys:
         raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
@@ -86,7 +92,9 @@ def mapped_tensors(
     if plan is not None and plan.mode == "adapter" and mapping is not None:
         targets = lora.targets if lora is not None else ()
         return _adapter_mapped(ckpt, selection, plan, policy, mapping, config or {}, allow_unmapped, targets)
-    mapped, unmapped, tied = _out_tensors(ckpt, selection, policy, mapping, config or {}, allow_unmapped)
+    mapped, unmapped, tied = _out_tensors(
+        ckpt, selection, policy, mapping, config or {}, allow_unmapped, reference=reference
+    )
     if selection.lora is not None and selection.lora.merges:
         heads = [h.head for h in tied if h.head is not None]
         merged = _with_merges(mapped + heads, selection.lora.merges, ckpt, dict(selection.lora.sources))

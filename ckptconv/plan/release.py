@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ckptconv.core.specs import DcpCheckpoint, NonTensorItem, StashedItem, TensorSpec
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.megatron_fsdp import model_key
+from ckptconv.formats.megatron_fsdp import PREFIX, model_key
 
 if TYPE_CHECKING:
     from ckptconv.lora.select import LoraPlan
@@ -226,6 +226,8 @@ def _fsdp_model(ckpt: DcpCheckpoint, groups: set[str | None]) -> tuple[tuple[tup
     chunks: set[str] = set()
     for fqn in ckpt.tensors:
         found = model_key(fqn)
+        if found is None and PREFIX.fullmatch(fqn):  # the prefix alone: a tensor with an empty name
+            found = (fqn, "")
         if found is None:
             continue
         chunk, key = found

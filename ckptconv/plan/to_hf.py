@@ -90,8 +90,9 @@ def plan_dcp_to_hf(
     selects block FP8, each with its `weight_scale_inv` in the same file. `write_granularity`: which rank
     writes which bytes (`writes.plan_writes`). `lora`: what to make of LoRA factors (`--lora`); an adapter is
     one `adapter_model.safetensors`, as PEFT reads it."""
+    reference = None if base is None else base.tensors.keys()
     selection, mapped, unmapped = mapped_tensors(
-        ckpt, policy, prefix, mapping, config, allow_unmapped, keep_trainer_state, lora
+        ckpt, policy, prefix, mapping, config, allow_unmapped, keep_trainer_state, lora, reference
     )
     adapter = selection.lora is not None and selection.lora.mode == "adapter"
     adopted = None

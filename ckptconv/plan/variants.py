@@ -127,14 +127,14 @@ def runtime_layouts(seen: Seen) -> list[Variant]:
     tagged = {r.number: r.layout for r in seen.mapping.rules if r.layout is not None}
     found: dict[str, Variant] = {}
     for target in seen.targets:
-        layout = tagged.get(target.rule) if target.rule is not None else None
-        if layout is None or group[layout] in found:
-            continue
-        aspect = "runtime:" + group[layout]
-        if seen.direction == "to_hf":  # a DCP: its own runtime keys are in the layout
-            found[group[layout]] = Variant(aspect, layout, "keys", target.sources[0])
-        else:  # an HF checkpoint: the runtime keys the mapping writes are
-            found[group[layout]] = Variant(aspect, layout, "mapping", target.key)
+        for layout in tagged.get(target.rule, ()) if target.rule is not None else ():
+            if group[layout] in found:
+                continue
+            aspect = "runtime:" + group[layout]
+            if seen.direction == "to_hf":  # a DCP: its own runtime keys are in the layout
+                found[group[layout]] = Variant(aspect, layout, "keys", target.sources[0])
+            else:  # an HF checkpoint: the runtime keys the mapping writes are
+                found[group[layout]] = Variant(aspect, layout, "mapping", target.key)
     return list(found.values())
 
 

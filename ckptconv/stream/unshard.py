@@ -97,7 +97,8 @@ def assemble(
                     merged = data.to(torch.float32) + delta
                     written = merged.to(view.dtype)
                     check_finite(sp.spec.fqn, box[0][0] if box[0] else 0, merged, written, data)
-                    data = written
+                    # a rule's offset applies to the merged weight: shifted in fp32 by `place`, cast once
+                    data = written if t.offset is None else merged
                 place(view, sp, box, data, window, t.offset)
     return out
 
@@ -105,11 +106,15 @@ def assemble(
 def _merged(
     t: OutTensor, rows: RowsFn, reader: DcpReader | None, window: tuple[int, int] | None
 ) -> torch.Tensor:
-    """`t` (its rows `window`) with its LoRA merged in: W's rows in fp32 plus the factors' product."""
+    """`t` (its rows `window`) with its LoRA merged in: W's rows in fp32 plus the factors' product, plus the
+    rule's offset if it has one."""
     assert t.lora is not None
-    plain = dataclasses.replace(t, lora=None, dtype=torch.float32)
+    plain = dataclasses.replace(t, lora=None, dtype=torch.float32, offset=None)
     lo = window[0] if window else 0
     merged = merge_rows(assemble(plain, rows, reader, window), lo, t.lora, _factors(rows))
+    # a rule's offset applies to the merged weight (HF = runtime + offset), not to W under the update (nor
+    # inside a DoRA norm)
+    merged = blocks.shifted(merged, t.offset, t.dtype)
     out = merged if t.quant else merged.to(t.dtype)  # a weight to quantize is quantized from fp32
     check_finite(t.hf_key, lo, merged, out, lambda: assemble(plain, rows, reader, window))
     return out

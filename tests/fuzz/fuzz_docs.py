@@ -265,10 +265,13 @@ RULE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "runtime_shape": typed(st.lists(SIZE_VALUES | DIMS, min_size=1, max_size=5)),
     "transpose": typed(st.lists(DIMS, min_size=2, max_size=2)) | st.lists(DIMS, max_size=3),
     "interleave": st.sampled_from([True, False, 1]),
-    "duplicate": st.sampled_from([True, False, "yes"]),
+    "duplicate": st.sampled_from([True, False, "yes", "reference"]),
+    "layout": st.sampled_from(["x", ["x"], ["x", "x"], [], [1], "w1-w3", ["w1-w3", "w13-stacked"]]),
     "drop": st.sampled_from([True, False, 0]),
     "tied": typed(st.sampled_from(PATTERNS)),
     "when": typed(st.sampled_from(["fused", "per_expert", "x"])),
+    "hf_groups": SIZE_VALUES,
+    "offset": st.sampled_from([1, -0.5, 1e308, float("inf"), float("nan"), True, "1"]),
     "zzz": VALUES,
 }
 RANGES = st.dictionaries(

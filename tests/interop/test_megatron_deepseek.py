@@ -169,6 +169,8 @@ class Saved:
             PRESET,
             "--config",
             str(root / "back_config.json"),
+            "--runtime-layout",
+            "local",  # megatron-core built the model with the local spec
         )
 
     def source_model(self) -> Any:
@@ -277,7 +279,7 @@ def test_fsdp_dtensor_to_hf(saved: Saved, tmp_path: Path, experts: str, mtp: str
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
     if experts != "local":
         return
-    layouts = ("--runtime-layout", "mtp-model-layer") if mtp == "mtp_model_layer" else ()
+    layouts = ("--runtime-layout", "mtp-model-layer,local" if mtp == "mtp_model_layer" else "local")
     back = tmp_path / "back"
     config = ("--config", str(saved.root / "back_config.json"))
     fsdp = ("--format", "fsdp_dtensor", *layouts)
@@ -288,3 +290,106 @@ def test_fsdp_dtensor_to_hf(saved: Saved, tmp_path: Path, experts: str, mtp: str
     for key, want in source.items():
         n = vocab if key in ("embedding.word_embeddings.weight", "output_layer.weight") else None
         assert same_bits(got[key][:n], want[:n]), key
+
+
+@pytest.mark.slow
+def test_a_base_holding_the_mtp_copies_gets_them_bit_exact(saved: Saved, tmp_path: Path) -> None:
+    """DeepSeek's own files repeat the embedding and the head in each MTP layer: with --copy-from a base that
+    holds them, the release has them too, narrowed to vocab_size like the main ones, bit for bit (without
+    one, as above, it has none); hf-to-dcp checks them equal to the main ones and drops them."""
+    from safetensors.torch import save_file
+
+    mtp = f"model.layers.{saved.meg['num_layers']}."
+    copies = {
+        mtp + "embed_tokens.weight": saved.want["model.embed_tokens.weight"],
+        mtp + "shared_head.head.weight": saved.want["lm_head.weight"],
+    }
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_bytes((saved.cfg / "config.json").read_bytes())
+    tensors = {k: v.contiguous().clone() for k, v in (saved.want | copies).items()}
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "hf"
+    cli("dcp-to-hf", str(saved.ckpt), str(out), "--mapping", PRESET, "--copy-from", str(base), *KEEP)
+    got = load_dir(out)
+    assert sorted(got) == sorted(tensors)
+    for key, value in tensors.items():
+        assert same_bits(got[key], value), key
+    back = tmp_path / "back"
+    config = ("--config", str(saved.root / "back_config.json"))
+    cli("hf-to-dcp", str(out), str(back), "--mapping", PRESET, *config, "--runtime-layout", "local")
+    want, again = _dcp_tensors(saved.back), _dcp_tensors(back)
+    assert sorted(again) == sorted(want)
+    for key, value in want.items():
+        assert same_bits(again[key], value), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch_dist", "fsdp_dtensor"])
+def test_mtp_model_layer_in_either_format_round_trips(saved: Saved, tmp_path: Path, fmt: str) -> None:
+    """--runtime-layout mtp-model-layer writes the inner MTP layer as `mtp_model_layer` in the format's own
+    keys (torch_dist: fc1 [gate; up], experts stacked; fsdp_dtensor: fc1 `_w` / `_v`, one key per expert);
+    dcp-to-hf of that gives the release back, bit for bit."""
+    back = tmp_path / "back"
+    config = ("--config", str(saved.root / "back_config.json"))
+    fsdp = ("--format", "fsdp_dtensor") if fmt == "fsdp_dtensor" else ()
+    cli("hf-to-dcp", str(saved.hf), str(back), "--mapping", PRESET, *config, *fsdp, *KEEP,
+        "--runtime-layout", "mtp-model-layer")  # fmt: skip
+    keys = sorted(_dcp_tensors(back, "model.module." if fsdp else ""))
+    mtp = [k for k in keys if k.startswith("mtp.")]
+    outer = ("enorm", "hnorm", "eh_proj", "final_layernorm")  # the modules around the inner layer
+    assert mtp and all(".mtp_model_layer." in k for k in mtp if k.split(".")[3] not in outer)
+    assert not any(".transformer_layer." in k for k in keys)
+    fc1 = [k for k in mtp if "linear_fc1.weight" in k]
+    halves = [k for k in fc1 if k.endswith(("_w", "_v"))]
+    assert fc1 and (halves == fc1 if fsdp else not halves), fc1
+    out = tmp_path / "hf"
+    cli("dcp-to-hf", str(back), str(out), "--mapping", PRESET, "--copy-from", str(saved.cfg), *KEEP)
+    want, got = load_dir(saved.hf), load_dir(out)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert same_bits(got[key], value), key
+
+
+# the local spec's norm names -> TransformerEngine's (gpt_layer_specs.py, MLA with qk_layernorm): dense layers
+# fuse the pre-MLP norm into fc1; MoE layers (and DeepSeek's MTP layer, an MoE layer) keep pre_mlp_layernorm
+TE_NAMES = {
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+}
+
+
+@pytest.mark.slow
+def test_transformer_engine_spec_is_written_by_default_and_read_back(saved: Saved, tmp_path: Path) -> None:
+    """hf-to-dcp writes TransformerEngine's norm names (the spec Megatron-LM uses on GPU): the local-spec
+    checkpoint's tensors under those names, bit for bit; dcp-to-hf reads them to the same release."""
+    back = tmp_path / "back"
+    cli(
+        "hf-to-dcp",
+        str(saved.hf),
+        str(back),
+        "--mapping",
+        PRESET,
+        "--config",
+        str(saved.root / "back_config.json"),
+    )
+    dense = saved.meg["moe_layer_freq"].index(1)
+    want = {}
+    for key, value in _dcp_tensors(saved.back).items():
+        for local, te in TE_NAMES.items():
+            key = key.replace(local, te)
+        if key.startswith("decoder.layers.") and int(key.split(".")[2]) < dense:
+            key = key.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+        want[key] = value
+    got = _dcp_tensors(back)
+    assert sorted(got) == sorted(want)
+    assert any(k.endswith("mlp.linear_fc1.layer_norm_weight") for k in got)
+    assert any(k.startswith("decoder.") and k.endswith("pre_mlp_layernorm.weight") for k in got)
+    for key, value in want.items():
+        assert same_bits(got[key], value), key
+    out = tmp_path / "hf"
+    cli("dcp-to-hf", str(back), str(out), "--mapping", PRESET, "--copy-from", str(saved.cfg), *KEEP)
+    release, again = load_dir(saved.hf), load_dir(out)
+    assert sorted(again) == sorted(release)
+    for key, value in release.items():
+        assert same_bits(again[key], value), key

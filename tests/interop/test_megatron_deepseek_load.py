@@ -4,7 +4,8 @@
 The HF checkpoint: the release dcp-to-hf makes of the tiny DeepSeek-V3-style GPTModel megatron-core saves
 (tests/support/workers/megatron_deepseek.py; test_megatron_deepseek.py shows it is transformers' own
 save_pretrained of the model the config builds, bit for bit), with and without q_lora_rank (MLA's
-linear_q_down_proj / linear_q_up_proj, or linear_q_proj). hf-to-dcp writes it back as torch_dist; the worker
+linear_q_down_proj / linear_q_up_proj, or linear_q_proj). hf-to-dcp writes it back as torch_dist in the
+local spec's module names (the model here has no TransformerEngine); the worker
 builds the same GPTModel, zeroes it, and loads `gpt.sharded_state_dict()` from the directory: every tensor
 and every `_extra_state` ShardedObject megatron asks for (MLA's projections, the MTP layer and its eh_proj,
 the per-layer stacked experts' `shard_{e}_{E}`) must be there and nothing else; then
@@ -27,6 +28,8 @@ from test_megatron_gpt import _items
 from ckptconv.formats.dcp import open_dcp
 from ckptconv.plan.megatron import extra_state_objects
 
+LOCAL = ("--runtime-layout", "local")  # megatron-core builds the model with the local spec (no TE on CPU)
+
 # case -> the worker's deepseek options
 CASES = {"q_lora": (), "no_q_lora": ("--no-q-lora",)}
 
@@ -48,7 +51,7 @@ class Converted:
         cli("dcp-to-hf", str(self.ckpt), str(self.hf), "--mapping", PRESET, "--copy-from", str(cfg), *KEEP)
         self.back = root / "back"
         config = ("--config", str(root / "back_config.json"))
-        cli("hf-to-dcp", str(self.hf), str(self.back), "--mapping", PRESET, *config)
+        cli("hf-to-dcp", str(self.hf), str(self.back), "--mapping", PRESET, *config, *LOCAL)
 
 
 @pytest.fixture(scope="module")

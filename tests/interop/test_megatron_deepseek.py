@@ -28,19 +28,10 @@ import torch
 from conftest import WORKERS, torchrun
 from megatron import run_megatron
 from test_dcp_to_hf import load_dir, same_bits
-
-from ckptconv.cli.app import main
+from test_megatron_gpt import cli
 
 PRESET = "megatron-deepseek-v3"
 KEEP = ("--dtype", "keep")
-
-
-def cli(*argv: str) -> None:
-    """`ckptconv ARGV` in this process; exit status 0 required."""
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        assert not exc.code, (argv, exc.code)
 
 
 def hf_config(meg: dict[str, Any]) -> Any:

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import WORKERS, torchrun
-from megatron import run_megatron
+from megatron import megatron_dir, run_megatron
 from test_dcp_to_hf import load_dir, same_bits
 from test_megatron_gpt import cli
 
@@ -263,6 +263,7 @@ def test_fsdp_dtensor_to_hf(saved: Saved, tmp_path: Path, experts: str, mtp: str
     experts)."""
     ckpt = tmp_path / "fsdp"
     expected = saved.ckpt.parent / "expected.pt"
+    megatron_dir()  # the worker takes megatron-core's uneven-DTensor code from it
     torchrun(2, str(WORKERS / "fsdp_dtensor_deepseek.py"), str(expected), str(ckpt), experts, mtp)
     out = tmp_path / "hf"
     cli("dcp-to-hf", str(ckpt), str(out), "--mapping", PRESET, "--copy-from", str(saved.cfg), *KEEP)

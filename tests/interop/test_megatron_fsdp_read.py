@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import WORKERS, ckptconv, torchrun
+from megatron import megatron_dir
 from safetensors.torch import load_file
 from test_bad_input import assert_one_line, run
 
@@ -398,13 +399,17 @@ def test_args_larger_than_any_common_state_is_refused_unread(
 def test_saved_on_two_ranks_converts_bit_exact_at_one_and_two(
     made: dict[str, Path], tmp_path: Path, layout: str
 ) -> None:
-    """DTensors in uneven row blocks (5, 3 rows over 2 ranks) from 2 gloo ranks: the release equals the one of
-    the same state saved in one process, at 1 and at 2 converting ranks."""
+    """DTensors in Megatron-FSDP's uneven row blocks (megatron-core's own chunk metadata: a third of the rows
+    on rank 0, none of a one-row tensor) from 2 gloo ranks: the release equals the one of the same state saved
+    in one process, at 1 and at 2 converting ranks."""
+    megatron_dir()  # the workers take megatron-core's uneven-DTensor code from it
     ckpt = tmp_path / "ckpt"
     torchrun(2, str(WORKERS / "megatron_fsdp_save.py"), str(ckpt), layout, "2")
     tensors = json.loads(ckptconv("inspect", str(ckpt), "--json").stdout)["tensors"]
     sharded = [t for t in tensors if t["key"].startswith(("model", "optimizer"))]
     assert sharded and all(len(t["chunks"]) == 2 for t in sharded)  # over both ranks
+    # Megatron-FSDP's blocks, not torch's chunking: rank 0 a third of the rows
+    assert all(t["chunks"][0]["sizes"][0] == t["shape"][0] // 3 for t in sharded)
     outs = []
     for nproc in (0, 2):
         out = tmp_path / f"out{nproc}"

@@ -6,7 +6,8 @@ Megatron-LM's `save_checkpoint` (training/checkpointing.py, fsdp_dtensor) hands 
 "args": argparse.Namespace, "iteration": int, "checkpoint_version": 3.0}`; with virtual pipeline stages the
 model is `model0`, `model1`, ... (each chunk its own global layer numbers). SwiGLU's `linear_fc1` is `_w` and
 `_v`. Under torchrun (gloo) every model and optimizer tensor is a DTensor sharded by rows over all ranks
-(rows that do not divide evenly: uneven row blocks, as Megatron-FSDP's); alone, plain tensors.
+in Megatron-FSDP's uneven row blocks, their chunk metadata set by megatron-core's own
+`preprocess_state_dict_for_uneven_dtensor` (_uneven.py); alone, plain tensors.
 
 usage: megatron_fsdp_save.py OUT [plain|vpp] [TP|none]   (TP: args.tensor_model_parallel_size; none: left out)
 Under torchrun rank 0 also writes `OUT.ref.pt`: {stripped model key: full tensor}.
@@ -117,12 +118,13 @@ def main() -> None:
         return
     import torch.distributed as dist
     from _finish import finish
+    from _uneven import megatron_fsdp_dtensor, megatron_fsdp_state
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    dcp.save(state(vpp, tp, lambda t: distribute_tensor(t, mesh, [Shard(0)])), checkpoint_id=out)
+    uneven = state(vpp, tp, lambda t: megatron_fsdp_dtensor(t, mesh))
+    dcp.save(megatron_fsdp_state(uneven), checkpoint_id=out)
     if dist.get_rank() == 0:
         torch.save(expected(vpp), out + ".ref.pt")
     finish()

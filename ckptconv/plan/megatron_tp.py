@@ -81,7 +81,7 @@ def check_tp_known(
 def _reads_tp(rule: Rule) -> bool:
     """Whether a size of `rule` is an expression reading `gdn_tensor_parallel_size`."""
     for name in _SIZE_FIELDS:
-        value = getattr(rule, name, None)  # (a field another version of the mapping syntax lacks)
+        value = getattr(rule, name)
         values = value if isinstance(value, tuple) else (value,)
         if any(isinstance(v, str) and TP_NAME in expr.names(v) for v in values):
             return True

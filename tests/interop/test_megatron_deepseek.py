@@ -255,8 +255,10 @@ def test_hf_to_dcp_gives_megatrons_torch_dist_tensors(saved: Saved) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("experts", ["local", "grouped"])
-@pytest.mark.parametrize("mtp", ["transformer_layer", "mtp_model_layer"])
+@pytest.mark.parametrize(  # each expert naming and each MTP naming; the way back for the local experts
+    ("experts", "mtp"),
+    [("local", "transformer_layer"), ("local", "mtp_model_layer"), ("grouped", "transformer_layer")],
+)
 def test_fsdp_dtensor_to_hf(saved: Saved, tmp_path: Path, experts: str, mtp: str) -> None:
     """A 2-rank fsdp_dtensor save of the same tensors gives the same release, byte for byte; hf-to-dcp back
     with --format fsdp_dtensor (and --runtime-layout mtp-model-layer) gives the source's tensors (local

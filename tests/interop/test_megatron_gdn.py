@@ -282,7 +282,7 @@ def test_fsdp_dtensor_tp1_and_tp2_give_one_release(cases: dict[str, Case], famil
     assert (tp1 / "model.safetensors").read_bytes() == (tp2 / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])  # each HF layout (the MoE adds no GDN tensor)
 def test_fused_gdn_without_its_tp_size_is_refused(
     cases: dict[str, Case], family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

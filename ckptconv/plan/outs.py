@@ -16,6 +16,7 @@ from ckptconv.lora.mapped import factor_targets
 from ckptconv.lora.merge import LoraParts
 from ckptconv.lora.select import LoraPlan, LoraRequest, Merge, lora_plan
 from ckptconv.lora.settings import mapped_config
+from ckptconv.mapping import presets
 from ckptconv.mapping.rules import KeyMapping, Part, Target, map_keys
 from ckptconv.plan.megatron_tp import check_tp_known
 from ckptconv.plan.release import Selection, select_tensors
@@ -69,6 +70,18 @@ def _out_tensors(
     return [out(target) for target in targets], unmapped, heads
 
 
+MEGATRON_KINDS = ("megatron", "fsdp_dtensor")
+
+
+def unmapped_megatron() -> str:
+    """What a Megatron checkpoint converted without a mapping gives, and the presets that map it."""
+    names = ", ".join(name for name in presets() if name.startswith("megatron-"))
+    return (
+        "a Megatron checkpoint without --mapping keeps Megatron's names (decoder.layers.N...), which "
+        f"transformers does not load: pass the --mapping of its model, one of {names} (docs/trainers.md)"
+    )
+
+
 def mapped_tensors(
     ckpt: DcpCheckpoint,
     policy: DtypePolicy,
@@ -87,6 +100,8 @@ def mapped_tensors(
     selection = select_tensors(ckpt, prefix, keep_trainer_state)
     if not selection.keys:
         raise CkptconvError(f"{ckpt.path}: holds no tensors to convert")
+    if mapping is None and ckpt.kind in MEGATRON_KINDS:
+        selection = dataclasses.replace(selection, warnings=(*selection.warnings, unmapped_megatron()))
     selection = _with_lora(ckpt, selection, lora, mapped=mapping is not None)
     plan = selection.lora
     if plan is not None and plan.mode == "adapter" and mapping is not None:

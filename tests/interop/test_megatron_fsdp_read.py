@@ -143,6 +143,8 @@ def test_megatron_module_names_without_items_are_megatron_fsdp(
     out = tmp_path / "out"
     code, err = run(capsys, "dcp-to-hf", str(tmp_path / "c"), str(out), "--allow-unmapped", "--dtype", "keep")
     assert code == 0, err
+    assert "a Megatron checkpoint without --mapping keeps Megatron's names" in err  # and names the presets
+    assert "megatron-gpt" in err and "megatron-qwen3_5" in err
     got = load_file(str(out / "model.safetensors"))
     assert torch.equal(got["decoder.layers.0.mlp.linear_fc2.weight"], w)
     assert torch.equal(got["embedding.word_embeddings.weight"], e)

@@ -40,25 +40,37 @@ class Range:
     """A config.json key (dotted for a nested one) holding a list of strings, one per layer."""
     equals: str | None = None
     """The entry of `where` whose indices the placeholder takes."""
+    every: str | int | None = None
+    """Where config.json has no `where` list: the layers i with i + 1 a multiple of this size are of the type
+    (how transformers fills Qwen3-Next's and Qwen3.5's `layer_types` from `full_attention_interval`)."""
+    between: bool = False
+    """With `every`: the layers between those are of the type instead."""
 
     @classmethod
     def of_type(cls, name: str, spec: Mapping[str, Any], where: str) -> Range:
-        """`{ where = config key, equals = layer type[, below = size: the list's length] }`, checked."""
+        """`{ where = config key, equals = layer type[, below = size: the list's length][, every = size[,
+        between = true]]: the types where config.json has no list }`, checked."""
         key, equals, below = spec.get("where"), spec.get("equals"), spec.get("below")
+        every, between = spec.get("every"), spec.get("between", False)
         if (
-            not set(spec) <= {"where", "equals", "below"}
+            not set(spec) <= {"where", "equals", "below", "every", "between"}
             or not isinstance(key, str)
             or not _CONFIG_KEY.fullmatch(key)
             or not isinstance(equals, str)
             or not 0 < len(equals) <= expr.MAX_EXPR_CHARS
             or not (below is None or (isinstance(below, int | str) and not isinstance(below, bool)))
+            or not (every is None or (isinstance(every, int | str) and not isinstance(every, bool)))
+            or (every is not None and below is None)
+            or not isinstance(between, bool)
+            or (between and every is None)
         ):
             raise CkptconvError(
                 f"{where}: range of {name!r} must be {{ where = config key (a list of layer types), equals = "
-                'layer type[, below = size: the list\'s length] }, e.g. { where = "layer_types", equals = '
-                '"linear_attention" }'
+                "layer type[, below = size: the list's length][, every = size, between = true or false: the "
+                'types where config.json has no list; every needs below] }, e.g. { where = "layer_types", '
+                'equals = "linear_attention" }'
             )
-        return cls(below, None, key, equals)
+        return cls(below, None, key, equals, every, between)
 
 
 @dataclass
@@ -110,6 +122,9 @@ class Scope:
             assert spec.where is not None
             types = expr.lookup(self.config, spec.where)
             what = f"the range of {{{name}}} ({spec.where} == {spec.equals!r})"
+            if types is None and spec.every is not None:
+                self._members[name] = self._every(name, spec, what)
+                return self._members[name]
             if not isinstance(types, list):
                 raise CkptconvError(
                     f"{self.where}: {what} needs config.json's {spec.where!r}, a list of layer types; "
@@ -133,6 +148,23 @@ class Scope:
                 )
             self._members[name] = frozenset(i for i, t in enumerate(types) if t == spec.equals)
         return self._members[name]
+
+    def _every(self, name: str, spec: Range, what: str) -> frozenset[int]:
+        """The layers of the type where config.json has no list: i + 1 a multiple of `every` (or not)."""
+        assert spec.every is not None
+        n = self._size_of(name, spec)
+        try:
+            k = self.size(spec.every)
+        except expr.MissingKey:
+            raise CkptconvError(
+                f"{self.where}: {what} needs config.json's {spec.where!r}, or {spec.every!r}; pass --config "
+                "with one of them"
+            ) from None
+        if k < 1 or n > MAX_TYPES:
+            raise CkptconvError(
+                f"{self.where}: {what}: {spec.every} {k} over {n} layers gives no layer types; fix the config"
+            )
+        return frozenset(i for i in range(n) if ((i + 1) % k == 0) != spec.between)
 
     def in_range(self, name: str, value: int) -> bool:
         """Whether `value` is one of placeholder `name`'s: below its bound, or a layer of its type."""

@@ -227,6 +227,30 @@ def test_hf_to_dcp_gives_torch_dists_split_keys(cases: dict[str, Case], family: 
     assert_same(_back(case, tmp_path / "back"), case.meg["split"])
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_config_with_only_the_interval_types_the_layers_alike(
+    cases: dict[str, Case], family: str, tmp_path: Path
+) -> None:
+    """Qwen's released config.json gives `full_attention_interval` and no `layer_types` (transformers fills
+    the list from it): with such a config, the release and the way back are those of the listed types."""
+    case = cases[family]
+    config = json.loads(case.config.read_text())
+    text = config.get("text_config", config)
+    assert text.pop("layer_types") == ["linear_attention"] * 3 + ["full_attention"]
+    text["full_attention_interval"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "hf"
+    argv = ("dcp-to-hf", str(case.torch_dist), str(out), "--mapping", case.preset, "--dtype", "keep")
+    assert cli(*argv, "--config", str(tmp_path / "config.json")) == 0
+    want = case.to_hf(case.torch_dist) / "model.safetensors"
+    assert (out / "model.safetensors").read_bytes() == want.read_bytes()
+    layout = ("--runtime-layout", "norm-separate") if case.moe else ()
+    argv = ("hf-to-dcp", str(out), str(tmp_path / "back"), "--mapping", case.preset, "--dtype", "keep")
+    assert cli(*argv, *layout, "--config", str(tmp_path / "config.json")) == 0
+    got = dcp.FileSystemReader(str(tmp_path / "back")).read_metadata().state_dict_metadata
+    assert sorted(k for k in got if hasattr(got[k], "size")) == sorted(case.meg["split"])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_to_dcp_names_a_delta_net_layers_input_norm(
     cases: dict[str, Case], family: str, tmp_path: Path

@@ -129,6 +129,10 @@ def test_a_stack_over_a_layer_type_range_is_refused(tmp_path: Path) -> None:
         '{ where = "layer_types", equals = "x", below = true }',
         '{ where = "layer_types", equals = "x", below = [1] }',
         '{ where = "layer_types", equals = ["x"] }',
+        '{ where = "layer_types", equals = "x", every = "k" }',
+        '{ where = "layer_types", equals = "x", below = "n", every = true }',
+        '{ where = "layer_types", equals = "x", below = "n", between = true }',
+        '{ where = "layer_types", equals = "x", below = "n", every = "k", between = 1 }',
     ],
 )
 def test_a_bad_layer_type_range_is_refused_when_read(tmp_path: Path, spec: str) -> None:
@@ -140,3 +144,38 @@ def test_a_bad_layer_type_range_is_refused_when_read(tmp_path: Path, spec: str) 
 def test_the_plain_range_message_names_the_new_form(tmp_path: Path) -> None:
     with pytest.raises(CkptconvError, match=r"a size, \{ below = size, default = integer \} or \{ where"):
         mapping(tmp_path, RULES, "[mapping.ranges]\nlayer = { below = 'n', default = 'x' }\n")
+
+
+EVERY = """
+[mapping.ranges]
+layer = "n"
+full = { where = "cfg.types", equals = "full", below = "n", every = "cfg.interval" }
+linear = { where = "cfg.types", equals = "linear", below = "n", every = "cfg.interval", between = true }
+"""
+
+
+def test_without_the_list_every_interval_th_layer_is_of_the_type(tmp_path: Path) -> None:
+    """Qwen3-Next's released config.json gives `full_attention_interval` and no `layer_types`: the layers
+    are typed as transformers types them (i + 1 a multiple of the interval: full attention), and the same
+    list given explicitly maps the same keys; the list wins where both are given."""
+    derived = {"n": 8, "cfg": {"interval": 4}}
+    types = ["linear"] * 3 + ["full"] + ["linear"] * 3 + ["full"]
+    listed = {"n": 8, "cfg": {"types": types, "interval": 2}}
+    shapes = {f"layers.{i}.input_norm": (3,) for i in range(8)} | {f"layers.{i}.o": (2, 3) for i in range(8)}
+    m = mapping(tmp_path, head=EVERY)
+    got = {
+        name: sorted(t.key for t in map_keys(m, "to_runtime", shapes, cfg).targets)
+        for name, cfg in (("derived", derived), ("listed", listed))
+    }
+    assert got["derived"] == got["listed"]
+    full = [k for k in got["derived"] if k.endswith(".qkv.norm")]
+    assert full == ["layers.3.qkv.norm", "layers.7.qkv.norm"]
+
+
+@pytest.mark.parametrize("interval", [None, 0])
+def test_without_list_or_interval_is_one_error(tmp_path: Path, interval: int | None) -> None:
+    cfg: dict = {"n": 4, "cfg": {} if interval is None else {"interval": interval}}
+    shapes = {f"layers.{i}.input_norm": (3,) for i in range(4)}
+    with pytest.raises(CkptconvError, match=r"cfg\.types|cfg\.interval") as err:
+        map_keys(mapping(tmp_path, head=EVERY), "to_runtime", shapes, cfg)
+    assert "\n" not in str(err.value)

@@ -146,7 +146,7 @@ def megatron_info(ckpt: DcpCheckpoint) -> MegatronInfo | None:
     values = ckpt.common.values if ckpt.common is not None else {}
     args = values.get("args") if isinstance(values.get("args"), dict) else None
     got = args or {}
-    chunks = {m.group(1) for fqn in ckpt.tensors if (m := _CHUNK.match(fqn)) and m.group(1)}
+    chunks = {m.group(1) for fqn in ckpt.tensors if (m := FSDP_PREFIX.match(fqn)) and m.group(1)}
     vpp = _int(got.get("virtual_pipeline_model_parallel_size"))
     return MegatronInfo(
         format="fsdp_dtensor" if ckpt.kind == "fsdp_dtensor" else "torch_dist",
@@ -159,8 +159,9 @@ def megatron_info(ckpt: DcpCheckpoint) -> MegatronInfo | None:
     )
 
 
-# a virtual pipeline chunk's prefix in fsdp_dtensor (`model0.module.`); group 1 the chunk's number
-_CHUNK = re.compile(r"model([0-9]*)\.module\.")
+# Megatron-FSDP's model prefix: `model.module.`, or a virtual pipeline chunk's `model<N>.module.` (group 1
+# the chunk's number)
+FSDP_PREFIX = re.compile(r"model([0-9]*)\.module\.")
 
 
 def _int(value: Any) -> int | None:

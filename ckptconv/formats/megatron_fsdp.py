@@ -15,17 +15,15 @@ stand-in, within one read's limits. Nothing from them is imported or called.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ckptconv.core.specs import Common, DcpCheckpoint
 from ckptconv.errors import CkptconvError
+from ckptconv.formats.megatron import FSDP_PREFIX as PREFIX
 from ckptconv.formats.megatron import item_bytes, readable_item
 from ckptconv.remote.files import RemoteFiles
 
 ITEMS = ("args", "iteration", "checkpoint_version")  # the top-level bytes items Megatron-LM saves
-# the model's prefix: `model.module.`, or a virtual pipeline chunk's `model<N>.module.`
-PREFIX = re.compile(r"model([0-9]*)\.module\.")
 
 
 MODULES = ("decoder.layers.", "embedding.word_embeddings.")  # GPTModel's, under the prefix

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ckptconv.core.specs import StashedItem
 from ckptconv.errors import CkptconvError
 from ckptconv.plan.megatron import iteration_of
+from ckptconv.plan.megatron_tp import TP_KEY, TP_NAME
 
 if TYPE_CHECKING:
     from ckptconv.mapping.types import KeyMapping
@@ -125,14 +126,14 @@ def with_tp(config: Mapping[str, Any], tp: int | None) -> dict[str, Any]:
     out = dict(config)
     if tp is None:
         return out
-    given = config.get("tensor_model_parallel_size")
+    given = config.get(TP_KEY)
     if given is not None and given != tp:
         raise CkptconvError(
             f"--megatron-tp {tp}: config.json says tensor_model_parallel_size {given!r}; "
             "make them agree or leave one out"
         )
-    out["tensor_model_parallel_size"] = tp
-    out["gdn_tensor_parallel_size"] = tp
+    out[TP_KEY] = tp
+    out[TP_NAME] = tp
     return out
 
 

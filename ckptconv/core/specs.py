@@ -141,12 +141,15 @@ class DcpCheckpoint:
 
 @dataclass(frozen=True)
 class Quantized:
-    """How a logical tensor is stored: scheme "fp8" (parts: weight, scale; `block` rows and columns per scale)
-    or "mxfp4" (parts: blocks, scales; `block` values per scale)."""
+    """How a logical tensor is stored. `scheme` names the format (`quant.schemes.READ`); `parts` are the
+    stored tensors, the quantized values first, then their scales (and zero points, global scales, ... as
+    the scheme defines); `block` is the scheme's block ("fp8": rows and columns per scale; "mxfp4": values
+    per scale); `args` are the scheme's other settings as (name, value) pairs (hashable), read with `arg`."""
 
     scheme: str
-    parts: tuple[StoredTensor, StoredTensor]
+    parts: tuple[StoredTensor, ...]
     block: int
+    args: tuple[tuple[str, Any], ...] = ()
 
     @property
     def scale(self) -> StoredTensor:
@@ -156,6 +159,25 @@ class Quantized:
     def nbytes(self) -> int:
         """The bytes stored: the quantized values and their scales."""
         return sum(p.nbytes for p in self.parts)
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        """The setting `name` of `args` (`default` when the scheme did not set it)."""
+        return next((v for k, v in self.args if k == name), default)
+
+    @property
+    def stored(self) -> str:
+        """What the values are stored as, for reports: arg "stored" (`int4`, `nvfp4`, ...), else the first
+        part's dtype (`float8_e4m3fn`); "mxfp4" for gpt-oss's blocks."""
+        return str(self.arg("stored", "mxfp4" if self.scheme == "mxfp4" else self.parts[0].dtype_name))
+
+    @property
+    def block_size(self) -> list[int] | int:
+        """The block for reports: arg "block_size" ([rows, cols] or values per scale), else "fp8"'s square
+        block or `block`."""
+        size = self.arg("block_size")
+        if size is not None:
+            return list(size) if isinstance(size, tuple) else int(size)
+        return [self.block, self.block] if self.scheme == "fp8" else self.block
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,19 @@ class RowReader(Protocol):
         self, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int], dtype: torch.dtype | None = None
     ) -> torch.Tensor: ...
 
+class BlockReader(Protocol):
+    """One scheme's dequantizer: the block of logical `t` at `offsets` of `sizes` into `out` (its dtype)."""
+
+    def __call__(
+        self,
+        reader: RowReader,
+        t: StoredTensor,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        out: torch.Tensor,
+    ) -> None: ...
+
+
 MX_VALUES = 2**20  # MXFP4 values decoded at a time (fp32 temporaries of a few MiB)
 
 
@@ -47,10 +60,7 @@ def quantized_block(
     if out is None:
         out = torch.empty(tuple(sizes), dtype=dtype)
     if out.numel():
-        if t.quant.scheme == "fp8":
-            _fp8_block(reader, t, offsets, sizes, out)
-        else:
-            _mxfp4_block(reader, t, offsets, sizes, out)
+        SCHEMES[t.quant.scheme](reader, t, offsets, sizes, out)
     return out
 
 
@@ -91,3 +101,9 @@ def _mxfp4_block(
             hi = min(lo + step, no)
             values = mxfp4.dequantize(packed[e, lo:hi], exps[e, lo:hi], out.dtype)  # [hi - lo, g*32]
             out[e, :, lo:hi] = values[:, skip : skip + ni].t()
+
+
+SCHEMES: dict[str, BlockReader] = {  # Quantized.scheme -> its dequantizer (`quant.schemes.READ` names them)
+    "fp8": _fp8_block,
+    "mxfp4": _mxfp4_block,
+}

@@ -352,13 +352,20 @@ def _assembled(
 def _dequantized(
     tensors: dict[str, StoredTensor], directory: Path | None, root: Path | None
 ) -> dict[str, StoredTensor]:
-    """Quantized weights (block FP8, MXFP4) as one logical tensor each, in the dtype config.json names
-    (`hf_quant`); config.json is read only when some tensor looks quantized."""
+    """Quantized weights as one logical tensor each, in the dtype config.json names (`hf_quant`: the scheme is
+    config.json's quantization_config; a config.json that cannot be read matters only when some tensor looks
+    quantized)."""
     from ckptconv.formats import hf_quant
 
-    if not hf_quant.might_be_quantized(tensors):
+    try:
+        config = hf_quant.read_config(directory, root)
+    except CkptconvError:
+        if hf_quant.might_be_quantized(tensors):
+            raise
         return tensors
-    return hf_quant.logical_tensors(tensors, hf_quant.read_config(directory, root))
+    if "quantization_config" not in config and not hf_quant.might_be_quantized(tensors):
+        return tensors
+    return hf_quant.logical_tensors(tensors, config)
 
 
 SHARDING_KEY = "DCP_SHARDING_INFO"  # torch's distributed HF writer: a rank's blocks, not whole tensors

@@ -13,18 +13,16 @@ tensors of their own. docs/notes/quantized-formats.md has the formats and the re
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ckptconv.core.dtype_names import ITEMSIZE
 from ckptconv.core.specs import Quantized, StoredTensor
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.documents import load_json
 from ckptconv.formats.files import CONFIG_BYTES, mode_of, read_regular
+from ckptconv.formats.quant_base import NOMINAL_DTYPES, Recognised, logical, nominal_dtype
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size, the default of torch's quantized reader
 MAX_FP8_BLOCK = 2**31  # past every real weight's dims (a larger block is the same one block): refused
@@ -33,7 +31,6 @@ SCALE_SUFFIX = "_scale_inv"
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 SCALE_DTYPES = ("float32", "bfloat16", "float16", "float8_e8m0fnu")
-NOMINAL_DTYPES = ("bfloat16", "float16", "float32")
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = CONFIG_BYTES  # files.py holds the limits of every file read beside a checkpoint
 
@@ -61,7 +58,54 @@ def might_be_quantized(tensors: Mapping[str, StoredTensor]) -> bool:
 
 def logical_tensors(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> dict[str, StoredTensor]:
     """`tensors` (in order) with every quantized weight as one logical tensor in its weight's place and its
-    scales removed. A malformed pair is a one-line CkptconvError naming the key and its file."""
+    scales removed. The scheme is config.json's `quantization_config.quant_method` (without one: block FP8 or
+    MXFP4 as the keys and dtypes show); a method ckptconv cannot read, or a malformed weight, is a one-line
+    CkptconvError naming the key and its file."""
+    method = _quant_method(config)
+    qc = config.get("quantization_config")
+    if method is None and isinstance(qc, dict):
+        _unknown(tensors, "a quantization_config with no quant_method")
+    if method is not None and method not in READERS:
+        _unknown(tensors, f"quant_method {method!r}")
+    found = READERS.get(method or "", _by_keys)(tensors, config)
+    if not found.logical and not found.dropped:
+        return tensors
+    return _placed(tensors, found)
+
+
+def _placed(tensors: dict[str, StoredTensor], found: Recognised) -> dict[str, StoredTensor]:
+    """`tensors` with each logical tensor in the place of its first part, its parts and `dropped` removed."""
+    logical = found.logical
+    at = {t.quant.parts[0].key: t for t in logical.values() if t.quant is not None}
+    parts = {p.key for t in logical.values() if t.quant is not None for p in t.quant.parts}
+    out: dict[str, StoredTensor] = {}
+    for key, t in tensors.items():
+        if key in logical and key not in parts:
+            raise CkptconvError(f"{t.file}: {key!r} is stored both as it is and as quantized parts")
+        if key in at:
+            out[at[key].key] = at[key]  # in the place of its weight (or blocks)
+        elif key not in parts and key not in found.dropped:
+            out[key] = t
+    return out
+
+
+def _unknown(tensors: Mapping[str, StoredTensor], what: str) -> None:
+    """Refuses a quantization ckptconv cannot dequantize, naming a tensor it stores (one not a float, else the
+    first) and the scheme."""
+    key, t = next(
+        ((k, t) for k, t in tensors.items() if t.dtype_name not in NOMINAL_DTYPES),
+        next(iter(tensors.items())),
+    )
+    known = ", ".join(sorted(READERS))
+    raise CkptconvError(
+        f"{t.file}: {key!r} is quantized with {what} (config.json's quantization_config), which ckptconv "
+        f"does not dequantize (it reads quant_method {known}); dequantize it with its own tools first"
+    )
+
+
+def _by_keys(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> Recognised:
+    """Block FP8 (`X_scale_inv`) and MXFP4 (`X_blocks` + `X_scales`), told apart by their keys and dtypes (the
+    quant_method "fp8" and "mxfp4", or none)."""
     method = _quant_method(config)
     nominal = nominal_dtype(config)
     logical: dict[str, StoredTensor] = {}
@@ -74,25 +118,7 @@ def logical_tensors(tensors: dict[str, StoredTensor], config: Mapping[str, Any])
             raise CkptconvError(f"{t.file}: MXFP4 scales {key!r} have no {_blocks_key(key)!r}")
     if method == "fp8" or any(t.quant is not None and t.quant.scheme == "fp8" for t in logical.values()):
         _no_unscaled_fp8(tensors, logical)
-    if not logical:
-        return tensors
-    at = {t.quant.parts[0].key: t for t in logical.values() if t.quant is not None}
-    parts = {p.key for t in logical.values() if t.quant is not None for p in t.quant.parts}
-    out: dict[str, StoredTensor] = {}
-    for key, t in tensors.items():
-        if key in logical and key not in parts:
-            raise CkptconvError(f"{t.file}: {key!r} is stored both as it is and as MXFP4 blocks and scales")
-        if key in at:
-            out[at[key].key] = at[key]  # in the place of its weight (or blocks)
-        elif key not in parts:
-            out[key] = t
-    return out
-
-
-def nominal_dtype(config: Mapping[str, Any]) -> str:
-    """config.json's `dtype` (transformers 5) or `torch_dtype` (older) when it is a float dtype, else bf16."""
-    name = config.get("dtype", config.get("torch_dtype"))
-    return name if isinstance(name, str) and name in NOMINAL_DTYPES else "bfloat16"
+    return Recognised(logical)
 
 
 def _quant_method(config: Mapping[str, Any]) -> str | None:
@@ -144,7 +170,7 @@ def _fp8(tensors: Mapping[str, StoredTensor], key: str, nominal: str, block: int
             f"{scale.file}: {key!r} is {list(scale.shape)}, but {name!r} {list(weight.shape)} in "
             f"{block}x{block} blocks needs {list(want)}"
         )
-    return _logical(weight, name, weight.shape, nominal, Quantized("fp8", (weight, scale), block))
+    return logical(weight, name, weight.shape, nominal, Quantized("fp8", (weight, scale), block))
 
 
 def _blocks_key(scales_key: str) -> str:
@@ -181,15 +207,7 @@ def _mxfp4(tensors: Mapping[str, StoredTensor], key: str, nominal: str) -> Store
         )
     experts, rows, groups, _ = blocks.shape
     shape = (experts, groups * MXFP4_GROUP, rows)
-    return _logical(blocks, name, shape, nominal, Quantized("mxfp4", (blocks, scales), MXFP4_GROUP))
-
-
-def _logical(
-    first: StoredTensor, key: str, shape: tuple[int, ...], nominal: str, quant: Quantized
-) -> StoredTensor:
-    """A logical tensor placed where its first part is (file, offset), sized as its dequantized values."""
-    nbytes = math.prod(shape) * ITEMSIZE[nominal]
-    return dataclasses.replace(first, key=key, dtype_name=nominal, shape=shape, nbytes=nbytes, quant=quant)
+    return logical(blocks, name, shape, nominal, Quantized("mxfp4", (blocks, scales), MXFP4_GROUP))
 
 
 def _no_unscaled_fp8(tensors: Mapping[str, StoredTensor], logical: Mapping[str, StoredTensor]) -> None:
@@ -200,3 +218,10 @@ def _no_unscaled_fp8(tensors: Mapping[str, StoredTensor], logical: Mapping[str, 
                 f"{t.file}: {key!r} is {t.dtype_name} with no {key + SCALE_SUFFIX!r}, in a block-FP8 "
                 "checkpoint: its values cannot be dequantized"
             )
+
+
+Reader = Callable[[dict[str, StoredTensor], Mapping[str, Any]], Recognised]
+READERS: dict[str, Reader] = {  # quantization_config.quant_method -> its reader (quant.schemes.METHODS)
+    "fp8": _by_keys,
+    "mxfp4": _by_keys,
+}

@@ -29,10 +29,11 @@ from typing import Any
 
 from ckptconv.core.dtype_names import ITEMSIZE
 from ckptconv.formats.documents import load_json
+from ckptconv.quant.schemes import METHODS
 
 DTYPE_FIELDS = ("dtype", "torch_dtype")
 QUANT_FIELD = "quantization_config"
-DEQUANTIZED_METHODS = ("fp8", "mxfp4")  # what `formats.hf_quant` reads dequantized
+DEQUANTIZED_METHODS = METHODS  # what `formats.hf_quant` reads dequantized
 
 
 def edit_config(

@@ -1,10 +1,35 @@
-"""The `--quantize` schemes by name, without torch: the flag is checked before anything imports it."""
+"""The quantized schemes by name, without torch: those `--quantize` writes (the flag is checked before
+anything imports torch) and those read dequantized (`READ`: what reports and notes call each one)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from ckptconv.errors import CkptconvError
 
 SCHEMES = ("fp8",)
+METHODS = ("fp8", "mxfp4")  # quantization_config.quant_method read dequantized (formats/hf_quant.READERS)
+
+
+class ReadScheme(NamedTuple):
+    """A scheme read dequantized: what notes call its weights, where its scales are, and how its values are
+    computed (docs/quantized.md has the reference each is bit-identical to)."""
+
+    label: str
+    keys: str
+    product: str
+
+
+READ: dict[str, ReadScheme] = {  # Quantized.scheme -> how it is described
+    "fp8": ReadScheme("block-FP8 weights", "*_scale_inv", "the fp32 product rounded once"),
+    "mxfp4": ReadScheme("MXFP4 expert tensors", "*_blocks, *_scales", "the fp32 product rounded once"),
+}
+
+
+def described(scheme: str, count: int, blocks: str = "") -> str:
+    """ "14 block-FP8 weights (128x128 blocks, *_scale_inv)": `count` weights of `scheme`."""
+    r = READ[scheme]
+    return f"{count} {r.label} ({blocks + ' blocks, ' if blocks else ''}{r.keys})"
 
 
 def check_scheme(scheme: str) -> str:

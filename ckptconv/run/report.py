@@ -19,6 +19,7 @@ from ckptconv.formats.megatron import megatron_info
 from ckptconv.job.gcpause import paused
 from ckptconv.job.ui import human_bytes
 from ckptconv.plan.writes import bytes_per_rank
+from ckptconv.quant.schemes import described
 from ckptconv.remote.urls import is_url
 
 if TYPE_CHECKING:
@@ -97,21 +98,23 @@ def _hf_tensor(t: StoredTensor) -> dict[str, Any]:
             "nbytes": t.nbytes,
             "file": t.file.name,
         }
-    values, scale = t.quant.parts
-    fp8 = t.quant.scheme == "fp8"
-    quantized = {
+    values, scale = t.quant.parts[:2]
+    quantized: dict[str, Any] = {
         "scheme": t.quant.scheme,
-        "block_size": [t.quant.block, t.quant.block] if fp8 else t.quant.block,
+        "block_size": t.quant.block_size,
         "scale_key": scale.key,
         "scale_dtype": scale.dtype_name,
         "scale_file": scale.file.name,
         "dequantized_dtype": t.dtype_name,
     }
-    if not fp8:
+    quantized["values_key"] = values.key
+    if t.quant.scheme == "mxfp4":
         quantized["blocks_key"] = values.key
+    if len(t.quant.parts) > 2:
+        quantized["other_keys"] = [p.key for p in t.quant.parts[2:]]
     return {
         "key": t.key,
-        "dtype": values.dtype_name if fp8 else "mxfp4",
+        "dtype": t.quant.stored,
         "shape": list(t.shape),
         "nbytes": t.quant.nbytes,
         "file": values.file.name,
@@ -227,13 +230,10 @@ def _dtype_cell(t: dict[str, Any]) -> str:
 
 def _quantized_line(tensors: list[dict[str, Any]]) -> str:
     """The note under the table: how many weights are quantized, where their scales are, what reads them."""
-    fp8 = [t for t in tensors if t["quantized"]["scheme"] == "fp8"]
-    mx = [t for t in tensors if t["quantized"]["scheme"] == "mxfp4"]
-    what = []
-    if fp8:
-        what.append(f"{len(fp8)} block-FP8 weights (scales: KEY_scale_inv)")
-    if mx:
-        what.append(f"{len(mx)} MXFP4 expert tensors (KEY_blocks + KEY_scales, shown [E, in, out])")
+    schemes: dict[str, int] = {}
+    for t in tensors:
+        schemes[t["quantized"]["scheme"]] = schemes.get(t["quantized"]["scheme"], 0) + 1
+    what = [described(scheme, n) for scheme, n in schemes.items()]
     return (
         f"quantized: {', '.join(what)}; hf-to-dcp, verify and load_hf read them dequantized "
         "(--dtype keep: the dtype after ->) and drop the scales"
@@ -332,7 +332,7 @@ def _stored_dtype(t: StoredTensor) -> str:
     hf-to-dcp dequantizes, else its dtype."""
     if t.quant is None:
         return short_name(t.dtype)
-    return t.quant.parts[0].dtype_name if t.quant.scheme == "fp8" else t.quant.scheme
+    return t.quant.stored
 
 
 def dcp_plan_summary(plan: DcpSavePlan) -> dict[str, Any]:

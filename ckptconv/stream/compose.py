@@ -19,6 +19,7 @@ from ckptconv.core.specs import StoredTensor
 from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.mapping.parts import Part, src_rows
 from ckptconv.plan.types import DcpOutTensor
+from ckptconv.quant.schemes import READ, described
 from ckptconv.stream.blocks import place, shifted
 
 SLAB_BYTES = 32 * 2**20  # source rows are read and placed this many bytes at a time
@@ -124,24 +125,22 @@ def dequantized_note(tensors: Iterable[DcpOutTensor]) -> str | None:
     """hf-to-dcp's one line about the quantized HF weights its tensors read (None when there are none):
     "dequantized 120 block-FP8 weights (128x128 blocks, *_scale_inv) and 4 MXFP4 expert tensors (*_blocks,
     *_scales) to bf16 (the fp32 product rounded once); their scales are not written"."""
-    read: dict[str, set[str]] = {"fp8": set(), "mxfp4": set()}
-    blocks: set[str] = set()
+    read: dict[str, set[str]] = {}
+    blocks: dict[str, set[str]] = {}
     dtypes: set[str] = set()
     for t in tensors:
         for stored, _ in t.parts:
             if stored.quant is not None:
-                read[stored.quant.scheme].add(stored.key)
+                read.setdefault(stored.quant.scheme, set()).add(stored.key)
                 dtypes.add(short_name(t.dtype))
-                if stored.quant.scheme == "fp8":
-                    blocks.add(f"{stored.quant.block}x{stored.quant.block}")
-    what = []
-    if read["fp8"]:
-        what.append(f"{len(read['fp8'])} block-FP8 weights ({', '.join(sorted(blocks))} blocks, *_scale_inv)")
-    if read["mxfp4"]:
-        what.append(f"{len(read['mxfp4'])} MXFP4 expert tensors (*_blocks, *_scales)")
-    if not what:
+                size = stored.quant.block_size
+                shown = "x".join(map(str, size)) if isinstance(size, list) else ""
+                blocks.setdefault(stored.quant.scheme, set()).add(shown)
+    if not read:
         return None
+    what = [described(s, len(keys), ", ".join(sorted(b for b in blocks[s] if b))) for s, keys in read.items()]
+    how = sorted({READ[s].product for s in read})
     return (
-        f"dequantized {' and '.join(what)} to {', '.join(sorted(dtypes))} (the fp32 product rounded once); "
+        f"dequantized {' and '.join(what)} to {', '.join(sorted(dtypes))} ({'; '.join(how)}); "
         "their scales are not written"
     )

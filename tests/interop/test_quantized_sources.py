@@ -273,6 +273,7 @@ def test_inspect_shows_one_logical_tensor_per_quantized_weight(
         "scale_dtype": "float32",
         "scale_file": "model-00002-of-00002.safetensors",
         "dequantized_dtype": "bfloat16",
+        "values_key": "model.layers.0.mlp.gate_proj.weight",
     }
     assert "quantized" not in by_key["model.embed_tokens.weight"]
     code, doc = run_json(capsys, "inspect", str(models["gpt_oss"]))

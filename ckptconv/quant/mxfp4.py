@@ -26,7 +26,7 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     In fp32 every product is exact or overflows (FP4 values have 2 significant bits, 2**(s - 127) spans
     2**-127..2**128): the power of two is applied as two halves of at most 2**64 each, so no intermediate
     overflows or underflows, and the only rounding is the final cast."""
-    pairs = _byte_values()[blocks.to(torch.int64)]  # [..., G, 16, 2]: (low nibble, high nibble)
+    pairs = byte_values()[blocks.to(torch.int64)]  # [..., G, 16, 2]: (low nibble, high nibble)
     values = pairs.reshape(*blocks.shape[:-1], GROUP)  # [..., G, 32]
     exponent = scales.to(torch.int32) - BIAS
     half = torch.div(exponent, 2, rounding_mode="floor")
@@ -35,7 +35,7 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return values.flatten(-2).to(dtype)
 
 
-def _byte_values() -> torch.Tensor:
+def byte_values() -> torch.Tensor:
     """[256, 2] fp32: the two FP4 values of every byte, the low nibble's first."""
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     byte = torch.arange(256)

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.specs import StoredTensor
+from ckptconv.formats.dequant_ct import ct_block
 from ckptconv.quant import fp8, mxfp4
 
 
@@ -106,4 +107,8 @@ def _mxfp4_block(
 SCHEMES: dict[str, BlockReader] = {  # Quantized.scheme -> its dequantizer (`quant.schemes.READ` names them)
     "fp8": _fp8_block,
     "mxfp4": _mxfp4_block,
+    "ct-fp8": ct_block,  # compressed-tensors: formats.dequant_ct
+    "ct-int": ct_block,
+    "ct-nvfp4": ct_block,
+    "ct-mxfp4": ct_block,
 }

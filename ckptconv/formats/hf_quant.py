@@ -23,6 +23,7 @@ from ckptconv.errors import CkptconvError
 from ckptconv.formats.documents import load_json
 from ckptconv.formats.files import CONFIG_BYTES, mode_of, read_regular
 from ckptconv.formats.quant_base import NOMINAL_DTYPES, Recognised, logical, nominal_dtype
+from ckptconv.formats.quant_ct import read as read_compressed_tensors
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size, the default of torch's quantized reader
 MAX_FP8_BLOCK = 2**31  # past every real weight's dims (a larger block is the same one block): refused
@@ -224,4 +225,5 @@ Reader = Callable[[dict[str, StoredTensor], Mapping[str, Any]], Recognised]
 READERS: dict[str, Reader] = {  # quantization_config.quant_method -> its reader (quant.schemes.METHODS)
     "fp8": _by_keys,
     "mxfp4": _by_keys,
+    "compressed-tensors": read_compressed_tensors,  # formats.quant_ct
 }

@@ -8,7 +8,8 @@ from typing import NamedTuple
 from ckptconv.errors import CkptconvError
 
 SCHEMES = ("fp8",)
-METHODS = ("fp8", "mxfp4")  # quantization_config.quant_method read dequantized (formats/hf_quant.READERS)
+# quantization_config.quant_method read dequantized (formats/hf_quant.READERS)
+METHODS = ("fp8", "mxfp4", "compressed-tensors")
 
 
 class ReadScheme(NamedTuple):
@@ -23,6 +24,24 @@ class ReadScheme(NamedTuple):
 READ: dict[str, ReadScheme] = {  # Quantized.scheme -> how it is described
     "fp8": ReadScheme("block-FP8 weights", "*_scale_inv", "the fp32 product rounded once"),
     "mxfp4": ReadScheme("MXFP4 expert tensors", "*_blocks, *_scales", "the fp32 product rounded once"),
+    "ct-fp8": ReadScheme(
+        "compressed-tensors FP8 weights", "*.weight_scale", "compressed-tensors' product in the scale's dtype"
+    ),
+    "ct-int": ReadScheme(
+        "compressed-tensors packed int weights",
+        "*.weight_packed, *.weight_scale, *.weight_shape, *.weight_zero_point",
+        "compressed-tensors' product in the scale's dtype",
+    ),
+    "ct-nvfp4": ReadScheme(
+        "compressed-tensors NVFP4 weights",
+        "*.weight_packed, *.weight_scale, *.weight_global_scale",
+        "compressed-tensors' product rounded to bf16",
+    ),
+    "ct-mxfp4": ReadScheme(
+        "compressed-tensors MXFP4 weights",
+        "*.weight_packed, *.weight_scale",
+        "compressed-tensors' bf16 product",
+    ),
 }
 
 

@@ -126,6 +126,13 @@ def _module(tensors: Mapping[str, StoredTensor], module: str, group: Group, nomi
             )
         if group.strategy == "group":
             cols = scale.shape[-1] * group.group_size if len(scale.shape) == 2 else 0
+            widest = values.shape[1] * 32 // group.bits  # the columns the packed words can hold
+            if -(-cols * group.bits // 32) != values.shape[1]:
+                raise CkptconvError(
+                    f"{scale.file}: {scale.key!r} is {list(scale.shape)}, but {values.key!r} "
+                    f"{list(values.shape)} ({widest} columns of {group.bits}-bit values, group_size "
+                    f"{group.group_size}) needs [{rows}, {widest // group.group_size}]"
+                )
         else:  # the packed width fixes the columns only to within 32 / bits: weight_shape says
             told = _stored_ints(shape)
             if told[0] != rows:

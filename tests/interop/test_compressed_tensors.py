@@ -4,8 +4,8 @@ compressed-tensors 0.20.0 itself decompresses.
 Each release is made by compressed-tensors' own code (support/ct.py `release`: its presets, its
 calculate_qparams, its ModelCompressor) from a tiny transformers llama (families.sized):
 
-    fp8    FP8_DYNAMIC (channel) on "re:.*mlp.*" and FP8 (tensor, static input_scale) on "re:.*self_attn.*"
-           (hidden 200, intermediate 332: no dim a multiple of 8 x 16 ...)
+    fp8    FP8_DYNAMIC (channel) on gate/up, FP8 (tensor, a static input_scale) on "re:.*self_attn.*",
+           FP8_DYNAMIC with strategy group (4 columns a scale) on down_proj (hidden 200, intermediate 332)
     fp8b   FP8_BLOCK 128x128 on Linear, no dim a multiple of 128; every scale in the second shard
     int    W4A16 (group 128) on attention, W4A16_ASYM with group 32 on the MLP; scales in the second shard
     intc   W4A16_ASYM per channel on a model whose down_proj has 332 columns (41.5 int32 words a row)
@@ -56,7 +56,11 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "fp8": release(
             odd,
             root / "fp8",
-            {"g0": scheme("FP8_DYNAMIC", ["re:.*mlp.*"]), "g1": scheme("FP8", ["re:.*self_attn.*"])},
+            {
+                "g0": scheme("FP8_DYNAMIC", ["re:.*mlp.(gate|up)_proj$"]),
+                "g1": scheme("FP8", ["re:.*self_attn.*"]),
+                "g2": scheme("FP8_DYNAMIC", ["re:.*down_proj$"], strategy="group", group_size=4),
+            },
         ),
         "fp8b": release(odd, root / "fp8b", {"g0": scheme("FP8_BLOCK", ["Linear"])}, split=_second("_scale")),
         "int": release(
@@ -104,6 +108,35 @@ def test_the_decoding_is_compressed_tensors_for_every_code() -> None:
     assert same_bits(ct.mx_scales(every), decompress_mx_scale(every).to(torch.bfloat16))
 
 
+def test_a_module_is_in_the_group_compressed_tensors_gives_it() -> None:
+    """Overlapping targets: exact names, then regexes, then "Linear", a target's later group winning, as
+    apply_quantization_config (match_targets, _scheme_from_targets) assigns schemes."""
+    from collections import OrderedDict
+
+    from compressed_tensors.utils.match import match_targets
+
+    from ckptconv.formats.quant_ct_config import group_of, parse
+
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}
+    groups = {
+        "g0": ["Linear"],
+        "g1": ["re:.*proj$", "model.b.q_proj"],
+        "g2": ["model.a.q_proj", "re:.*q_proj$"],
+        "g3": ["re:.*mlp.*", "re:.*proj$"],
+    }
+    qc = {"config_groups": {g: {"targets": t, "weights": weights} for g, t in groups.items()}}
+    parsed = parse(qc, "config.json")
+    by_target: OrderedDict[str, str] = OrderedDict()
+    for g, targets in groups.items():
+        for target in targets:
+            by_target[target] = g
+    linear = torch.nn.Linear(1, 1)
+    for module in ("model.a.q_proj", "model.b.q_proj", "model.c.q_proj", "model.mlp.down_proj", "lm_head"):
+        want = by_target[match_targets(module, linear, by_target)[0]]
+        got = group_of(parsed, module)
+        assert got is not None and got.name == want, module
+
+
 def test_the_oracle_is_compressed_tensors_dequantizer(releases: dict[str, Path]) -> None:
     """support/ct.py's oracle is CompressedTensorsDequantizer.process wherever that runs (not on fp8b: with
     the target "Linear" it takes embed_tokens for a quantized module and fails on its missing scale)."""
@@ -137,6 +170,11 @@ def test_hf_to_dcp_writes_compressed_tensors_dequantization(
     assert code == 0, err
     got = load_plain(out)
     want = expected(releases[name], torch.float32 if dtype else torch.bfloat16)
+    if name == "fp8":  # one group of each strategy
+        grids = {k: t.quant.arg("grid") for k, t in open_hf(releases[name]).tensors.items() if t.quant}
+        assert grids["model.layers.0.mlp.down_proj.weight"] == (1, 4)
+        assert grids["model.layers.0.mlp.up_proj.weight"] == (1, 200)
+        assert grids["model.layers.0.self_attn.o_proj.weight"] == (200, 32)
     assert set(got) == set(want), set(got) ^ set(want)
     for key, value in want.items():
         assert same_bits(got[key], value), key  # type: ignore[arg-type]

@@ -274,6 +274,39 @@ def test_inspect_verify_and_load_hf(
     assert all(same_bits(state[k], v) for k, v in want.items())
 
 
+def _global_format(qc: dict[str, Any]) -> None:
+    """Older releases: no format per group, the global one "mixed-precision" (each group's inferred)."""
+    for group in qc["config_groups"].values():
+        group.pop("format")
+    qc["format"] = "mixed-precision"
+
+
+def _kv_cache(t: dict[str, torch.Tensor]) -> None:
+    """An FP8 KV cache's scales, as vLLM's releases store them beside the attention's weights."""
+    if "model.layers.0.self_attn.o_proj.weight_packed" in t:
+        t["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+        t["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
+
+
+def test_formats_inferred_and_kv_cache_scales_dropped(
+    releases: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without per-group formats each group's is inferred from its weights, as compressed-tensors infers it;
+    KV-cache scales (kv_cache_scheme) are not weights: hf-to-dcp leaves them out."""
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+    def config(qc: dict[str, Any]) -> None:
+        _global_format(qc)
+        qc["kv_cache_scheme"] = kv
+
+    src = _edited(releases["mixed"], tmp_path / "src", _kv_cache, config)
+    code, err = run(capsys, "hf-to-dcp", str(src), str(tmp_path / "out"))
+    assert code == 0, err
+    got, want = load_plain(tmp_path / "out"), expected(releases["mixed"], torch.bfloat16)
+    assert set(got) == set(want), set(got) ^ set(want)
+    assert all(same_bits(got[k], v) for k, v in want.items())  # type: ignore[arg-type]
+
+
 # -- refusals -----------------------------------------------------------------------------------------------
 
 

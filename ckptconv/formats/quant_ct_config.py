@@ -72,6 +72,12 @@ def parse(qc: Mapping[str, Any], where: str) -> CtConfig:
                 f"{where} is compressed-tensors with a {extra} (quantization_config), which ckptconv "
                 "does not dequantize; dequantize it with compressed-tensors first"
             )
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise CkptconvError(
+            f'{where}: quantization_config\'s quantization_status is {_shown(status)}, not "compressed": '
+            "ckptconv reads compressed-tensors releases as compressed-tensors saves them compressed"
+        )
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise CkptconvError(f"{where}: quantization_config of compressed-tensors has no config_groups")
@@ -81,9 +87,10 @@ def parse(qc: Mapping[str, Any], where: str) -> CtConfig:
         group = _group(str(name), raw, default, where)
         if group is None:
             continue
-        for target in raw.get("targets") or ():
-            if not isinstance(target, str):
-                raise CkptconvError(f"{where}: config_groups {name!r} has a target that is not a string")
+        targets_of = raw.get("targets")
+        if not isinstance(targets_of, list) or not all(isinstance(t, str) for t in targets_of):
+            raise CkptconvError(f"{where}: config_groups {name!r} has targets that are not a list of names")
+        for target in targets_of:
             if target.startswith("re:"):
                 _regex(target, where)
             targets[target] = group
@@ -132,7 +139,12 @@ def _group(name: str, raw: Any, default: Any, where: str) -> Group | None:
         )
     strategy, kind, bits = w.get("strategy"), w.get("type"), w.get("num_bits")
     wanted = {"ct-fp8": ("float", (8,)), "ct-int": ("int", range(1, 9))}.get(scheme, ("float", (4,)))
-    if kind != wanted[0] or bits not in wanted[1] or strategy not in STRATEGIES[scheme]:
+    if (
+        kind != wanted[0]
+        or type(bits) is not int
+        or bits not in wanted[1]
+        or strategy not in STRATEGIES[scheme]
+    ):
         raise CkptconvError(
             f"{where}: {label} stores {_shown(kind)} {_shown(bits)}-bit weights with strategy "
             f"{_shown(strategy)} in format {fmt!r}, which ckptconv does not dequantize (it reads "
@@ -166,7 +178,7 @@ def _group(name: str, raw: Any, default: Any, where: str) -> Group | None:
         scheme,
         str(fmt),
         str(strategy),
-        int(bits),  # type: ignore[arg-type]  # checked above
+        int(bits),  # checked above
         int(size) if grouped else 0,  # type: ignore[arg-type]
         (int(block[0]), int(block[1])) if blocked else (0, 0),  # type: ignore[index]
         symmetric is not False,
@@ -176,8 +188,9 @@ def _group(name: str, raw: Any, default: Any, where: str) -> Group | None:
 def _inferred(w: Mapping[str, Any]) -> str | None:
     """The format compressed-tensors infers for weight args alone (compressors.format.infer_module_format,
     for the formats ckptconv reads)."""
-    if w.get("type") == "float" and w.get("num_bits") == 4:
-        return {16: "nvfp4-pack-quantized", 32: "mxfp4-pack-quantized"}.get(w.get("group_size"))  # type: ignore[arg-type]
+    size = w.get("group_size")
+    if w.get("type") == "float" and w.get("num_bits") == 4 and size in (16, 32):
+        return "nvfp4-pack-quantized" if size == 16 else "mxfp4-pack-quantized"
     if w.get("type") == "int":
         return "pack-quantized"
     if w.get("type") == "float" and w.get("num_bits") == 8:

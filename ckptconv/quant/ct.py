@@ -16,6 +16,8 @@ scale's (fp32 for the [1]-shaped fp32 scale releases store). Scales here are alr
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ckptconv.quant import mxfp4
@@ -28,6 +30,14 @@ def unpack_int(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     value i at bits [i*bits, (i+1)*bits) of the little-endian stream, less 2**(bits - 1)
     (pack_quantized.helpers.unpack_from_int32)."""
     n, k = words.shape
+    if bits in (4, 8):  # whole bytes: split them (values never straddle one) instead of shifting words
+        data = words.contiguous().view(torch.uint8).view(n, k, 4)
+        if sys.byteorder == "big":
+            data = data.flip(-1)
+        if bits == 4:
+            data = torch.stack((data & 0x0F, data >> 4), dim=-1)
+        values = data.reshape(n, -1)[:, :count].to(torch.int16) - (1 << (bits - 1))
+        return values.to(torch.int8)
     groups = -(-k // bits)
     stream = torch.zeros((n, groups * bits), dtype=torch.int64)
     stream[:, :k] = words.to(torch.int64) & 0xFFFFFFFF  # each word as its unsigned 32 bits

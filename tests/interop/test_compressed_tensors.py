@@ -37,6 +37,7 @@ from test_quantized_sources import run_json
 from ckptconv.core.layout import shard_rows
 from ckptconv.formats.hf import open_hf
 from ckptconv.formats.safetensors_io import RowReader
+from ckptconv.plan.config import dequantized_config
 from ckptconv.quant import ct
 
 ODD = {"hidden_size": 200, "intermediate_size": 332, "num_hidden_layers": 1}  # q_proj [32, 200]
@@ -242,7 +243,7 @@ def test_inspect_verify_and_load_hf(
     releases: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """inspect --json: each quantized module one logical tensor, its parts not tensors of their own; verify
-    compares the dequantized weights; load_hf loads them."""
+    compares the dequantized weights; load_hf loads them; the config kept drops the quantization_config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import ckptconv as lib
@@ -272,6 +273,7 @@ def test_inspect_verify_and_load_hf(
     assert not report.missing and not report.unexpected and not report.replaced
     want = expected(src, torch.bfloat16)
     assert all(same_bits(state[k], v) for k, v in want.items())
+    assert "quantization_config" not in json.loads(dequantized_config((src / "config.json").read_bytes()))
 
 
 def _global_format(qc: dict[str, Any]) -> None:

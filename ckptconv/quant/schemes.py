@@ -8,7 +8,8 @@ from typing import NamedTuple
 from ckptconv.errors import CkptconvError
 
 SCHEMES = ("fp8",)
-METHODS = ("fp8", "mxfp4")  # quantization_config.quant_method read dequantized (formats/hf_quant.READERS)
+# quantization_config.quant_method read dequantized (formats/hf_quant.READERS)
+METHODS = ("fp8", "mxfp4", "modelopt")
 
 
 class ReadScheme(NamedTuple):
@@ -23,6 +24,12 @@ class ReadScheme(NamedTuple):
 READ: dict[str, ReadScheme] = {  # Quantized.scheme -> how it is described
     "fp8": ReadScheme("block-FP8 weights", "*_scale_inv", "the fp32 product rounded once"),
     "mxfp4": ReadScheme("MXFP4 expert tensors", "*_blocks, *_scales", "the fp32 product rounded once"),
+    "mxfp8": ReadScheme("MXFP8 weights", "*_scale_inv E8M0", "the fp32 product rounded once"),
+    "nvfp4": ReadScheme(
+        "NVFP4 weights", "*weight_scale, *weight_scale_2", "FP4 * (scale * scale_2) in fp32 rounded once"
+    ),
+    "dsv4-fp8": ReadScheme("DeepSeek-V4 FP8 weights", "*.scale E8M0", "the fp32 product rounded once"),
+    "dsv4-fp4": ReadScheme("DeepSeek-V4 FP4 expert weights", "*.scale E8M0", "the fp32 product rounded once"),
 }
 
 

@@ -1,0 +1,168 @@
+"""ModelOpt NVFP4 (also MIXED_PRECISION), MXFP8 and DeepSeek-V4 releases read dequantized (#38).
+
+Releases built from tiny transformers models (support/families.py `sized`) by the formats' own code
+(support/modelopt.py): NVFP4 by nvidia-modelopt 0.47.0's NVFP4QTensor.quantize with its config from ModelOpt's
+convert_hf_quant_config_format (layer 0's experts per expert, layer 1's stacked: gate_up_proj [E, O, I/2]
+with one weight_scale_2, down_proj in ModelOpt's bmm layout [E, I/2, O] with one per expert; an ignored
+o_proj; input_scale dropped); MXFP8 and DeepSeek-V4's FP8 by transformers 5.24.0's Fp8Quantize (ue8m0),
+DeepSeek-V4's FP4 experts by ModelOpt's MXFP4QTensor.quantize. Scales are in the second shard, their weights
+in the first. The references, bit for bit: NVFP4QTensor.dequantize (NVFP4), transformers'
+Fp8Dequantize._dequantize_one (MXFP8, DeepSeek-V4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ckptconv
+from families import sized
+from modelopt import build, reference
+from test_bad_input import run
+from test_dcp_to_hf import load_dir, same_bits
+from test_hf_to_dcp import load_plain
+from test_quantized_sources import run_json
+
+import ckptconv as lib
+from ckptconv.formats.hf import open_hf
+from ckptconv.formats.safetensors_io import RowReader
+
+RELEASES = ("nvfp4", "nvfp4-mixed", "mxfp8", "dsv4")
+PARTS = ("weight_scale", "weight_scale_2", "input_scale", "_scale_inv", ".scale")
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("modelopt")
+    sized("qwen3", root / "moe-bf16", {"hidden_size": 64, "moe_intermediate_size": 48}, moe=True)
+    sized("llama", root / "llama-bf16", {"hidden_size": 64, "intermediate_size": 96})
+    sizes = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64}
+    sized("deepseek_v3", root / "ds-bf16", sizes)
+    build(
+        ("nvfp4", root / "moe-bf16", root / "nvfp4"),
+        ("mxfp8", root / "llama-bf16", root / "mxfp8"),
+        ("dsv4", root / "ds-bf16", root / "dsv4"),
+    )
+    return {name: root / name for name in RELEASES}
+
+
+def expected(src: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What hf-to-dcp writes: the reference's dequantized weights, every other tensor cast; scales dropped."""
+    quantized = reference(src, dtype)
+    stored = load_dir(src)
+    plain = {k: v.to(dtype) for k, v in stored.items() if k not in quantized and not k.endswith(PARTS)}
+    return plain | quantized
+
+
+def assert_same(got: dict[str, object], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want), set(got) ^ set(want)
+    for key, value in want.items():
+        assert same_bits(got[key], value), key  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", RELEASES)
+@pytest.mark.parametrize("dtype", [None, "fp32"])
+def test_hf_to_dcp_writes_the_reference_dequantization(
+    releases: dict[str, Path],
+    name: str,
+    dtype: str | None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "dcp"
+    flags = ("--dtype", dtype) if dtype else ()
+    code, err = run(capsys, "hf-to-dcp", str(releases[name]), str(out), *flags)
+    assert code == 0, err
+    assert "their scales are not written" in err, err
+    assert_same(load_plain(out), expected(releases[name], torch.float32 if dtype else torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("nvfp4", "model.layers.1.mlp.experts.gate_up_proj.weight"),  # [E, O, I]: stacked rows
+        ("nvfp4", "model.layers.1.mlp.experts.down_proj"),  # [E, I, O]: bmm, a weight_scale_2 per expert
+        ("nvfp4", "model.layers.0.mlp.experts.1.down_proj.weight"),
+        ("mxfp8", "model.layers.0.mlp.down_proj.weight"),
+        ("dsv4", "model.layers.1.mlp.experts.2.down_proj.weight"),  # FP4
+        ("dsv4", "model.layers.0.mlp.up_proj.weight"),  # FP8 128 x 128
+    ],
+)
+def test_any_block_is_the_reference_and_reads_its_parts_only(
+    releases: dict[str, Path], name: str, key: str
+) -> None:
+    """A rank's rows, or any block (a TP / FSDP shard on any dim), read from the weight and its scales in
+    another file, is the reference's block in bf16 and fp32."""
+    t = open_hf(releases[name]).tensors[key]
+    assert t.quant is not None and t.quant.scale.file != t.file
+    g = torch.Generator().manual_seed(0)
+    reader = RowReader()
+    for dtype in (torch.bfloat16, torch.float32):
+        full = reference(releases[name], dtype)[key]
+        assert full.shape == t.shape
+        half = t.shape[0] // 2
+        assert same_bits(reader.rows(t, half, t.shape[0], dtype=dtype), full[half:].contiguous())
+        for _ in range(25):
+            offsets = [int(torch.randint(0, n, (), generator=g)) for n in t.shape]
+            sizes = [
+                int(torch.randint(1, n - o + 1, (), generator=g))
+                for n, o in zip(t.shape, offsets, strict=True)
+            ]
+            got = reader.block(t, offsets, sizes, dtype=dtype)
+            want = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+            assert same_bits(got, want.contiguous()), (offsets, sizes)
+    reader.close()
+    if name == "nvfp4" and key.endswith("gate_up_proj.weight"):  # experts [1, 3) of [4, 96, 64]
+        reader = RowReader()
+        reader.rows(t, 1, 3, dtype=torch.float32)
+        assert reader.bytes_read == 2 * 96 * 32 + 2 * 96 * 4 + 4  # packed rows, scale rows, the global scale
+        reader.close()
+
+
+def test_inspect_verify_and_load_hf(
+    releases: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """inspect --json: one logical tensor per weight (the ignored o_proj plain); verify compares the
+    dequantized values with a DCP of them; load_hf fills a plain state dict with the bf16 reference."""
+    src = releases["nvfp4"]
+    _, doc = run_json(capsys, "inspect", str(src))
+    by_key = {t["key"]: t for t in doc["tensors"]}
+    assert not any(k.endswith(PARTS) for k in by_key)
+    down = by_key["model.layers.1.mlp.experts.down_proj"]
+    assert down["dtype"] == "nvfp4" and down["shape"] == [4, 48, 64]
+    assert down["quantized"] == {
+        "scheme": "nvfp4",
+        "block_size": 16,
+        "scale_key": "model.layers.1.mlp.experts.down_proj_weight_scale",
+        "scale_dtype": "float8_e4m3fn",
+        "scale_file": "model-00002-of-00002.safetensors",
+        "dequantized_dtype": "bfloat16",
+        "values_key": "model.layers.1.mlp.experts.down_proj",
+        "other_keys": ["model.layers.1.mlp.experts.down_proj_weight_scale_2"],
+    }
+    assert "quantized" not in by_key["model.layers.1.self_attn.o_proj.weight"]
+    for name, scheme, stored in (("mxfp8", "mxfp8", "float8_e4m3fn"), ("dsv4", "dsv4-fp4", "fp4")):
+        _, doc = run_json(capsys, "inspect", str(releases[name]))
+        schemes = {t["quantized"]["scheme"]: t["dtype"] for t in doc["tensors"] if "quantized" in t}
+        assert schemes[scheme] == stored, schemes
+    out = tmp_path / "dcp"
+    code, err = run(capsys, "hf-to-dcp", str(src), str(out), "--verify")
+    assert code == 0, err
+    code, doc = run_json(capsys, "verify", str(src), str(out))
+    assert doc["match"], doc
+    want = expected(src, torch.bfloat16)
+    state = {k: torch.empty_like(v) for k, v in want.items()}
+    report = lib.load_hf(state, src)
+    assert not report.missing and not report.unexpected
+    assert_same(dict(state), want)
+
+
+@pytest.mark.slow
+def test_two_ranks_write_what_one_rank_writes(releases: dict[str, Path], tmp_path: Path) -> None:
+    """Every scheme at once: each of 2 ranks dequantizes only its Shard(0) rows."""
+    for name in RELEASES:
+        out = tmp_path / name
+        proc = ckptconv("hf-to-dcp", str(releases[name]), str(out), nproc=2)
+        assert proc.returncode == 0, proc.stderr
+        assert_same(load_plain(out), expected(releases[name], torch.bfloat16))

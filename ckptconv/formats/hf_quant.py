@@ -117,6 +117,12 @@ def _by_keys(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> Rec
     nominal = nominal_dtype(config)
     logical: dict[str, StoredTensor] = {}
     for key, t in tensors.items():
+        if method is None and key.endswith(quant_modelopt.SCALE_2):
+            raise CkptconvError(
+                f"{t.file}: {key!r} is a ModelOpt NVFP4 global scale, but config.json has no "
+                "quantization_config: add ModelOpt's (quant_method \"modelopt\", as its hf_quant_config.json "
+                "says) to config.json"
+            )
         if key.endswith(SCALE_SUFFIX):
             logical[key[: -len(SCALE_SUFFIX)]] = _fp8(tensors, key, nominal, _fp8_block(config, t))
         elif key.endswith(quant_dsv4.SCALE) and quant_dsv4.is_scale(tensors, key):

@@ -187,10 +187,12 @@ def _matches(module: str, pattern: str) -> bool:
 
 
 def _refuse(tensors: Mapping[str, StoredTensor], what: str) -> None:
-    """An algorithm ckptconv does not dequantize: named with a tensor it stores (one not a float)."""
+    """An algorithm ckptconv does not dequantize: named with a tensor it stores (a packed uint8 weight, else
+    one not a float)."""
+    floats = ("bfloat16", "float16", "float32")
     key, t = next(
-        ((k, t) for k, t in tensors.items() if t.dtype_name not in ("bfloat16", "float16", "float32")),
-        next(iter(tensors.items())),
+        ((k, t) for k, t in tensors.items() if t.dtype_name == "uint8"),
+        next(((k, t) for k, t in tensors.items() if t.dtype_name not in floats), next(iter(tensors.items()))),
     )
     raise CkptconvError(
         f"{t.file}: {key!r} is quantized with ModelOpt {what} (config.json's quantization_config), which "

@@ -12,6 +12,8 @@ Fp8Dequantize._dequantize_one (MXFP8, DeepSeek-V4).
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ import torch
 from conftest import ckptconv
 from families import sized
 from modelopt import build, reference
-from test_bad_input import run
+from safetensors.torch import save_file
+from test_bad_input import assert_one_line, run
 from test_dcp_to_hf import load_dir, same_bits
 from test_hf_to_dcp import load_plain
 from test_quantized_sources import run_json
@@ -27,6 +30,7 @@ from test_quantized_sources import run_json
 import ckptconv as lib
 from ckptconv.formats.hf import open_hf
 from ckptconv.formats.safetensors_io import RowReader
+from ckptconv.quant import fp8
 
 RELEASES = ("nvfp4", "nvfp4-mixed", "mxfp8", "dsv4")
 PARTS = ("weight_scale", "weight_scale_2", "input_scale", "_scale_inv", ".scale")
@@ -166,3 +170,117 @@ def test_two_ranks_write_what_one_rank_writes(releases: dict[str, Path], tmp_pat
         proc = ckptconv("hf-to-dcp", str(releases[name]), str(out), nproc=2)
         assert proc.returncode == 0, proc.stderr
         assert_same(load_plain(out), expected(releases[name], torch.bfloat16))
+
+
+# -- bad inputs ---------------------------------------------------------------------------------------------
+
+
+def _write(directory: Path, tensors: dict[str, torch.Tensor], qc: dict | None, **top: object) -> Path:
+    directory.mkdir()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config: dict[str, object] = {"dtype": "bfloat16", **top}
+    if qc is not None:
+        config["quantization_config"] = qc
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _nvfp4(rows: int = 4, cols: int = 32, scale_cols: int | None = None) -> dict[str, torch.Tensor]:
+    return {
+        "a.weight": torch.zeros(rows, cols // 2, dtype=torch.uint8),
+        "a.weight_scale": torch.ones(rows, scale_cols or cols // 16).to(torch.float8_e4m3fn),
+        "a.weight_scale_2": torch.tensor(0.5),
+    }
+
+
+NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]}
+E8M0 = torch.float8_e8m0fnu
+FP8 = {"quant_algo": "FP8"}
+DSV4 = {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+BAD = {
+    "unknown quant_algo": (_nvfp4(), {**NVFP4, "quant_algo": "W4A8_AWQ"}, {}, ("'a.weight'", "'W4A8_AWQ'")),
+    "nvfp4 scale shape": (_nvfp4(scale_cols=3), NVFP4, {}, ("'a.weight_scale'", "[4, 3]", "needs [4, 2]")),
+    "no weight_scale_2": (
+        {k: v for k, v in _nvfp4().items() if not k.endswith("_2")},
+        NVFP4,
+        {},
+        ("'a.weight'", "no 'a.weight_scale_2'"),
+    ),
+    "no weight_scale": (
+        {**_nvfp4(), "b.weight": torch.zeros(4, 16, dtype=torch.uint8)},
+        NVFP4,
+        {},
+        ("'b.weight'", "no 'b.weight_scale'"),
+    ),
+    "scale of another dtype": (
+        {**_nvfp4(), "a.weight_scale": torch.ones(4, 2)},
+        NVFP4,
+        {},
+        ("'a.weight_scale'", "float32, not float8_e4m3fn"),
+    ),
+    "ignored module quantized": (
+        _nvfp4(),
+        {**NVFP4, "ignore": ["a"]},
+        {},
+        ("'a.weight_scale'", "ignores"),
+    ),
+    "mixed precision, FP8 layer": (
+        _nvfp4(),
+        {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {"a": FP8}},
+        {},
+        ("'a.weight_scale'", "quant_algo 'FP8'"),
+    ),
+    "hf_quant_config.json only": (_nvfp4(), None, {}, ("'a.weight_scale_2'", "no quantization_config")),
+    "mxfp8 scale shape": (
+        {"a.weight": torch.zeros(4, 64).to(fp8.FP8), "a.weight_scale_inv": torch.ones(4, 3).to(E8M0)},
+        {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [1, 32]},
+        {},
+        ("'a.weight_scale_inv'", "1x32 blocks needs [4, 2]"),
+    ),
+    "dsv4 fp4 without expert_dtype": (
+        {"a.weight": torch.zeros(4, 32, dtype=torch.int8), "a.scale": torch.ones(4, 2).to(E8M0)},
+        DSV4,
+        {},
+        ("'a.weight'", "expert_dtype"),
+    ),
+    "dsv4 fp4 scale shape": (
+        {"a.weight": torch.zeros(4, 32, dtype=torch.int8), "a.scale": torch.ones(4, 1).to(E8M0)},
+        DSV4,
+        {"expert_dtype": "fp4"},
+        ("'a.scale'", "needs [4, 2]"),
+    ),
+    "dsv4 fp8 scale shape": (
+        {"a.weight": torch.zeros(200, 64).to(fp8.FP8), "a.scale": torch.ones(1, 1).to(E8M0)},
+        DSV4,
+        {},
+        ("'a.scale'", "needs [2, 1]"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_malformed_release_is_one_line(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tensors, qc, top, needles = BAD[case]
+    src = _write(tmp_path / "src", tensors, qc, **top)
+    for command in (("inspect",), ("hf-to-dcp", str(tmp_path / "out"))):
+        code, err = run(capsys, command[0], str(src), *command[1:])
+        assert_one_line(code, err, "model.safetensors", *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_norm_scale_and_an_unquantized_ignored_module_stay_tensors(tmp_path: Path) -> None:
+    """`.scale` beside a float weight (a norm's, as Inkling2 has) is a tensor of its own; an ignored module
+    keeps its plain weight beside the NVFP4 ones."""
+    src = _write(
+        tmp_path / "src",
+        {"n.weight": torch.ones(4), "n.scale": torch.ones(4), **_nvfp4(), "lm_head.weight": torch.ones(2)},
+        NVFP4,
+    )
+    tensors = open_hf(src).tensors
+    assert [k for k, t in tensors.items() if t.quant is not None] == ["a.weight"]
+    assert set(tensors) == {"n.weight", "n.scale", "a.weight", "lm_head.weight"}
+    shutil.rmtree(src)
+    src = _write(tmp_path / "src", {"n.weight": torch.ones(4), "n.scale": torch.ones(4)}, DSV4)
+    assert set(open_hf(src).tensors) == {"n.weight", "n.scale"}

@@ -21,7 +21,7 @@ import torch
 from conftest import ckptconv
 from families import sized
 from modelopt import build, reference
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_bad_input import assert_one_line, run
 from test_dcp_to_hf import load_dir, same_bits
 from test_hf_to_dcp import load_plain
@@ -30,7 +30,7 @@ from test_quantized_sources import run_json
 import ckptconv as lib
 from ckptconv.formats.hf import open_hf
 from ckptconv.formats.safetensors_io import RowReader
-from ckptconv.quant import fp8
+from ckptconv.quant import fp8, nvfp4
 
 RELEASES = ("nvfp4", "nvfp4-mixed", "mxfp8", "dsv4")
 PARTS = ("weight_scale", "weight_scale_2", "input_scale", "_scale_inv", ".scale")
@@ -47,8 +47,9 @@ def releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("nvfp4", root / "moe-bf16", root / "nvfp4"),
         ("mxfp8", root / "llama-bf16", root / "mxfp8"),
         ("dsv4", root / "ds-bf16", root / "dsv4"),
+        ("grid", root, root / "grid.safetensors"),
     )
-    return {name: root / name for name in RELEASES}
+    return {name: root / name for name in RELEASES} | {"grid": root / "grid.safetensors"}
 
 
 def expected(src: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -63,6 +64,46 @@ def assert_same(got: dict[str, object], want: dict[str, torch.Tensor]) -> None:
     assert set(got) == set(want), set(got) ^ set(want)
     for key, value in want.items():
         assert same_bits(got[key], value), key  # type: ignore[arg-type]
+
+
+# -- the math -----------------------------------------------------------------------------------------------
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def test_nvfp4_decode_is_modelopts_for_every_code_and_scale(releases: dict[str, Path]) -> None:
+    """Every byte of codes under every finite E4M3 scale and three global scales: NVFP4QTensor.dequantize's
+    values, zeros' signs included."""
+    stored = load_file(releases["grid"])
+    for i in range(3):
+        for dtype in DTYPES:
+            s2 = stored[f"scale_2.{i}"]
+            got = nvfp4.dequantize(stored["packed"], stored["scale"], dtype, 16, s2, negative_zero=False)
+            assert same_bits(got, stored[f"{i}.{str(dtype).removeprefix('torch.')}"]), (i, dtype)
+
+
+def test_fp4_and_mxfp8_decode_are_transformers_for_every_code_and_scale() -> None:
+    """DeepSeek-V4's FP4 (int8) and MXFP8 (fp8) bytes under every finite E8M0 scale: what transformers'
+    Fp8Dequantize._dequantize_one gives."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    reference = Fp8Dequantize(SimpleNamespace(quantization_config=None))._dequantize_one
+    e8m0 = torch.arange(255, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 255 is NaN
+    fp4 = torch.arange(-128, 128, dtype=torch.int8).repeat(255, 2)  # [255, 512]: 1024 values, 32 groups
+    fp4_scale = e8m0[:, None].expand(-1, 32).contiguous()
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    fp8_q = codes.view(fp8.FP8).repeat(255, 1)[:, :224]  # [255, 224]: 7 groups of 32 (not NaN)
+    fp8_scale = e8m0[:, None].expand(-1, 7).contiguous()
+    for dtype in DTYPES:
+        want = reference(fp4, fp4_scale, output_dtype=dtype)
+        assert same_bits(nvfp4.dequantize(fp4, fp4_scale, dtype, 32), want), dtype
+        want = reference(fp8_q, fp8_scale, output_dtype=dtype)
+        assert same_bits(fp8.dequantize(fp8_q, fp8_scale, dtype, 1, 32), want), dtype
+
+
+# -- hf-to-dcp, inspect, verify, load_hf ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", RELEASES)

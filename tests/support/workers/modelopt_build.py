@@ -5,6 +5,7 @@ dequantization beside them. Run by tests/support/modelopt.py with nvidia-modelop
     nvfp4 SRC DST   ModelOpt NVFP4 (NVFP4QTensor.quantize), config from ModelOpt's own
                     convert_hf_quant_config_format; DST-mixed: the same tensors, a MIXED_PRECISION config
     mxfp8 SRC DST   MXFP8 by transformers' Fp8Quantize (weight_block_size [1, 32], scale_fmt ue8m0)
+    grid - DST      every FP4 byte under every E4M3 scale, decoded by NVFP4QTensor.dequantize (`grid`)
     dsv4 SRC DST    DeepSeek-V4: dense / shared-expert FP8 by transformers' Fp8Quantize (128 x 128, ue8m0)
                     and routed experts FP4 by ModelOpt's MXFP4QTensor.quantize (E8M0 per 32), `.scale` keys
 
@@ -182,8 +183,27 @@ def dsv4(src: Path, dst: Path) -> None:
     _references(dst, refs)
 
 
+def grid(_: Path, dst: Path) -> None:
+    """Every byte of packed codes under every finite E4M3 scale byte and three global scales, as
+    NVFP4QTensor.dequantize decodes them, in bf16, fp16 and fp32: DST (a .safetensors file)."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    scales = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # not NaN
+    packed = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)  # [254, 256]: 512 values a row
+    scale = scales.view(torch.float8_e4m3fn)[:, None].expand(-1, 32).contiguous()  # 32 groups of 16
+    out = {"packed": packed, "scale": scale}
+    for i, s2 in enumerate((1.0, 0.0123, 3.7e-5)):
+        double = torch.tensor(s2, dtype=torch.float32)
+        out[f"scale_2.{i}"] = double
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            q = NVFP4QTensor((*packed.shape[:-1], 512), dtype, packed)
+            values = q.dequantize(dtype=dtype, scale=scale, double_scale=double, block_sizes={-1: 16})
+            out[f"{i}.{str(dtype).removeprefix('torch.')}"] = values
+    save_file(out, dst)
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     jobs = sys.argv[1:]  # KIND SRC DST, repeated: one process (ModelOpt imports in seconds) builds them all
     for kind, src, dst in zip(jobs[::3], jobs[1::3], jobs[2::3], strict=True):
-        {"nvfp4": nvfp4, "mxfp8": mxfp8, "dsv4": dsv4}[kind](Path(src), Path(dst))
+        {"nvfp4": nvfp4, "mxfp8": mxfp8, "dsv4": dsv4, "grid": grid}[kind](Path(src), Path(dst))

@@ -2,14 +2,18 @@
 
 Only the stored rows (and column groups) the block covers are read, with only their scale rows:
 
-    block FP8  logical [R, C], block rows [r0, r1) x cols [c0, c1)
-               reads weight [r0, r1) x [c0 // b * b, c1) and scale rows / cols `fp8.scale_rows` of those
+    block FP8  logical [R, C], block rows [r0, r1) x cols [c0, c1), blocks br x bc (square; MXFP8's and
+               "dsv4-fp8"'s too: 1 x 32, 128 x 128)
+               reads weight [r0, r1) x [c0 // bc * bc, c1) and scale rows / cols `fp8.scale_rows` of those
     MXFP4      logical [E, I, O] (in = I = G*32, out = O), block [e0, e1) x [i0, i1) x [o0, o1)
                reads blocks [e0, e1) x [o0, o1) x groups [i0 // 32, ceil(i1 / 32)) x 16, scales the same
 
-and dequantizes a slab at a time (FP8: one scale row of `b` weight rows; MXFP4: `MX_ROWS` stored rows of one
-expert), so the temporaries are a slab's, whatever the block. Values are the fp32 product rounded once to the
-`dtype` asked for (`quant.fp8.dequantize`, `quant.mxfp4.dequantize`).
+    FP4 groups NVFP4 and "dsv4-fp4": `dequant_fp4`
+
+and dequantizes a slab at a time (FP8: `FP8_ROWS` weight rows, at least one scale row; MXFP4: `MX_VALUES`
+values of one expert), so the temporaries are a slab's, whatever the block. Values are the fp32 product
+rounded once to the `dtype` asked for (`quant.fp8.dequantize`, `quant.mxfp4.dequantize`,
+`quant.nvfp4.dequantize`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ Only the stored rows (and column groups) the block covers are read, with only th
                reads blocks [e0, e1) x [o0, o1) x groups [i0 // 32, ceil(i1 / 32)) x 16, scales the same
 
     FP4 groups NVFP4 and "dsv4-fp4": `dequant_fp4`
+    per tensor ModelOpt's FP8 ("modelopt-fp8"): the block's rows and the one scale
 
 and dequantizes a slab at a time (FP8: `FP8_ROWS` weight rows, at least one scale row; MXFP4: `MX_VALUES`
 values of one expert), so the temporaries are a slab's, whatever the block. Values are the fp32 product
@@ -94,6 +95,20 @@ def _fp8_block(
         out[lo - r0 : hi - r0] = rows[:, c0 - a0 :]
 
 
+def _per_tensor_block(
+    reader: RowReader, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor
+) -> None:
+    """Weight [R, C] fp8 + one scale (ModelOpt's FP8) -> out: q.to(dtype) * scale.to(dtype), the product in
+    the dtype asked as ModelOpt's FP8QTensor.dequantize computes it, `FP8_ROWS` rows at a time."""
+    assert t.quant is not None
+    weight, scale = t.quant.parts
+    s = reader.block(scale, [0] * len(scale.shape), scale.shape).reshape(()).to(out.dtype)
+    (r0, c0), (nr, nc) = offsets, sizes
+    for lo in range(0, nr, FP8_ROWS):
+        hi = min(lo + FP8_ROWS, nr)
+        out[lo:hi] = reader.block(weight, (r0 + lo, c0), (hi - lo, nc)).to(out.dtype) * s
+
+
 def block_shape(size: object, block: int) -> tuple[int, int]:
     """(rows, cols) of an FP8 scale's block: the scheme's `block_size` arg, else `block` x `block`."""
     if isinstance(size, tuple) and len(size) == 2:
@@ -128,4 +143,5 @@ SCHEMES: dict[str, BlockReader] = {  # Quantized.scheme -> its dequantizer (`qua
     "nvfp4": fp4_block,
     "dsv4-fp8": _fp8_block,
     "dsv4-fp4": fp4_block,
+    "modelopt-fp8": _per_tensor_block,
 }

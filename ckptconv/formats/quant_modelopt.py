@@ -1,5 +1,6 @@
-"""NVIDIA ModelOpt's NVFP4 releases (config.json's quantization_config: quant_method "modelopt", quant_algo
-"NVFP4" or "MIXED_PRECISION"), as ModelOpt 0.47.0's `export_hf_checkpoint` writes them. No torch.
+"""NVIDIA ModelOpt's NVFP4 (and FP8) releases (config.json's quantization_config: quant_method "modelopt",
+quant_algo "NVFP4", "FP8" or "MIXED_PRECISION"), as ModelOpt 0.47.0's `export_hf_checkpoint` writes them.
+No torch.
 
     M.weight [O, I/2] uint8 (two E2M1 codes a byte, the low nibble first)
     M.weight_scale [O, I/16] float8_e4m3fn, M.weight_scale_2 [] float32       ->  M.weight [O, I]
@@ -9,11 +10,14 @@
     w = FP4 * (weight_scale * weight_scale_2), `quant.nvfp4`; `input_scale`, `k_scale`, `v_scale` dropped.
 
 Which modules: quant_algo "NVFP4" (or "W4A16_NVFP4", the same weights): every module with a `weight_scale`;
-"MIXED_PRECISION": `quantized_layers` names each module's quant_algo (NVFP4 ones read, any other refused by
-name). `ignore` (ModelOpt's `exclude_modules`, also read) patterns, fnmatch wildcards or "re:" regexes, keep
-their plain weights; a quantized part of an ignored module is refused. The group size is `group_size` (top
-level, per layer, or config_groups' weights), 16 when none says. vLLM and sglang read the same tensors
-(their ModelOpt NVFP4 loaders; older releases ship only hf_quant_config.json, which this does not read).
+"MIXED_PRECISION": `quantized_layers` names each module's quant_algo (NVFP4 and FP8 ones read, any other
+refused by name). "FP8" (scheme "modelopt-fp8"): M.weight [O, I] float8_e4m3fn + M.weight_scale [] fp32,
+w = q.to(dtype) * scale.to(dtype), the product in the dtype asked as ModelOpt 0.47.0's FP8QTensor.dequantize
+computes it. `ignore` (ModelOpt's `exclude_modules`, also read) patterns, fnmatch wildcards or "re:"
+regexes, keep their plain weights; a quantized part of an ignored module is refused. The group size is
+`group_size` (top level, per layer, or config_groups' weights), 16 when none says. vLLM and sglang read the
+same tensors (their ModelOpt loaders; older releases ship only hf_quant_config.json, which is not read: its
+global scales are refused without a quantization_config in config.json).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ckptconv.formats.quant_base import Recognised, logical, nominal_dtype
 
 SCALE, SCALE_2 = "weight_scale", "weight_scale_2"
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+FP8_ALGOS = ("FP8",)  # per-tensor FP8: M.weight float8_e4m3fn + M.weight_scale [] fp32
 DROPPED = ("input_scale", "k_scale", "v_scale")  # activation and KV-cache scales: not weights
 GROUP = 16
 SCALE_2_DTYPES = ("float32", "bfloat16", "float16")
@@ -40,7 +45,7 @@ def recognised(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> R
     assert isinstance(qc, dict)
     algo = qc.get("quant_algo")
     layers = qc.get("quantized_layers") if algo == "MIXED_PRECISION" else None
-    if algo != "MIXED_PRECISION" and algo not in NVFP4_ALGOS:
+    if algo != "MIXED_PRECISION" and algo not in NVFP4_ALGOS + FP8_ALGOS:
         _refuse(tensors, f"quant_algo {algo!r}")
     if algo == "MIXED_PRECISION" and not isinstance(layers, dict):
         _refuse(tensors, "quant_algo 'MIXED_PRECISION' without a quantized_layers object")
@@ -49,7 +54,7 @@ def recognised(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> R
     out: dict[str, StoredTensor] = {}
     for key, t in tensors.items():
         weight = _weight_of(key)
-        if weight is None:
+        if weight is None or key.endswith("_2"):
             continue
         module = weight.removesuffix(".weight")
         where = f"{t.file}: {key!r}"
@@ -57,17 +62,21 @@ def recognised(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> R
             raise CkptconvError(
                 f"{where} is a quantized part of {module!r}, which quantization_config ignores"
             )
-        group = _group(qc)
+        group, layer_algo = _group(qc), algo
         if layers is not None:
             cfg = _layer(layers, module)
             layer_algo = cfg.get("quant_algo") if isinstance(cfg, dict) else None
-            if layer_algo not in NVFP4_ALGOS:
+            if layer_algo not in NVFP4_ALGOS + FP8_ALGOS:
                 raise CkptconvError(
                     f"{where}: quantized_layers gives {module!r} quant_algo {layer_algo!r}, which ckptconv "
-                    f"does not dequantize (it reads {', '.join(NVFP4_ALGOS)})"
+                    f"does not dequantize (it reads {', '.join(NVFP4_ALGOS + FP8_ALGOS)})"
                 )
-            group = _size(cfg.get("group_size", group), where)
-        out[weight] = _nvfp4(tensors, weight, key, nominal, group)
+            if isinstance(cfg, dict):
+                group = _size(cfg.get("group_size", group), where)
+        if layer_algo in FP8_ALGOS:
+            out[weight] = _fp8(tensors, weight, key, nominal)
+        else:
+            out[weight] = _nvfp4(tensors, weight, key, nominal, group)
     _no_lone_parts(tensors, out)
     dropped = frozenset(k for k in tensors if k.rpartition(".")[2] in DROPPED or k.endswith("_input_scale"))
     return Recognised(out, dropped)
@@ -113,6 +122,25 @@ def _nvfp4(
     return logical(weight, name, shape, nominal, Quantized("nvfp4", (weight, scale, scale_2), group, args))
 
 
+def _fp8(tensors: Mapping[str, StoredTensor], name: str, key: str, nominal: str) -> StoredTensor:
+    """A per-tensor FP8 weight ("FP8" layers): `name` [O, I] float8_e4m3fn and its scale `key` (one value)."""
+    scale = tensors[key]
+    weight = tensors.get(name)
+    if weight is None:
+        raise CkptconvError(f"{scale.file}: FP8 scale {key!r} has no weight {name!r}")
+    if weight.dtype_name != "float8_e4m3fn":
+        raise CkptconvError(f"{weight.file}: FP8 weight {name!r} is {weight.dtype_name}, not float8_e4m3fn")
+    if scale.dtype_name not in SCALE_2_DTYPES:
+        raise CkptconvError(f"{scale.file}: {key!r} is {scale.dtype_name}, not a float scale")
+    if scale.shape not in ((), (1,)) or len(weight.shape) != 2:
+        raise CkptconvError(
+            f"{scale.file}: FP8 scale {key!r} is {list(scale.shape)} for {name!r} {list(weight.shape)}: "
+            "ModelOpt's FP8 is one scale for a 2-D weight"
+        )
+    quant = Quantized("modelopt-fp8", (weight, scale), 1, (("block_size", tuple(weight.shape)),))
+    return logical(weight, name, weight.shape, nominal, quant)
+
+
 def _shape(weight: StoredTensor, scale: StoredTensor, group: int) -> tuple[tuple[int, ...], str]:
     """The logical shape and layout ("rows" or "bmm") of packed `weight` as `scale`'s shape fits it."""
     w = weight.shape
@@ -134,9 +162,9 @@ def _no_lone_parts(tensors: Mapping[str, StoredTensor], found: Mapping[str, Stor
     for key, t in tensors.items():
         if key.endswith(SCALE_2) and key not in parts:
             raise CkptconvError(f"{t.file}: NVFP4 global scale {key!r} has no {key[:-2]!r}")
-        if t.dtype_name == "uint8" and key not in parts and key.endswith(".weight"):
+        if t.dtype_name in ("uint8", "float8_e4m3fn") and key not in parts and key.endswith(".weight"):
             raise CkptconvError(
-                f"{t.file}: {key!r} is uint8 (packed NVFP4) with no {key[:-6] + 'weight_scale'!r}: its "
+                f"{t.file}: {key!r} is {t.dtype_name} (quantized) with no {key[:-6] + 'weight_scale'!r}: its "
                 "values cannot be dequantized"
             )
 
@@ -196,6 +224,6 @@ def _refuse(tensors: Mapping[str, StoredTensor], what: str) -> None:
     )
     raise CkptconvError(
         f"{t.file}: {key!r} is quantized with ModelOpt {what} (config.json's quantization_config), which "
-        f"ckptconv does not dequantize (it reads quant_algo {', '.join(NVFP4_ALGOS)}, MIXED_PRECISION of "
-        "those); dequantize it with ModelOpt first"
+        f"ckptconv does not dequantize (it reads quant_algo {', '.join(NVFP4_ALGOS + FP8_ALGOS)}, "
+        "MIXED_PRECISION of those); dequantize it with ModelOpt first"
     )

@@ -28,6 +28,9 @@ READ: dict[str, ReadScheme] = {  # Quantized.scheme -> how it is described
     "nvfp4": ReadScheme(
         "NVFP4 weights", "*weight_scale, *weight_scale_2", "FP4 * (scale * scale_2) in fp32 rounded once"
     ),
+    "modelopt-fp8": ReadScheme(
+        "ModelOpt FP8 weights", "*weight_scale", "the product in the dtype asked (ModelOpt's)"
+    ),
     "dsv4-fp8": ReadScheme("DeepSeek-V4 FP8 weights", "*.scale E8M0", "the fp32 product rounded once"),
     "dsv4-fp4": ReadScheme("DeepSeek-V4 FP4 expert weights", "*.scale E8M0", "the fp32 product rounded once"),
 }

@@ -1,12 +1,13 @@
-"""ModelOpt NVFP4 (also MIXED_PRECISION), MXFP8 and DeepSeek-V4 releases read dequantized (#38).
+"""ModelOpt NVFP4 (and MIXED_PRECISION with an FP8 layer), MXFP8 and DeepSeek-V4 releases read dequantized.
 
 Releases built from tiny transformers models (support/families.py `sized`) by the formats' own code
 (support/modelopt.py): NVFP4 by nvidia-modelopt 0.47.0's NVFP4QTensor.quantize with its config from ModelOpt's
 convert_hf_quant_config_format (layer 0's experts per expert, layer 1's stacked: gate_up_proj [E, O, I/2]
 with one weight_scale_2, down_proj in ModelOpt's bmm layout [E, I/2, O] with one per expert; an ignored
-o_proj; input_scale dropped); MXFP8 and DeepSeek-V4's FP8 by transformers 5.24.0's Fp8Quantize (ue8m0),
-DeepSeek-V4's FP4 experts by ModelOpt's MXFP4QTensor.quantize. Scales are in the second shard, their weights
-in the first. The references, bit for bit: NVFP4QTensor.dequantize (NVFP4), transformers'
+o_proj; input_scale dropped; the MIXED_PRECISION copy has layer 0's q_proj in ModelOpt's FP8); MXFP8 and
+DeepSeek-V4's FP8 by transformers 5.24.0's Fp8Quantize (ue8m0), DeepSeek-V4's FP4 experts by ModelOpt's
+MXFP4QTensor.quantize. Scales are in the second shard, their weights in the first. The references, bit for
+bit: NVFP4QTensor.dequantize (NVFP4), FP8QTensor.dequantize (ModelOpt's FP8), transformers'
 Fp8Dequantize._dequantize_one (MXFP8, DeepSeek-V4).
 """
 
@@ -236,7 +237,7 @@ def _nvfp4(rows: int = 4, cols: int = 32, scale_cols: int | None = None) -> dict
 
 NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]}
 E8M0 = torch.float8_e8m0fnu
-FP8 = {"quant_algo": "FP8"}
+FP8, AWQ = {"quant_algo": "FP8"}, {"quant_algo": "W4A8_AWQ"}
 DSV4 = {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
 BAD = {
     "unknown quant_algo": (_nvfp4(), {**NVFP4, "quant_algo": "W4A8_AWQ"}, {}, ("'a.weight'", "'W4A8_AWQ'")),
@@ -265,11 +266,17 @@ BAD = {
         {},
         ("'a.weight_scale'", "ignores"),
     ),
-    "mixed precision, FP8 layer": (
+    "mixed precision, an AWQ layer": (
+        _nvfp4(),
+        {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {"a": AWQ}},
+        {},
+        ("'a.weight_scale'", "quant_algo 'W4A8_AWQ'"),
+    ),
+    "mixed precision, an FP8 layer stored as NVFP4": (
         _nvfp4(),
         {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {"a": FP8}},
         {},
-        ("'a.weight_scale'", "quant_algo 'FP8'"),
+        ("'a.weight'", "uint8, not float8_e4m3fn"),
     ),
     "hf_quant_config.json only": (_nvfp4(), None, {}, ("'a.weight_scale_2'", "no quantization_config")),
     "mxfp8 scale shape": (

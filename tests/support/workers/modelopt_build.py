@@ -3,21 +3,21 @@ dequantization beside them. Run by tests/support/modelopt.py with nvidia-modelop
 
     KIND SRC DST ..., each KIND one of
     nvfp4 SRC DST   ModelOpt NVFP4 (NVFP4QTensor.quantize), config from ModelOpt's own
-                    convert_hf_quant_config_format; DST-mixed: the same tensors, a MIXED_PRECISION config
+                    convert_hf_quant_config_format; DST-mixed: the same with layer 0's q_proj in ModelOpt's
+                    FP8 (FP8QTensor.quantize), a MIXED_PRECISION config
     mxfp8 SRC DST   MXFP8 by transformers' Fp8Quantize (weight_block_size [1, 32], scale_fmt ue8m0)
     grid - DST      every FP4 byte under every E4M3 scale, decoded by NVFP4QTensor.dequantize (`grid`)
     dsv4 SRC DST    DeepSeek-V4: dense / shared-expert FP8 by transformers' Fp8Quantize (128 x 128, ue8m0)
                     and routed experts FP4 by ModelOpt's MXFP4QTensor.quantize (E8M0 per 32), `.scale` keys
 
 Beside each DST: DST.reference-bfloat16.safetensors and DST.reference-float32.safetensors, the quantized
-weights as the format's reference dequantizes them (NVFP4: NVFP4QTensor.dequantize; MXFP8 and DeepSeek-V4:
-transformers' Fp8Dequantize._dequantize_one), under their logical keys.
+weights as the format's reference dequantizes them (NVFP4: NVFP4QTensor.dequantize, FP8:
+FP8QTensor.dequantize; MXFP8 and DeepSeek-V4: transformers' Fp8Dequantize._dequantize_one), by logical key.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -114,14 +114,24 @@ def nvfp4(src: Path, dst: Path) -> None:
     )
     _save(dst, out, config, "_scale")
     _references(dst, refs)
-    mixed = Path(str(dst) + "-mixed")
-    shutil.copytree(dst, mixed)
-    _references(mixed, refs)
+    # the MIXED_PRECISION release: the same, but layer 0's q_proj in ModelOpt's per-tensor FP8
+    from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor
+
+    fp8_module = "model.layers.0.self_attn.q_proj"
+    w = stored[fp8_module + ".weight"]
+    q8, scale = FP8QTensor.quantize(w, scales=w.float().abs().amax() / 448.0)
+    del out[fp8_module + ".weight_scale_2"]
+    out |= {fp8_module + ".weight": q8._quantized_data, fp8_module + ".weight_scale": scale.float()}
+    layers[fp8_module] = {"quant_algo": "FP8"}
+    for d in DTYPES:
+        refs[d][fp8_module + ".weight"] = q8.dequantize(dtype=d, scale=scale.float())
     details = {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers, "exclude_modules": IGNORE}
     config["quantization_config"] = convert_hf_quant_config_format(
         {"producer": producer, "quantization": details}
     )
-    (mixed / "config.json").write_text(json.dumps(config, indent=1))
+    mixed = Path(str(dst) + "-mixed")
+    _save(mixed, out, config, "_scale")
+    _references(mixed, refs)
 
 
 def _fp8_ops(block: list[int]) -> tuple:

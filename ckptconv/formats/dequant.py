@@ -2,14 +2,19 @@
 
 Only the stored rows (and column groups) the block covers are read, with only their scale rows:
 
-    block FP8  logical [R, C], block rows [r0, r1) x cols [c0, c1)
-               reads weight [r0, r1) x [c0 // b * b, c1) and scale rows / cols `fp8.scale_rows` of those
+    block FP8  logical [R, C], block rows [r0, r1) x cols [c0, c1), blocks br x bc (square; MXFP8's and
+               "dsv4-fp8"'s too: 1 x 32, 128 x 128)
+               reads weight [r0, r1) x [c0 // bc * bc, c1) and scale rows / cols `fp8.scale_rows` of those
     MXFP4      logical [E, I, O] (in = I = G*32, out = O), block [e0, e1) x [i0, i1) x [o0, o1)
                reads blocks [e0, e1) x [o0, o1) x groups [i0 // 32, ceil(i1 / 32)) x 16, scales the same
 
-and dequantizes a slab at a time (FP8: one scale row of `b` weight rows; MXFP4: `MX_ROWS` stored rows of one
-expert), so the temporaries are a slab's, whatever the block. Values are the fp32 product rounded once to the
-`dtype` asked for (`quant.fp8.dequantize`, `quant.mxfp4.dequantize`).
+    FP4 groups NVFP4 and "dsv4-fp4": `dequant_fp4`
+    per tensor ModelOpt's FP8 ("modelopt-fp8"): the block's rows and the one scale
+
+and dequantizes a slab at a time (FP8: `FP8_ROWS` weight rows, at least one scale row; MXFP4: `MX_VALUES`
+values of one expert), so the temporaries are a slab's, whatever the block. Values are the fp32 product
+rounded once to the `dtype` asked for (`quant.fp8.dequantize`, `quant.mxfp4.dequantize`,
+`quant.nvfp4.dequantize`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from ckptconv.core.specs import StoredTensor
 from ckptconv.formats.dequant_ct import ct_block
+from ckptconv.formats.dequant_fp4 import fp4_block
 from ckptconv.quant import fp8, mxfp4
 
 
@@ -45,6 +51,7 @@ class BlockReader(Protocol):
 
 
 MX_VALUES = 2**20  # MXFP4 values decoded at a time (fp32 temporaries of a few MiB)
+FP8_ROWS = 128  # FP8 weight rows dequantized at a time (one scale row when its blocks are taller)
 
 
 def quantized_block(
@@ -68,20 +75,46 @@ def quantized_block(
 def _fp8_block(
     reader: RowReader, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor
 ) -> None:
-    """Weight [R, C] fp8 + scale [ceil(R/b), ceil(C/b)] -> out [r1 - r0, c1 - c0], block row by block row."""
+    """Weight [R, C] fp8 + scale [ceil(R/br), ceil(C/bc)] -> out [r1 - r0, c1 - c0], `FP8_ROWS` weight rows
+    (at least one scale row) at a time. Blocks br x bc: `block_size` of the scheme's args, else square."""
     assert t.quant is not None
     weight, scale = t.quant.parts
-    b = t.quant.block
+    br, bc = block_shape(t.quant.arg("block_size"), t.quant.block)
     (r0, c0), (nr, nc) = offsets, sizes
-    a0 = c0 // b * b  # the columns start where their first block does
+    a0 = c0 // bc * bc  # the columns start where their first block does
     q = reader.block(weight, (r0, a0), (nr, c0 + nc - a0))  # [nr, c1 - a0] fp8
-    s0, s1 = fp8.scale_rows(r0, r0 + nr, b)
-    k0, k1 = fp8.scale_rows(a0, c0 + nc, b)
+    s0, s1 = fp8.scale_rows(r0, r0 + nr, br)
+    k0, k1 = fp8.scale_rows(a0, c0 + nc, bc)
     s = reader.block(scale, (s0, k0), (s1 - s0, k1 - k0))  # [s1 - s0, k1 - k0]
-    for i in range(s0, s1):
-        lo, hi = max(r0, i * b), min(r0 + nr, (i + 1) * b)
-        rows = fp8.dequantize(q[lo - r0 : hi - r0], s[i - s0 : i - s0 + 1], out.dtype, b)
+    if s.dtype == torch.uint8:  # E8M0 stored as bytes (scale_fmt "ue8m0"), as transformers views them
+        s = s.view(torch.float8_e8m0fnu)
+    step = max(1, FP8_ROWS // br)  # scale rows a slab
+    for i in range(s0, s1, step):
+        j = min(i + step, s1)
+        lo, hi = max(r0, i * br), min(r0 + nr, j * br)
+        rows = fp8.dequantize(q[lo - r0 : hi - r0], s[i - s0 : j - s0], out.dtype, br, bc, lo - i * br)
         out[lo - r0 : hi - r0] = rows[:, c0 - a0 :]
+
+
+def _per_tensor_block(
+    reader: RowReader, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor
+) -> None:
+    """Weight [R, C] fp8 + one scale (ModelOpt's FP8) -> out: q.to(dtype) * scale.to(dtype), the product in
+    the dtype asked as ModelOpt's FP8QTensor.dequantize computes it, `FP8_ROWS` rows at a time."""
+    assert t.quant is not None
+    weight, scale = t.quant.parts
+    s = reader.block(scale, [0] * len(scale.shape), scale.shape).reshape(()).to(out.dtype)
+    (r0, c0), (nr, nc) = offsets, sizes
+    for lo in range(0, nr, FP8_ROWS):
+        hi = min(lo + FP8_ROWS, nr)
+        out[lo:hi] = reader.block(weight, (r0 + lo, c0), (hi - lo, nc)).to(out.dtype) * s
+
+
+def block_shape(size: object, block: int) -> tuple[int, int]:
+    """(rows, cols) of an FP8 scale's block: the scheme's `block_size` arg, else `block` x `block`."""
+    if isinstance(size, tuple) and len(size) == 2:
+        return int(size[0]), int(size[1])
+    return block, block
 
 
 def _mxfp4_block(
@@ -111,4 +144,9 @@ SCHEMES: dict[str, BlockReader] = {  # Quantized.scheme -> its dequantizer (`qua
     "ct-int": ct_block,
     "ct-nvfp4": ct_block,
     "ct-mxfp4": ct_block,
+    "mxfp8": _fp8_block,
+    "nvfp4": fp4_block,
+    "dsv4-fp8": _fp8_block,
+    "dsv4-fp4": fp4_block,
+    "modelopt-fp8": _per_tensor_block,
 }

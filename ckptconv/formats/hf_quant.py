@@ -5,6 +5,10 @@
     MXFP4 (gpt-oss; rows are the output dim, 32-value groups run along the input dim):
         X_blocks [E, O, G, 16] uint8 + X_scales [E, O, G] uint8                          ->  X [E, G*32, O]
         (transposed: the [E, in, out] layout of transformers' bf16 GptOssExperts)
+    MXFP8 (weight_block_size [1, 32], scale_fmt "ue8m0"):
+        X [R, C] float8_e4m3fn + X_scale_inv [R, ceil(C/32)] float8_e8m0fnu (or its bytes)  ->  X [R, C]
+    DeepSeek-V4 (`X.scale` beside `X.weight`, `quant_dsv4`), ModelOpt NVFP4 (quant_method "modelopt",
+    `quant_modelopt`): their own readers.
 
 The logical tensor has the nominal dtype (config.json's `dtype` / `torch_dtype` when a float, else bf16): what
 `--dtype keep` writes. Its parts are read and dequantized by `dequant.quantized_block`; the scale keys are not
@@ -20,6 +24,7 @@ from typing import Any
 
 from ckptconv.core.specs import Quantized, StoredTensor
 from ckptconv.errors import CkptconvError
+from ckptconv.formats import quant_dsv4, quant_modelopt
 from ckptconv.formats.documents import load_json
 from ckptconv.formats.files import CONFIG_BYTES, mode_of, read_regular
 from ckptconv.formats.quant_base import NOMINAL_DTYPES, Recognised, logical, nominal_dtype
@@ -27,6 +32,7 @@ from ckptconv.formats.quant_ct import read as read_compressed_tensors
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size, the default of torch's quantized reader
 MAX_FP8_BLOCK = 2**31  # past every real weight's dims (a larger block is the same one block): refused
+MXFP8_BLOCK = (1, 32)  # weight_block_size of MXFP8 (an E8M0 scale per 32 values of a row)
 MXFP4_GROUP = 32  # values per E8M0 scale byte (16 bytes of two FP4 codes)
 SCALE_SUFFIX = "_scale_inv"
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
@@ -53,7 +59,8 @@ def read_config(directory: Path | None, root: Path | None) -> dict[str, Any]:
 def might_be_quantized(tensors: Mapping[str, StoredTensor]) -> bool:
     """Whether any key or dtype looks like a quantized weight (then config.json is worth reading)."""
     return any(
-        k.endswith((SCALE_SUFFIX, BLOCKS_SUFFIX)) or t.dtype_name in FP8_DTYPES for k, t in tensors.items()
+        k.endswith((SCALE_SUFFIX, BLOCKS_SUFFIX, quant_modelopt.SCALE_2)) or t.dtype_name in FP8_DTYPES
+        for k, t in tensors.items()
     )
 
 
@@ -111,8 +118,17 @@ def _by_keys(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> Rec
     nominal = nominal_dtype(config)
     logical: dict[str, StoredTensor] = {}
     for key, t in tensors.items():
+        if method is None and key.endswith(quant_modelopt.SCALE_2):
+            raise CkptconvError(
+                f"{t.file}: {key!r} is a ModelOpt NVFP4 global scale, but config.json has no "
+                "quantization_config: add ModelOpt's (quant_method \"modelopt\", as its hf_quant_config.json "
+                "says) to config.json"
+            )
         if key.endswith(SCALE_SUFFIX):
             logical[key[: -len(SCALE_SUFFIX)]] = _fp8(tensors, key, nominal, _fp8_block(config, t))
+        elif key.endswith(quant_dsv4.SCALE) and quant_dsv4.is_scale(tensors, key):
+            weight = quant_dsv4.weight_key(key)
+            logical[weight] = quant_dsv4.logical_weight(tensors, key, config, nominal, _fp8_block(config, t))
         elif key.endswith(BLOCKS_SUFFIX) and _is_mxfp4(tensors, key, method):
             logical[key[: -len(BLOCKS_SUFFIX)]] = _mxfp4(tensors, key, nominal)
         elif key.endswith(SCALES_SUFFIX) and method == "mxfp4" and _blocks_key(key) not in tensors:
@@ -128,29 +144,31 @@ def _quant_method(config: Mapping[str, Any]) -> str | None:
     return method if isinstance(method, str) else None
 
 
-def _fp8_block(config: Mapping[str, Any], scale: StoredTensor) -> int:
-    """The square block of `quantization_config.weight_block_size` (128 when not given)."""
+def _fp8_block(config: Mapping[str, Any], scale: StoredTensor) -> tuple[int, int]:
+    """The [rows, cols] block of `quantization_config.weight_block_size` (128 x 128 when not given; MXFP8's
+    is [1, 32])."""
     qc = config.get("quantization_config")
     size = qc.get("weight_block_size") if isinstance(qc, dict) else None
     if size is None:
-        return FP8_BLOCK
+        return FP8_BLOCK, FP8_BLOCK
     if (
         not isinstance(size, list)
         or len(size) != 2
         or not all(type(s) is int and 0 < s <= MAX_FP8_BLOCK for s in size)
-        or size[0] != size[1]
     ):
         shown = json.dumps(size)
         shown = shown if len(shown) <= 60 else shown[:50] + " ..."
         raise CkptconvError(
             f"{scale.file}: {scale.key!r}: weight_block_size {shown} in config.json is not supported "
-            f"(square blocks [n, n] only, 1 <= n <= {MAX_FP8_BLOCK})"
+            f"(blocks [rows, cols], 1 <= n <= {MAX_FP8_BLOCK})"
         )
-    return int(size[0])
+    return int(size[0]), int(size[1])
 
 
-def _fp8(tensors: Mapping[str, StoredTensor], key: str, nominal: str, block: int) -> StoredTensor:
-    """The logical tensor of the block-FP8 weight whose scale is `key`."""
+def _fp8(
+    tensors: Mapping[str, StoredTensor], key: str, nominal: str, block: tuple[int, int]
+) -> StoredTensor:
+    """The logical tensor of the block-FP8 weight whose scale is `key` (MXFP8 when its blocks are 1 x 32)."""
     scale, name = tensors[key], key[: -len(SCALE_SUFFIX)]
     weight = tensors.get(name)
     if weight is None:
@@ -163,15 +181,22 @@ def _fp8(tensors: Mapping[str, StoredTensor], key: str, nominal: str, block: int
             f"{where}: block-FP8 weights of shape {list(weight.shape)} are not supported (2-D only; "
             "checkpoints hold experts one by one)"
         )
-    if scale.dtype_name not in SCALE_DTYPES:
+    if scale.dtype_name == "uint8" and block == MXFP8_BLOCK:  # E8M0 saved as bytes (transformers reads them)
+        pass
+    elif scale.dtype_name not in SCALE_DTYPES:
         raise CkptconvError(f"{scale.file}: {key!r} is {scale.dtype_name}, not a float scale")
-    want = tuple(-(-n // block) for n in weight.shape)
+    want = tuple(-(-n // b) for n, b in zip(weight.shape, block, strict=True))
     if scale.shape != want:
         raise CkptconvError(
             f"{scale.file}: {key!r} is {list(scale.shape)}, but {name!r} {list(weight.shape)} in "
-            f"{block}x{block} blocks needs {list(want)}"
+            f"{block[0]}x{block[1]} blocks needs {list(want)}"
         )
-    return logical(weight, name, weight.shape, nominal, Quantized("fp8", (weight, scale), block))
+    if block[0] == block[1]:
+        quant = Quantized("fp8", (weight, scale), block[0])
+    else:
+        scheme = "mxfp8" if block == MXFP8_BLOCK else "fp8"
+        quant = Quantized(scheme, (weight, scale), block[1], (("block_size", block),))
+    return logical(weight, name, weight.shape, nominal, quant)
 
 
 def _blocks_key(scales_key: str) -> str:
@@ -226,4 +251,5 @@ READERS: dict[str, Reader] = {  # quantization_config.quant_method -> its reader
     "fp8": _by_keys,
     "mxfp4": _by_keys,
     "compressed-tensors": read_compressed_tensors,  # formats.quant_ct
+    "modelopt": quant_modelopt.recognised,
 }

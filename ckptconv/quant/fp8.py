@@ -8,7 +8,8 @@ the dequantization multiplier of each 128x128 block (edge blocks are the part th
                block; the smallest normal fp32 where amax / 448 underflows to 0, which would give NaN),
                q = (w / s).clamp(-448, 448).to(float8_e4m3fn)
     dequantize (torch's QuantizedHuggingFaceStorageReader): (q.float() * s.float()).to(dtype), the fp32
-               product rounded once
+               product rounded once; also MXFP8's 1x32 blocks with E8M0 scales (transformers 5.24.0's
+               `Fp8Dequantize._dequantize_one` computes the same fp32 product)
 
 Both work on any rows [lo, hi) of a weight whose bounds are multiples of the block (or the end), so a weight
 is quantized one row slab at a time and a reader dequantizes only the rows it needs.
@@ -64,14 +65,23 @@ def quantize_whole(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, t
     return q, scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
-    """Rows of a weight (fp8 [r, C], starting at a multiple of `block`) and their scale rows
-    [ceil(r/block), ceil(C/block)] (any float dtype) -> [r, C] in `dtype`."""
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    block: int = BLOCK,
+    cols_block: int | None = None,
+    skip: int = 0,
+) -> torch.Tensor:
+    """Rows of a weight (fp8 [r, C], starting `skip` rows into the first scale row's block of `block` rows)
+    and their scale rows [ceil((skip + r)/block), ceil(C/cols_block)] (any float dtype, E8M0 included; the
+    blocks are `block` x `cols_block`, square when that is None: MXFP8's are 1 x 32) -> [r, C] in `dtype`."""
     rows, cols = q.shape
+    cb = block if cols_block is None else cols_block
     # a block larger than the rows (columns) has one scale row (column) for them: repeated only as often as
     # there are rows (columns), so the temporaries are the weight's size whatever the block
-    s = scale.to(torch.float32).repeat_interleave(min(block, rows), 0)[:rows]
-    s = s.repeat_interleave(min(block, cols), 1)[:, :cols]
+    s = scale.to(torch.float32).repeat_interleave(min(block, skip + rows), 0)[skip : skip + rows]
+    s = s.repeat_interleave(min(cb, cols), 1)[:, :cols]
     return (q.to(torch.float32) * s).to(dtype)
 
 

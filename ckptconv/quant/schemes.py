@@ -9,7 +9,7 @@ from ckptconv.errors import CkptconvError
 
 SCHEMES = ("fp8",)
 # quantization_config.quant_method read dequantized (formats/hf_quant.READERS)
-METHODS = ("fp8", "mxfp4", "compressed-tensors")
+METHODS = ("fp8", "mxfp4", "compressed-tensors", "modelopt")
 
 
 class ReadScheme(NamedTuple):
@@ -42,6 +42,15 @@ READ: dict[str, ReadScheme] = {  # Quantized.scheme -> how it is described
         "*.weight_packed, *.weight_scale",
         "compressed-tensors' bf16 product",
     ),
+    "mxfp8": ReadScheme("MXFP8 weights", "*_scale_inv E8M0", "the fp32 product rounded once"),
+    "nvfp4": ReadScheme(
+        "NVFP4 weights", "*weight_scale, *weight_scale_2", "FP4 * (scale * scale_2) in fp32 rounded once"
+    ),
+    "modelopt-fp8": ReadScheme(
+        "ModelOpt FP8 weights", "*weight_scale", "the product in the dtype asked (ModelOpt's)"
+    ),
+    "dsv4-fp8": ReadScheme("DeepSeek-V4 FP8 weights", "*.scale E8M0", "the fp32 product rounded once"),
+    "dsv4-fp4": ReadScheme("DeepSeek-V4 FP4 expert weights", "*.scale E8M0", "the fp32 product rounded once"),
 }
 
 

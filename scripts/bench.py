@@ -11,6 +11,7 @@ usage (from the repository root):
   .venv/bin/python scripts/bench.py s3 --size-gb 1 --nproc 2
   .venv/bin/python scripts/bench.py save-hf --gb 1 --runs 3
   .venv/bin/python scripts/bench.py durable --shapes dense --sizes 1 --runs 1
+  .venv/bin/python scripts/bench.py dequant --gb 1 --runs 3
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from benchmarks import convert, durable, lora, memory, plan, s3, save_hf
+from benchmarks import convert, dequant, durable, lora, memory, plan, s3, save_hf
 
 BENCHMARKS = {
     "convert": convert,
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "lora": lora,
     "s3": s3,
     "save-hf": save_hf,
+    "dequant": dequant,
 }
 
 

@@ -48,14 +48,15 @@ def _slab(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(BLOCK, sc * BLOCK)[:rows, :cols], scale
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole weight [R, C] (in the dtype it is quantized in) -> (fp8 [R, C], scales [ceil(R/128),
-    ceil(C/128)] in w's dtype), one 128-row slab at a time."""
+def quantize(w: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole weight [R, C], cast to `dtype` (default: its own; the dtype it is quantized in) one slab at a
+    time -> (fp8 [R, C], scales [ceil(R/128), ceil(C/128)] in that dtype), one 128-row slab at a time."""
     rows, _ = w.shape
+    dtype = dtype or w.dtype
     q = torch.empty(w.shape, dtype=FP8)
-    scale = torch.empty(scale_shape(tuple(w.shape)), dtype=w.dtype)
+    scale = torch.empty(scale_shape(tuple(w.shape)), dtype=dtype)
     for i, lo in enumerate(range(0, rows, BLOCK)):
-        q_rows, s_row = _slab(w[lo : lo + BLOCK])
+        q_rows, s_row = _slab(w[lo : lo + BLOCK].to(dtype))
         q[lo : lo + BLOCK] = q_rows
         scale[i] = s_row[0]
     return q, scale

@@ -44,9 +44,10 @@ def quantizable(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and shape[1] % GROUP == 0 and shape[1] > 0
 
 
-def global_scale(w: torch.Tensor) -> torch.Tensor:
-    """weight_scale_2: amax(|w|) / (6 * 448), fp32 0-d."""
-    return w.abs().amax().float() / (E2M1_MAX * E4M3_MAX)
+def global_scale(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """weight_scale_2 of `w` cast to `dtype`: amax(|w|) / (6 * 448), fp32 0-d. The amax is taken before the
+    cast (a rounding never reorders values, so the cast amax is the amax of the cast values)."""
+    return w.abs().amax().to(dtype or w.dtype).float() / (E2M1_MAX * E4M3_MAX)
 
 
 def _codes(x: torch.Tensor) -> torch.Tensor:
@@ -72,16 +73,21 @@ def _slab(w: torch.Tensor, scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (codes[:, 1::2] << 4) | codes[:, 0::2], scale
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A whole weight [O, I] (in the dtype it is quantized in; I a multiple of 16) -> (uint8 [O, I/2],
-    float8_e4m3fn [O, I/16], fp32 weight_scale_2 0-d), a slab of rows at a time."""
+def quantize(
+    w: torch.Tensor, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole weight [O, I] (I a multiple of 16), cast to `dtype` (default: its own; the dtype it is
+    quantized in) one slab at a time -> (uint8 [O, I/2], float8_e4m3fn [O, I/16], fp32 weight_scale_2 0-d),
+    a slab of rows at a time."""
     rows, cols = w.shape
-    scale_2 = global_scale(w)
+    dtype = dtype or w.dtype
+    scale_2 = global_scale(w, dtype)
     zero = bool(scale_2 == 0)
     if zero:  # ModelOpt's 0 / 0: NaN scales; 1.0 instead (codes 0, weight_scale_2 0)
         scale_2 = torch.tensor(1.0)
     packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
     scale = torch.empty(rows, cols // GROUP, dtype=FP8)
     for lo in range(0, rows, SLAB_ROWS):
-        packed[lo : lo + SLAB_ROWS], scale[lo : lo + SLAB_ROWS] = _slab(w[lo : lo + SLAB_ROWS], scale_2)
+        slab = w[lo : lo + SLAB_ROWS].to(dtype)
+        packed[lo : lo + SLAB_ROWS], scale[lo : lo + SLAB_ROWS] = _slab(slab, scale_2)
     return packed, scale, torch.zeros(()) if zero else scale_2

@@ -131,12 +131,12 @@ class QuantPolicy:
         }
 
 
-def encode(scheme: str, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors `QuantPolicy.stored` lists for a fp8-block or nvfp4 weight, from the weight `w` [R, C] in
-    the dtype it is quantized in (the dtype it would have been written in)."""
+def encode(scheme: str, w: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """The tensors `QuantPolicy.stored` lists for a fp8-block or nvfp4 weight, from the weight `w` [R, C]
+    cast to `dtype` (the dtype it would have been written in; default: w's), a slab of rows at a time."""
     if scheme == "fp8-block":
-        return ct_encode.quantize(w)
-    return (*nvfp4_encode.quantize(w), torch.tensor(INPUT_SCALE))
+        return ct_encode.quantize(w, dtype)
+    return (*nvfp4_encode.quantize(w, dtype), torch.tensor(INPUT_SCALE))
 
 
 def _ct_config(ignore: list[str]) -> dict[str, object]:

@@ -147,7 +147,7 @@ def dcp_side(
             if weight not in last:
                 scheme, dtype = (encoded or {})[weight]
                 last.clear()
-                last[weight] = encode(scheme, assemble(outs[weight], rows, reader).to(dtype))
+                last[weight] = encode(scheme, assemble(outs[weight], rows, reader), dtype)
             return last[weight][i]
         tensor = assemble(outs[key], rows, reader)
         if key in quantized:

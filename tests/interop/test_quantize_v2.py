@@ -208,8 +208,8 @@ def test_verify_checks_the_stored_bytes(
     from ckptconv.quant import policy
     from ckptconv.stream import hf_write
 
-    def off_by_one(scheme: str, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        parts = list(policy.encode(scheme, w))
+    def off_by_one(scheme: str, w: torch.Tensor, dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+        parts = list(policy.encode(scheme, w, dtype))
         parts[1] = parts[1].clone()
         parts[1].view(torch.uint8 if parts[1].itemsize == 1 else torch.int16).view(-1)[0] += 1
         return tuple(parts)
@@ -244,3 +244,18 @@ def test_same_bytes_at_any_rank_count(released: dict[str, Any], tmp_path: Path) 
                 assert weight_map[key.removesuffix("input_scale") + "weight"] == name, key
             elif key.endswith(("_scale", "_scale_2")):
                 assert weight_map[key.rsplit("_scale", 1)[0]] == name, key
+
+
+def test_nvfp4_leaves_odd_widths_and_reads_an_all_zero_weight_as_zeros() -> None:
+    """A weight whose input dim is not a multiple of 16 has no NVFP4 layout: left unquantized (and in the
+    config's ignore). An all-zero weight, where ModelOpt divides 0 by 0 (NaN scales), gets weight_scale_2 0
+    and group scales 1.0."""
+    from ckptconv.quant import nvfp4_encode
+    from ckptconv.quant.policy import QuantPolicy
+
+    policy = QuantPolicy("nvfp4")
+    assert policy.selects("m.up_proj.weight", (32, 48), torch.bfloat16, False)
+    assert not policy.selects("m.up_proj.weight", (32, 40), torch.bfloat16, False)
+    assert QuantPolicy("fp8-block").selects("m.up_proj.weight", (32, 40), torch.bfloat16, False)
+    packed, scale, scale_2 = nvfp4_encode.quantize(torch.zeros(4, 32), torch.bfloat16)
+    assert not packed.any() and bool((scale.float() == 1.0).all()) and scale_2 == 0.0

@@ -169,7 +169,8 @@ class DcpToHfOptions:
     """size: files of at most `max_shard_size`; source: the files the source's writer made; reference: the
     files the reference's index names (`reference`, or `copy_from` holding weights)."""
     quantize: str | None = None
-    """fp8: linear weights written as block FP8; None: no quantization."""
+    """fp8: linear weights written as block FP8 (DeepSeek's layout); fp8-block: as compressed-tensors' block
+    FP8; nvfp4: as ModelOpt's NVFP4 (`quant.policy`); None: no quantization."""
     quantize_skip: tuple[str, ...] = ()
     """Regexes on the output key: weights left unquantized (with `quantize` only)."""
     copy_from: Path | None = None

@@ -247,7 +247,10 @@ QuantizeOpt = Annotated[
     typer.Option(
         "--quantize",
         help="fp8: write linear weights as block FP8 (float8_e4m3fn + weight_scale_inv per 128x128 block), "
-        "as DeepSeek-V3 / transformers' fp8 releases do.",
+        "as DeepSeek-V3 / transformers' fp8 releases do. fp8-block: compressed-tensors' float-quantized "
+        "block FP8 (weight_scale per 128x128 block), as llm-compressor's FP8_BLOCK writes it for vLLM. "
+        "nvfp4: ModelOpt's NVFP4 (packed E2M1 + float8 weight_scale per 16 values + weight_scale_2), as "
+        "vLLM and sglang load it.",
     ),
 ]
 QuantizeSkipOpt = Annotated[

@@ -267,15 +267,17 @@ def checkpoint_root(directory: Path) -> Path:
     return directory
 
 
-def open_hf(path: Path) -> HfCheckpoint:
+def open_hf(path: Path, dequantize: bool = True) -> HfCheckpoint:
     """Read the headers of a safetensors file or HF directory (with or without an index); validate them.
+    Quantized weights are one logical tensor each unless not `dequantize` (then every stored key is one).
 
     In a directory every file, named by the index or found there, must resolve inside `checkpoint_root`."""
     mode = mode_of(path)
     if mode is None:
         raise CkptconvError(f"{path}: no such file or directory")
     if not stat.S_ISDIR(mode):
-        return HfCheckpoint(path, _dequantized(_unsharded(path, *read_header(path)), None, None), (path,))
+        tensors = _unsharded(path, *read_header(path))
+        return HfCheckpoint(path, _dequantized(tensors, None, None) if dequantize else tensors, (path,))
     root = checkpoint_root(path)
     index_path = path / INDEX_FILE
     weight_map = read_weight_map(index_path, root) if mode_of(index_path) is not None else None
@@ -293,7 +295,7 @@ def open_hf(path: Path) -> HfCheckpoint:
                 raise CkptconvError(f"{index_path}: names {name}, which is missing; re-download the model")
             yield file, read_header(file, root)
 
-    return _assembled(path, root, read(), weight_map)
+    return _assembled(path, root, read(), weight_map, dequantize)
 
 
 def from_headers(
@@ -325,9 +327,10 @@ def _assembled(
     root: Path,
     read: Iterator[tuple[Path, tuple[dict[str, StoredTensor], dict[str, str]]]],
     weight_map: dict[str, str] | None,
+    dequantize: bool = True,
 ) -> HfCheckpoint:
     """The checkpoint of a directory's files' headers (file, (tensors, __metadata__)): no key in two files,
-    the index agreeing with the headers, quantized weights as their logical tensors."""
+    the index agreeing with the headers, quantized weights as their logical tensors (if `dequantize`)."""
     index_path = path / INDEX_FILE
     tensors: dict[str, StoredTensor] = {}
     files = []
@@ -346,7 +349,7 @@ def _assembled(
             raise CkptconvError(
                 f"{index_path}: lists {missing[0]!r} in {weight_map[missing[0]]}, which does not hold it"
             )
-    return HfCheckpoint(path, _dequantized(tensors, path, root), tuple(files))
+    return HfCheckpoint(path, _dequantized(tensors, path, root) if dequantize else tensors, tuple(files))
 
 
 def _dequantized(

@@ -206,18 +206,19 @@ def save_hf(
 
     Values: DTensors with any placements, plain tensors (the same on every rank), or other objects, which go
     with `extra` to `ckptconv_state.json` like dcp-to-hf's stash. The files are those `dcp-to-hf` writes for
-    the same weights and flags (`quantize="fp8"`: an FP8 release, as `--quantize fp8`; a config.json from
-    `copy_from` follows what was written). Rank 0 publishes `path` atomically after every rank succeeded.
-    `write_granularity`: "tensor" (every rank writes its share of every file) or "file" (one rank per file),
-    as dcp-to-hf's `--write-granularity`. A PEFT-wrapped model's state dict (LoRA factors) needs `lora`:
-    "adapter", "merge" or "drop", as dcp-to-hf's `--lora`, with `lora_name`, `lora_alpha` and `lora_config`
-    (the adapter_config.json PEFT's `save_pretrained` writes, or `peft_model.peft_config[name]` saved so)
-    as its `--lora-*` flags. With a mapping and `tie_word_embeddings` in `config`, an output head that differs
-    from the embedding is refused unless `drop_untied_head` (dcp-to-hf's `--drop-untied-head`).
-    `path` may be a URL (`s3://bucket/step-1000`): each file is streamed by one rank as a multipart upload and
-    the index (or the single file) completes it last, as dcp-to-hf writes a URL OUT; `storage_options` go
-    to the backend's file system. A local `path` is fsynced (its files and directories) before it is
-    published; `fsync=False` skips that, for scratch saves (as dcp-to-hf's `--no-fsync`).
+    the same weights and flags (`quantize="fp8"`, "fp8-block" or "nvfp4": a quantized release, as
+    `--quantize`; a config.json from `copy_from` follows what was written). Rank 0 publishes `path` atomically
+    after every rank succeeded. `write_granularity`: "tensor" (every rank writes its share of every file) or
+    "file" (one rank per file), as dcp-to-hf's `--write-granularity`. A PEFT-wrapped model's state dict (LoRA
+    factors) needs `lora`: "adapter", "merge" or "drop", as dcp-to-hf's `--lora`, with `lora_name`,
+    `lora_alpha` and `lora_config` (the adapter_config.json PEFT's `save_pretrained` writes, or
+    `peft_model.peft_config[name]` saved so) as its `--lora-*` flags. With a mapping and `tie_word_embeddings`
+    in `config`, an output head that differs from the embedding is refused unless `drop_untied_head`
+    (dcp-to-hf's `--drop-untied-head`). `path` may be a URL (`s3://bucket/step-1000`): each file is streamed
+    by one rank as a multipart upload and the index (or the single file) completes it last, as dcp-to-hf
+    writes a URL OUT; `storage_options` go to the backend's file system. A local `path` is fsynced (its files
+    and directories) before it is published; `fsync=False` skips that, for scratch saves (as dcp-to-hf's
+    `--no-fsync`).
 
     A reference model, as dcp-to-hf's `--reference` / `--copy-from`: `reference` (an HF directory; only its
     index and safetensors headers are read), else `copy_from` when it holds weights. The output follows it:

@@ -107,9 +107,8 @@ def split_as_reference(outs: dict[str, OutTensor], base: Base) -> dict[str, list
     for key, t in outs.items():
         if key in base.tensors:
             continue
-        weight = key.removesuffix("_scale_inv")
-        if t.op == "fp8_scale" and weight in base.files:
-            by_file[base.files[weight]].append(key)
+        if t.scale_of is not None and t.scale_of in base.files:
+            by_file[base.files[t.scale_of]].append(key)
         else:
             extra.append(key)
     seen: dict[str, str] = {}
@@ -170,7 +169,7 @@ def in_reference_order(tensors: Sequence[OutTensor], base: Base) -> tuple[OutTen
     def where(t: OutTensor) -> tuple[int, int]:
         if t.hf_key in rank:
             return rank[t.hf_key], 0
-        weight = t.hf_key.removesuffix("_scale_inv")
-        return (rank[weight], 1) if t.op == "fp8_scale" and weight in rank else (last, 0)
+        weight = t.scale_of
+        return (rank[weight], 1) if weight is not None and weight in rank else (last, 0)
 
     return tuple(sorted(tensors, key=where))

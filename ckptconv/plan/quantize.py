@@ -1,10 +1,11 @@
-"""Planning `--quantize fp8`: the output tensors of dcp-to-hf with the chosen weights made block FP8. Pure.
+"""Planning `--quantize`: the output tensors of dcp-to-hf with the chosen weights quantized. Pure.
 
-    X.weight [R, C] bf16 (say)  ->  X.weight            [R, C] float8_e4m3fn        (quant = "fp8")
-                                    X.weight_scale_inv  [ceil(R/128), ceil(C/128)] float32  (op "fp8_scale")
+    X.weight [R, C] bf16 (say)  ->  X.weight            its stored form            (quant = the scheme)
+                                    X.weight_scale_inv  (fp8), X.weight_scale ...  (op "fp8_scale", scale_of)
 
-Both read the same source parts. The scale is written together with its weight (one read, one quantization:
-`convert.write_files`), so it is never assembled on its own, and it always lands in its weight's file.
+(the tensors of each scheme: `quant.policy.QuantPolicy.stored`). All read the weight's source parts. The
+scales are written together with their weight (one read, one quantization: `hf_write.write_files`), so they
+are never assembled on their own, and they always land in their weight's file.
 """
 
 from __future__ import annotations
@@ -13,20 +14,18 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from ckptconv.core.dtypes import DtypePolicy
 from ckptconv.errors import CkptconvError
 from ckptconv.plan.types import SCALE_OP, OutTensor, is_scale
-from ckptconv.quant import fp8
-from ckptconv.quant.policy import QuantPolicy, scale_key
+from ckptconv.quant.policy import QuantPolicy
 
 
 def quantize_outs(
     outs: Sequence[OutTensor], quantize: QuantPolicy, policy: DtypePolicy
 ) -> tuple[list[OutTensor], dict[str, Any], list[str]]:
-    """`outs` with every tensor `quantize` selects made FP8 and followed by its scale; the release's
-    `quantization_config`; warnings (stacked expert tensors, which block FP8 leaves alone)."""
+    """`outs` with every tensor `quantize` selects quantized and followed by its scales; the release's
+    `quantization_config`; warnings (stacked expert tensors, which are left alone)."""
+    scheme = quantize.scheme
     result: list[OutTensor] = []
     quantized, kept, stacked = [], [], []
     for t in outs:
@@ -39,28 +38,39 @@ def quantize_outs(
             continue
         if t.offset is not None:
             raise CkptconvError(
-                f"--quantize fp8: {t.hf_key!r} is shifted by its mapping rule's offset, which is not "
+                f"--quantize {scheme}: {t.hf_key!r} is shifted by its mapping rule's offset, which is not "
                 "quantized; pass --quantize-skip with a pattern matching it"
             )
         quantized.append(t.hf_key)
-        result.append(dataclasses.replace(t, dtype=fp8.FP8, quant="fp8"))
-        shape = fp8.scale_shape(t.shape)
+        weight, *scales = quantize.stored(t.hf_key, t.shape, t.dtype)
         result.append(
             dataclasses.replace(
                 t,
-                hf_key=scale_key(t.hf_key),
-                shape=shape,
-                dtype=torch.float32,
-                op=SCALE_OP,
-                layout=None,
-                padded=False,
+                dtype=weight.dtype,
+                quant=scheme,
+                quant_dtype=None if scheme == "fp8" else t.dtype,  # fp8 quantizes the source values
+                stored_shape=weight.shape if weight.shape != t.shape else None,
             )
         )
+        for scale in scales:
+            result.append(
+                dataclasses.replace(
+                    t,
+                    hf_key=scale.key,
+                    shape=scale.shape,
+                    dtype=scale.dtype,
+                    op=SCALE_OP,
+                    layout=None,
+                    padded=False,
+                    scale_of=t.hf_key,
+                )
+            )
     warnings = []
     if stacked:
         warnings.append(
-            f"--quantize fp8: {len(stacked)} stacked expert tensors ({stacked[0]}, ...) stay in --dtype; FP8 "
-            "releases and transformers' loader hold experts per expert (--hf-experts per_expert)"
+            f"--quantize {scheme}: {len(stacked)} stacked expert tensors ({stacked[0]}, ...) stay in "
+            f"--dtype; {'FP8' if scheme == 'fp8' else 'quantized'} releases and transformers' loader hold "
+            "experts per expert (--hf-experts per_expert)"
         )
     return result, quantize.config(quantized, kept), warnings
 

@@ -124,13 +124,15 @@ def plan_dcp_to_hf(
             raise CkptconvError("--file-split reference: needs --reference BASE, or --file-split size")
         by_file = split_as_reference(outs, base)
     elif file_split is None:
-        scales = {t.hf_key.removesuffix("_scale_inv"): t.nbytes for t in outs.values() if t.op == "fp8_scale"}
-        by_file = split_state_dict_into_shards_factory(  # a weight and its scale: one storage, one file
+        group: dict[str, int] = {}  # a quantized weight's key: its bytes and its scales'
+        for t in outs.values():
+            if t.quant or t.scale_of:
+                key = t.scale_of or t.hf_key
+                group[key] = group.get(key, 0) + t.nbytes
+        by_file = split_state_dict_into_shards_factory(  # a weight and its scales: one storage, one file
             outs,
-            get_storage_size=lambda t: t.nbytes + scales.get(t.hf_key, 0),
-            get_storage_id=lambda t: (
-                t.hf_key.removesuffix("_scale_inv") if t.quant or t.op == "fp8_scale" else None
-            ),
+            get_storage_size=lambda t: group.get(t.scale_of or t.hf_key, t.nbytes),
+            get_storage_id=lambda t: t.scale_of or (t.hf_key if t.quant else None),
             filename_pattern=SAFETENSORS_PATTERN,
             max_shard_size=max_shard_size,
         ).filename_to_tensors

@@ -52,7 +52,10 @@ class OutTensor:
     op: str = "rename"
     layout: tuple[int, ...] | None = None  # the shape the parts address (a reshape), when not `shape`
     padded: bool = False  # some elements come from no part: zeros
-    quant: str | None = None  # "fp8": assembled in the source dtype, written quantized with its scale
+    quant: str | None = None  # a --quantize scheme: assembled in the source dtype, written with its scales
+    quant_dtype: torch.dtype | None = None  # fp8-block, nvfp4: the dtype it is cast to, then quantized
+    scale_of: str | None = None  # a scale (op SCALE_OP): the key of the quantized weight written with it
+    stored_shape: tuple[int, ...] | None = None  # the shape the file holds, when not `shape` (packed nvfp4)
     lora: LoraParts | None = None  # --lora merge: W + scaling * B @ A, assembled in fp32, cast once
     offset: float | None = None  # added to every value placed (a rule's `offset`), in fp32 / fp64
 
@@ -79,8 +82,13 @@ class OutTensor:
         return sum(p.nbytes for p in self.parts) + extra
 
     @property
+    def file_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor in its file: `shape`, or a packed weight's `stored_shape`."""
+        return self.stored_shape if self.stored_shape is not None else self.shape
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.file_shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -262,10 +270,10 @@ class RankBytes(NamedTuple):
         return doc
 
 
-SCALE_OP = "fp8_scale"  # the op of a block-FP8 weight's scale tensor (plan/quantize.py)
+SCALE_OP = "fp8_scale"  # the op of a quantized weight's scale tensors, every scheme's (plan/quantize.py)
 
 
 def is_scale(t: OutTensor) -> bool:
-    """Whether `t` is a quantized weight's `weight_scale_inv`, written with its weight (no tensor of its own
-    in a reference's terms). Torch-free, for inspect."""
+    """Whether `t` is a quantized weight's scale (`weight_scale_inv`, ...), written with its weight (no tensor
+    of its own in a reference's terms). Torch-free, for inspect."""
     return t.op == SCALE_OP

@@ -30,7 +30,7 @@ MIN_PIECE = 5 << 20  # "parts": S3's smallest part but an object's last
 
 
 def stored_nbytes(t: OutTensor, scales: dict[str, int]) -> int:
-    """Bytes a write of the whole `t` puts in its file: a quantized weight's scale comes with it."""
+    """Bytes a write of the whole `t` puts in its file: a quantized weight's scales come with it."""
     return t.nbytes + (scales.get(t.hf_key, 0) if t.quant else 0)
 
 
@@ -38,7 +38,7 @@ def plan_writes(files: Sequence[OutFile], world_size: int, granularity: Granular
     """Every byte range of every file's data, with the rank that writes it, in file order (a rank's writes
     in this order are its write order)."""
     scales = _scales(files)
-    units = [(f, t) for f in files for t in f.tensors if t.op != "fp8_scale"]
+    units = [(f, t) for f in files for t in f.tensors if t.scale_of is None]
     if granularity == "file" or world_size == 1:
         return _headed([Write(f, t, 0, rows_of(t), f.owner) for f, t in units])
     writes = _tensor_writes(units, scales, world_size)
@@ -93,10 +93,13 @@ def _headed(writes: list[Write]) -> tuple[Write, ...]:
 
 
 def _scales(files: Sequence[OutFile]) -> dict[str, int]:
-    """{quantized weight's key: bytes of its scale}."""
-    return {
-        t.hf_key.removesuffix("_scale_inv"): t.nbytes for f in files for t in f.tensors if t.op == "fp8_scale"
-    }
+    """{quantized weight's key: bytes of its scales}."""
+    out: dict[str, int] = {}
+    for f in files:
+        for t in f.tensors:
+            if t.scale_of is not None:
+                out[t.scale_of] = out.get(t.scale_of, 0) + t.nbytes
+    return out
 
 
 def _rank_at(position: int, total: int, world_size: int) -> int:
@@ -130,5 +133,5 @@ def bytes_per_rank(writes: Sequence[Write], world_size: int) -> list[int]:
 
 
 def _stored(w: Write, scales: dict[str, int]) -> int:
-    """Bytes `w` puts in its file: a quantized weight's scale comes with it."""
+    """Bytes `w` puts in its file: a quantized weight's scales come with it."""
     return w.nbytes + (scales.get(w.tensor.hf_key, 0) if w.tensor.quant else 0)

@@ -60,8 +60,13 @@ def plan_pieces(files: Sequence[OutFile], writes: Sequence[Write]) -> list[Piece
     for w in writes:
         by_file.setdefault(w.file.name, []).append(w)
     pieces: list[Piece] = []
+    scales: dict[str, list[str]] = {}  # a quantized weight's key: its scales' keys
     for f in files:
-        head = len(header_bytes([Entry(t.hf_key, t.dtype, t.shape) for t in f.tensors]))
+        for t in f.tensors:
+            if t.scale_of is not None:
+                scales.setdefault(t.scale_of, []).append(t.hf_key)
+    for f in files:
+        head = len(header_bytes([Entry(t.hf_key, t.dtype, t.file_shape) for t in f.tensors]))
         starts = itertools.accumulate((t.nbytes for t in f.tensors), initial=head)
         at = {t.hf_key: (start, start + t.nbytes) for t, start in zip(f.tensors, starts, strict=False)}
         spans = []
@@ -70,8 +75,8 @@ def plan_pieces(files: Sequence[OutFile], writes: Sequence[Write]) -> list[Piece
                 spans.append((0, head, w.rank))
             first = at[w.tensor.hf_key][0] + w.start
             spans.append((first, first + w.nbytes, w.rank))
-            if w.tensor.quant:  # its scale, written with it
-                spans.append((*at[w.tensor.hf_key + "_scale_inv"], w.rank))
+            for scale in scales.get(w.tensor.hf_key, []):  # its scales, written with it
+                spans.append((*at[scale], w.rank))
         pieces += _pieces(f.name, sorted(spans), head + f.nbytes)
     return pieces
 

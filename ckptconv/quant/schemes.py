@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from ckptconv.errors import CkptconvError
 
-SCHEMES = ("fp8",)
+SCHEMES = ("fp8", "fp8-block", "nvfp4")
 # quantization_config.quant_method read dequantized (formats/hf_quant.READERS)
 METHODS = ("fp8", "mxfp4", "compressed-tensors", "modelopt")
 

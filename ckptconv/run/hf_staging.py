@@ -66,13 +66,20 @@ class Staging:
         """The CRC-32s of chunks read in pieces; with --verify, the staged output against the source."""
         check_read_pieces(self.world, self.job.ckpt, self.pieces)
         if self.options.output.verify:
-            output = lambda a: sides.hf_side("output", staging, like=a)  # noqa: E731
+            raw = self.options.quantize not in (None, "fp8")  # compared as stored: the bytes written
+            output = lambda a: sides.hf_side("output", staging, like=a, raw=raw)  # noqa: E731
             check_output(self.world, self.ui, self.source, output)
 
     def source(self) -> sides.Side:
         """The source side of --verify, as the plan read it."""
         plan, keys, o = self.job.plan, self.options.mapping, self.options
-        quantized = frozenset(t.hf_key for f in plan.files for t in f.tensors if t.quant)
+        quantized = frozenset(t.hf_key for f in plan.files for t in f.tensors if t.quant == "fp8")
+        encoded = {
+            t.hf_key: (t.quant, t.quant_dtype)
+            for f in plan.files
+            for t in f.tensors
+            if t.quant and t.quant_dtype is not None
+        }
         return sides.dcp_side(
             "source",
             self.job.ckpt.path,
@@ -84,6 +91,7 @@ class Staging:
             quantized=quantized,
             lora=o.lora,
             drop_untied_head=o.drop_untied_head,
+            encoded=encoded,
         )
 
     def finish(self, staging: Path) -> list[str]:

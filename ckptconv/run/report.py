@@ -275,7 +275,7 @@ def plan_summary(plan: HfSavePlan) -> dict[str, Any]:
                         "op": t.op,
                         "dtype": short_name(t.dtype),
                         "source_dtype": short_name(t.src.dtype),
-                        "shape": list(t.shape),
+                        "shape": list(t.file_shape),
                         "nbytes": t.nbytes,
                     }
                     for t in f.tensors
@@ -317,7 +317,7 @@ def render_plan(plan: HfSavePlan, console: Console) -> None:
                     t.op,
                     _sources([sp.spec.fqn for sp in t.parts]),
                     dst if src == dst else f"{src} -> {dst}",
-                    str(list(t.shape)),
+                    str(list(t.file_shape)),
                     human_bytes(t.nbytes),
                 ]
             )

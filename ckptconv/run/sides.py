@@ -4,7 +4,7 @@ dcp-to-hf, dtypes kept, so a conversion's output is compared with exactly what i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from ckptconv.plan.megatron_tp import saved_tp, with_tp
 from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.types import OutTensor, TiedHead
 from ckptconv.quant import fp8
+from ckptconv.quant.policy import QuantPolicy, encode
 from ckptconv.stream import tied
 from ckptconv.stream.unshard import assemble, check_read_pieces, direct_rows, expect_rows
 
@@ -45,6 +46,8 @@ class Side:
     # collective, before comparing: a DCP side's output heads tie_word_embeddings leaves out that differ from
     # their embedding become keys of its own (the other side must hold them), or, dropped, notes
     untied: Callable[[World], list[str]] = lambda world: []
+    # a DCP side's weights seen as they are stored quantized (`encoded`): what verify says of them
+    encoded_note: str = ""
 
 
 def hf_side(
@@ -53,11 +56,13 @@ def hf_side(
     keys: set[str] | None = None,
     like: Side | None = None,
     hf: HfCheckpoint | None = None,
+    raw: bool = False,
 ) -> Side:
     """An HF directory or file (or the checkpoint `hf` read from it already: hf-to-dcp's, with an adapter's
     tensors); only `keys` of it if given. A quantized weight (`formats.hf_quant`) is read dequantized, in
-    the dtype `shapes` gives it (config.json's, or the other side's after `follow`)."""
-    hf = hf or open_hf(path)
+    the dtype `shapes` gives it (config.json's, or the other side's after `follow`); with `raw`, every stored
+    tensor as it is stored (a quantized weight's values and scales are keys of their own)."""
+    hf = hf or open_hf(path, dequantize=not raw)
     reader = RowReader()
     shapes = {k: (t.shape, t.dtype) for k, t in hf.tensors.items() if keys is None or k in keys}
 
@@ -109,6 +114,7 @@ def dcp_side(
     lora: LoraRequest | None = None,
     drop_untied_head: bool = False,
     megatron_tp: int | None = None,
+    encoded: Mapping[str, tuple[str, torch.dtype]] | None = None,
 ) -> Side:
     """A DCP directory seen as dcp-to-hf would write it, dtypes kept. With a mapping and no `variant`, in the
     expert form (per expert or fused) that shares the most keys with the HF side `like`. The `quantized` keys
@@ -116,7 +122,10 @@ def dcp_side(
     dtype: what the FP8 output holds, read in this side's dtype, iff its bytes and scales are right. An
     output head tie_word_embeddings leaves out is a key of this side when it differs from its embedding
     (`tied`), unless `drop_untied_head` (then a note says it was left out). `megatron_tp`: the TP size a
-    Megatron checkpoint was saved at, where its args do not say (`--megatron-tp`)."""
+    Megatron checkpoint was saved at, where its args do not say (`--megatron-tp`). The `encoded` keys
+    (`dcp-to-hf --quantize fp8-block / nvfp4 --verify`: key -> (scheme, the dtype it is quantized in)) are
+    seen as the tensors the scheme stores, each quantized from the source as the writer quantizes it: the
+    output, read raw (`hf_side(raw=True)`), matches them iff its bytes are the ones intended."""
     ckpt = open_dcp(path)
     config = with_tp(config, saved_tp(ckpt), megatron_tp)  # a Megatron checkpoint's TP size at save
     like_keys = None if like is None else like.shapes.keys()
@@ -124,14 +133,28 @@ def dcp_side(
     reader = DcpReader(ckpt)
     rows = direct_rows(reader)
 
+    shapes = {k: (t.shape, t.dtype) for k, t in outs.items()}
+    parts: dict[str, tuple[str, int]] = {}  # a stored tensor of an encoded weight: (the weight, its index)
+    for key, (scheme, dtype) in (encoded or {}).items():
+        for i, spec in enumerate(QuantPolicy(scheme).stored(key, outs[key].shape, dtype)):
+            parts[spec.key] = (key, i)
+            shapes[spec.key] = (spec.shape, spec.dtype)
+    last: dict[str, tuple[torch.Tensor, ...]] = {}  # the parts of the weight encoded last (one at a time)
+
     def read(key: str) -> torch.Tensor:
+        if key in parts:
+            weight, i = parts[key]
+            if weight not in last:
+                scheme, dtype = (encoded or {})[weight]
+                last.clear()
+                last[weight] = encode(scheme, assemble(outs[weight], rows, reader), dtype)
+            return last[weight][i]
         tensor = assemble(outs[key], rows, reader)
         if key in quantized:
             q, scale = fp8.quantize_whole(tensor)
             return fp8.dequantize(q, scale, tensor.dtype)
         return tensor
 
-    shapes = {k: (t.shape, t.dtype) for k, t in outs.items()}
     side = Side(
         label,
         path,
@@ -140,8 +163,11 @@ def dcp_side(
         reader.close,
         lambda world: check_read_pieces(world, ckpt, reader.pieces()),
         quantized,
-        lambda key: expect_rows(reader, outs[key]),
+        lambda key: expect_rows(reader, outs[parts[key][0] if key in parts else key]),
     )
+    if encoded:
+        scheme = next(iter(encoded.values()))[0]
+        side.encoded_note = f" ({len(encoded)} {scheme} weights as their stored bytes and scales)"
 
     def untied(world: World) -> list[str]:
         notes = []

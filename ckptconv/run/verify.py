@@ -189,5 +189,6 @@ def check_output(source: Side, output: Side, world: World, ui: Ui) -> None:
     ui.info(
         f"verified: {report.compared} tensors match the source bit for bit"
         + (quantized if source.dequantized else "")
+        + source.encoded_note
         + "".join(f"; {note}" for note in report.untied)
     )

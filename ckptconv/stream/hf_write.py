@@ -25,7 +25,7 @@ from ckptconv.plan.types import HfSavePlan, OutTensor, RankBytes
 from ckptconv.plan.writes import bytes_per_rank
 from ckptconv.publish.target import Sinks
 from ckptconv.quant import fp8
-from ckptconv.quant.policy import scale_key
+from ckptconv.quant.policy import QuantPolicy, encode, scale_key
 from ckptconv.stream.buffers import BufferPool
 from ckptconv.stream.gather import gather_tensors
 from ckptconv.stream.unshard import Item, direct_rows, direct_tensors
@@ -91,7 +91,7 @@ def write_files(
                         finished, writer = writer, None  # its file is the syncer's to close now
                         finished.close(syncer)
                         written += finished.bytes_written
-                    entries = [Entry(x.hf_key, x.dtype, x.shape) for x in w.file.tensors]
+                    entries = [Entry(x.hf_key, x.dtype, x.file_shape) for x in w.file.tensors]
                     # a rank's writes to a file are one run, so the write with the header opens it
                     path = staging / w.file.name
                     writer = SafetensorsWriter(path, entries, header=w.header, sink=sinks.sink(path))
@@ -119,12 +119,31 @@ def write_files(
 
 
 def _write_quantized(writer: SafetensorsWriter, t: OutTensor, tensor: torch.Tensor) -> int:
-    """`--quantize fp8`: the weight [R, C] (in its source dtype) as FP8 and its `weight_scale_inv`, quantized
-    one 128-row slab at a time; returns the bytes written."""
-    q, scale = fp8.quantize_whole(tensor)
-    writer.write(t.hf_key, q)
-    writer.write(scale_key(t.hf_key), scale)
-    return q.nbytes + scale.nbytes
+    """`--quantize`: the weight [R, C] (assembled in its source dtype) quantized once and written with its
+    scales (fp8: as FP8 and its `weight_scale_inv`; fp8-block, nvfp4: cast to the release's dtype first, then
+    as `quant.policy` lays them out), each a slab of rows at a time; returns the bytes written."""
+    if t.quant == "fp8":
+        q, scale = fp8.quantize_whole(tensor)
+        writer.write(t.hf_key, q)
+        writer.write(scale_key(t.hf_key), scale)
+        return q.nbytes + scale.nbytes
+    assert t.quant is not None and t.quant_dtype is not None
+    return write_encoded(writer, t.hf_key, t.quant, t.quant_dtype, tensor)
+
+
+def write_encoded(
+    writer: SafetensorsWriter, key: str, scheme: str, dtype: torch.dtype, tensor: torch.Tensor
+) -> int:
+    """The weight `key` (`tensor`) cast to `dtype` (checked as any cast to fp16 is), quantized as `scheme`
+    (fp8-block, nvfp4) and written with its scales; returns the bytes written. The cast is made a slab of
+    rows at a time: besides the weight, only its quantized tensors are held whole."""
+    if dtype == torch.float16 and tensor.dtype != dtype:
+        check_range(key, tensor.dtype, tensor.abs().amax().to(dtype))  # its largest value, cast
+    parts = encode(scheme, tensor, dtype)
+    stored = QuantPolicy(scheme).stored(key, tuple(tensor.shape), dtype)
+    for spec, part in zip(stored, parts, strict=True):
+        writer.write(spec.key, part)
+    return sum(p.nbytes for p in parts)
 
 
 def follow_config(path: Path, plan: HfSavePlan, target: torch.dtype | None) -> list[str]:

@@ -7,7 +7,7 @@ llm-compressor's observer hands it) and `FloatQuantizationCompressor.compress`, 
 `CompressedTensorsDequantizer` read the release back.
 
 nvfp4 is ModelOpt's NVFP4: the oracle is nvidia-modelopt 0.47.0's own `NVFP4QTensor.quantize` and
-`convert_hf_quant_config_format`, run in a subprocess from a pinned install (support/modelopt_quantize.py);
+`convert_hf_quant_config_format`, run in a subprocess from a pinned install (support/modelopt.py);
 compressed-tensors' `ModelOptNvfp4Converter` and NVFP4 decompressor read the release back.
 
 Both quantize the weights as the release's dtype holds them (bf16 here, from an fp32 DCP).
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ckptconv, tree_sha256
-from modelopt_quantize import modelopt_nvfp4
+from modelopt import modelopt_nvfp4
 from safetensors.torch import load_file
 from test_bad_input import assert_one_line, run
 from test_quantize import QUANTIZED, llama

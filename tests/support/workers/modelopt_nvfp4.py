@@ -1,4 +1,4 @@
-"""With nvidia-modelopt 0.47.0 on PYTHONPATH (tests/support/modelopt_quantize.py): ModelOpt's own NVFP4 of
+"""With nvidia-modelopt 0.47.0 on PYTHONPATH (tests/support/modelopt.py): ModelOpt's own NVFP4 of
 the weights in WORK/in.safetensors, and the quantization_config its HF export writes.
 
 usage: modelopt_nvfp4.py WORK

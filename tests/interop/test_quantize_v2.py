@@ -175,6 +175,36 @@ def test_nvfp4_release_is_modelopts_own(released: dict[str, Any], tmp_path: Path
     assert "config.json: quantization_config: added (modelopt)" in err
 
 
+def test_releases_read_back_as_their_formats_dequantize_them(
+    released: dict[str, Any], tmp_path: Path
+) -> None:
+    """hf-to-dcp of each release (the readers of compressed-tensors and ModelOpt NVFP4) holds what the
+    format's own dequantizer makes of it: compressed-tensors' decompress for fp8-block, ModelOpt's
+    NVFP4QTensor.dequantize for nvfp4; the other weights as written, the input scales left out."""
+    from ct import oracle
+    from test_hf_to_dcp import load_plain
+
+    quantized = _quantized(released["weights"])
+    references = {
+        "fp8-block": oracle(released["fp8-block"][0], torch.bfloat16),
+        "nvfp4": {
+            k.removesuffix("_dequantized"): v
+            for k, v in modelopt_nvfp4(quantized, [], tmp_path / "modelopt")[0].items()
+            if k.endswith("_dequantized")
+        },
+    }
+    for scheme in SCHEMES:
+        release = released[scheme][0]
+        proc = ckptconv("hf-to-dcp", str(release), str(tmp_path / scheme))
+        assert proc.returncode == 0, proc.stderr
+        got = load_plain(tmp_path / scheme)
+        assert sorted(got) == sorted(released["weights"]), scheme
+        assert sorted(references[scheme]) == sorted(quantized), scheme
+        for key, value in got.items():
+            want = references[scheme].get(key, released["weights"][key].to(torch.bfloat16))
+            assert isinstance(value, torch.Tensor) and same_bytes(value, want), (scheme, key)
+
+
 def test_skip_fp32_and_bad_schemes(
     released: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

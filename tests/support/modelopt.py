@@ -55,7 +55,8 @@ def modelopt_nvfp4(
     weights: dict[str, torch.Tensor], exclude: list[str], work: Path
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """ModelOpt's NVFP4 of `weights` (key -> 2-D weight in the dtype it is quantized in): {key: packed uint8,
-    key + "_scale", key + "_scale_2"} as `NVFP4QTensor.quantize(w, 16)` returns them, and the
+    key + "_scale", key + "_scale_2"} as `NVFP4QTensor.quantize(w, 16)` returns them, key + "_dequantized" as
+    `NVFP4QTensor.dequantize` reads them back in w's dtype,, and the
     quantization_config ModelOpt's HF export writes for a model quantized so with `exclude` left alone."""
     work.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, work / "in.safetensors")

@@ -5,7 +5,8 @@ usage: modelopt_nvfp4.py WORK
 
 Each weight W (2-D, in the dtype it is quantized in) -> WORK/out.safetensors: W (packed uint8), W_scale
 (float8_e4m3fn per 16 values) and W_scale_2 (fp32), as `NVFP4QTensor.quantize(W, 16)` returns them (the
-dynamic path ModelOpt's export takes for a weight quantizer without a static global amax). WORK/config.json:
+dynamic path ModelOpt's export takes for a weight quantizer without a static global amax), and
+W_dequantized, what `NVFP4QTensor.dequantize` makes of them in W's dtype. WORK/config.json:
 `convert_hf_quant_config_format` of the hf_quant_config `get_quant_config` makes for an NVFP4 model (producer
 modelopt 0.47.0, quant_algo NVFP4, group_size 16, exclude_modules = WORK/exclude.json, no KV-cache scheme),
 what `export_hf_checkpoint` puts in config.json.
@@ -34,6 +35,9 @@ def main() -> None:
         out[key] = packed._quantized_data
         out[key + "_scale"] = scale
         out[key + "_scale_2"] = scale_2
+        out[key + "_dequantized"] = packed.dequantize(
+            dtype=w.dtype, scale=scale, double_scale=scale_2, block_sizes={-1: 16}
+        )
     save_file({k: v.contiguous() for k, v in out.items()}, work / "out.safetensors")
     exclude = json.loads((work / "exclude.json").read_text())
     hf_quant_config = {

@@ -122,8 +122,25 @@ def _save_hf_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _dequant_table(results: list[dict[str, Any]]) -> list[str]:
+    """hf-to-dcp of quantized releases against the format's own dequantizer: one row per release and method
+    (median seconds, the ratio to compressed-tensors', peak RSS per rank)."""
+    lines = [
+        "| release | stored GB | method | seconds | vs compressed-tensors | peak RSS per rank (GiB) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    base = {(r["kind"], r["size_gb"]): r["seconds"] for r in results if r["method"] == "compressed-tensors"}
+    for r in results:
+        ratio = r["seconds"] / base[(r["kind"], r["size_gb"])]
+        lines.append(
+            f"| {r['kind']} | {r['size_gb']:g} | {r['method']} | {r['seconds']:.2f} | {ratio:.2f}x | "
+            f"{r['rss_rank_gib']:.2f} |"
+        )
+    return lines
+
+
 FIGURES = {"planning": _plan_figures, "lora-merge": _lora_figures, "convert": _convert_figures}
-TABLES = {"save-hf": _save_hf_table}
+TABLES = {"save-hf": _save_hf_table, "dequant": _dequant_table}
 TITLES = {
     "planning": "Planning at scale",
     "lora-merge": "LoRA merge",
@@ -131,6 +148,7 @@ TITLES = {
     "memory": "Memory of verify and --read gather",
     "s3": "Object storage",
     "save-hf": "save_hf in a training job",
+    "dequant": "Dequantizing quantized releases",
 }
 
 

@@ -2,9 +2,11 @@
 
 The releases (made once, WORKDIR/dequant-SIZEGB/KIND): a Llama-shaped model of about SIZE GB of bf16 weights
 (hidden 2048, FFN 5632, vocab 32000, as many layers as the size takes), quantized by compressed-tensors' own
-code (workers/ct_release.py): `int4` its W4A16 preset (pack-quantized int4, group 128), `nvfp4` its NVFP4
-preset (nvfp4-pack-quantized, FP4 with FP8 scales per 16 and a global scale). Methods, each a fresh process,
-`--runs` times (interleaved), the median time and the peak RSS of the largest process (a rank) shown:
+code (workers/ct_release.py): `int4` its W4A16 preset (pack-quantized int4, group 128), `nvfp4` its NVFP4A16
+preset (nvfp4-pack-quantized weights, FP8 scales per 16 and a global scale; not its W4A4 NVFP4 preset, whose
+input_global_scale compressed-tensors' own dequantizer refuses as a residual qparam, 0.20.0). Methods, each
+a fresh process, `--runs` times (interleaved), the median time and the peak RSS of the largest process (a
+rank) shown:
 
   ckptconv 1 rank     python -m ckptconv hf-to-dcp RELEASE OUT --quiet      (bf16 DCP, dequantized on read)
   ckptconv 2 ranks    the same under torchrun --standalone --nproc-per-node 2

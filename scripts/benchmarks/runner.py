@@ -35,7 +35,7 @@ import psutil
 POLL_SECONDS = 0.02
 GIB = 1024**3
 ROOT = Path(__file__).resolve().parent.parent.parent
-VERSIONS = ("ckptconv", "torch", "safetensors", "transformers", "peft")
+VERSIONS = ("ckptconv", "torch", "safetensors", "transformers", "peft", "compressed-tensors")
 
 
 def log(msg: str) -> None:

@@ -261,7 +261,10 @@ def torchtune(root: Path) -> None:
 
 def quantized(root: Path) -> None:
     """The hub's deepseek-ai/DeepSeek-V3: a tiny DeepSeek-V3 (an MTP layer too) in block FP8 by DeepSeek's
-    math; openai/gpt-oss-20b: a tiny gpt-oss with its experts in MXFP4 (tests/support/families.py)."""
+    math; openai/gpt-oss-20b: a tiny gpt-oss with its experts in MXFP4 (tests/support/families.py);
+    RedHatAI/Llama-w4a16: a tiny Llama in compressed-tensors' W4A16 made by compressed-tensors (ct.py)."""
+    from ct import release as ct_release
+    from ct import scheme
     from families import pack_mxfp4, quantize_fp8, sized
 
     work = root / "work"
@@ -272,6 +275,9 @@ def quantized(root: Path) -> None:
         sized("gpt_oss", work / "oss", {"hidden_size": 64, "intermediate_size": 96}), work / "oss-mxfp4"
     )
     _hub(root, "openai/gpt-oss-20b", work / "oss-mxfp4")
+    llama = sized("llama", work / "llama", {"hidden_size": 256, "intermediate_size": 384})
+    ct_release(llama, work / "llama-w4a16", {"group_0": scheme("W4A16", ["Linear"])})
+    _hub(root, "RedHatAI/Llama-w4a16", work / "llama-w4a16")
     shutil.rmtree(work)
 
 

@@ -2,7 +2,7 @@
 
 usage: python ct_release.py make KIND PATH GB   PATH/bf16 (a Llama of about GB of bf16 weights) and PATH/KIND,
                                                 that model quantized by compressed-tensors (KIND int4: its
-                                                W4A16 preset, pack-quantized, group 128; nvfp4: its NVFP4
+                                                W4A16 preset, pack-quantized, group 128; nvfp4: its NVFP4A16
                                                 preset, nvfp4-pack-quantized)
        python ct_release.py dequant SRC OUT      the baseline: compressed-tensors' own dequantizer,
                                                 convert_checkpoint(SRC, OUT, CompressedTensorsDequantizer) in
@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 HIDDEN, FFN, VOCAB, HEADS = 2048, 5632, 32000, 16
-PRESETS = {"int4": "W4A16", "nvfp4": "NVFP4"}
+PRESETS = {"int4": "W4A16", "nvfp4": "NVFP4A16"}
 
 
 def make(kind: str, path: Path, gb: float) -> None:

@@ -276,7 +276,7 @@ def quantized(root: Path) -> None:
     )
     _hub(root, "openai/gpt-oss-20b", work / "oss-mxfp4")
     llama = sized("llama", work / "llama", {"hidden_size": 256, "intermediate_size": 384})
-    ct_release(llama, work / "llama-w4a16", {"group_0": scheme("W4A16", ["Linear"])})
+    ct_release(llama, work / "llama-w4a16", {"group_0": scheme("W4A16", ["Linear"], group_size=32)})
     _hub(root, "RedHatAI/Llama-w4a16", work / "llama-w4a16")
     shutil.rmtree(work)
 

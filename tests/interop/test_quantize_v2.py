@@ -180,7 +180,8 @@ def test_releases_read_back_as_their_formats_dequantize_them(
 ) -> None:
     """hf-to-dcp of each release (the readers of compressed-tensors and ModelOpt NVFP4) holds what the
     format's own dequantizer makes of it: compressed-tensors' decompress for fp8-block, ModelOpt's
-    NVFP4QTensor.dequantize for nvfp4; the other weights as written, the input scales left out."""
+    NVFP4QTensor.dequantize for nvfp4; the other weights as written, the input scales left out; and
+    transformers' from_pretrained (compressed-tensors decompressing) of the fp8-block release the same."""
     from ct import oracle
     from test_hf_to_dcp import load_plain
 
@@ -203,6 +204,13 @@ def test_releases_read_back_as_their_formats_dequantize_them(
         for key, value in got.items():
             want = references[scheme].get(key, released["weights"][key].to(torch.bfloat16))
             assert isinstance(value, torch.Tensor) and same_bytes(value, want), (scheme, key)
+        if scheme == "fp8-block":  # transformers loads it too (transformers 5.24 has no NVFP4 dequantizer)
+            from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+            config = CompressedTensorsConfig(run_compressed=False)
+            model = AutoModelForCausalLM.from_pretrained(release, quantization_config=config)
+            loaded = model.state_dict()
+            assert all(same_bytes(loaded[k], v) for k, v in got.items() if isinstance(v, torch.Tensor))
 
 
 def test_skip_fp32_and_bad_schemes(

@@ -94,8 +94,8 @@ def follow(side: Side, other: Side) -> None:
 def dequantized_notes(*sides: Side) -> list[str]:
     """What `verify`'s report says about the quantized weights it compared."""
     return [
-        f"{s.label}: {len(s.dequantized)} quantized weights compared as their dequantized values (the fp32 "
-        "product rounded once to the other side's dtype)"
+        f"{s.label}: {len(s.dequantized)} quantized weights compared as their dequantized values (as the "
+        "format's own dequantizer computes them, in the other side's dtype: docs/quantized.md)"
         for s in sides
         if s.dequantized
     ]

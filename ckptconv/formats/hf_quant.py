@@ -8,7 +8,8 @@
     MXFP8 (weight_block_size [1, 32], scale_fmt "ue8m0"):
         X [R, C] float8_e4m3fn + X_scale_inv [R, ceil(C/32)] float8_e8m0fnu (or its bytes)  ->  X [R, C]
     DeepSeek-V4 (`X.scale` beside `X.weight`, `quant_dsv4`), ModelOpt NVFP4 (quant_method "modelopt",
-    `quant_modelopt`): their own readers.
+    `quant_modelopt`), compressed-tensors (quant_method "compressed-tensors", `quant_ct`): their own readers,
+    chosen by config.json's quant_method (`READERS`); any other method is refused naming a key.
 
 The logical tensor has the nominal dtype (config.json's `dtype` / `torch_dtype` when a float, else bf16): what
 `--dtype keep` writes. Its parts are read and dequantized by `dequant.quantized_block`; the scale keys are not

@@ -170,7 +170,7 @@ class RowReader:
     ) -> torch.Tensor:
         """Rows [lo, hi) of `t` (a 0-d `t` whole) in `dtype` (default `t.dtype`; a stored tensor is read as
         it is, then cast), read into `out` if given (contiguous, right shape, that dtype). A quantized `t`
-        (`hf_quant`) is dequantized straight into `dtype`: the fp32 product rounded once, whatever `dtype`."""
+        (`hf_quant`) is dequantized straight into `dtype`, as its format's own dequantizer computes it."""
         if t.quant is not None:
             sizes = (hi - lo, *t.shape[1:])
             want = dtype or (out.dtype if out is not None else t.dtype)

@@ -53,9 +53,10 @@ def load_hf(
     the wider dtype (a DTensor with the same mesh and placements) and the key is listed in `replaced`.
     `dtype="bf16"` (or fp16, fp32) instead loads every floating key in that dtype, rounding if need be, and
     keys matching an `fp32` pattern load as fp32; a target of another dtype is replaced the same way.
-    A quantized weight (block FP8 with `weight_scale_inv`, MXFP4 `_blocks` + `_scales`: `formats.hf_quant`)
-    counts as config.json's dtype (bf16 when it names none), and each rank reads only its block's weight and
-    scale rows, dequantized straight into the dtype loaded (the fp32 product rounded once).
+    A quantized weight (block FP8, MXFP4, compressed-tensors, ModelOpt NVFP4, ...: `formats.hf_quant`,
+    docs/quantized.md) counts as config.json's dtype (bf16 when it names none), and each rank reads only its
+    block's weight and scale rows, dequantized straight into the dtype loaded as the format's own
+    dequantizer computes it.
     `strict` raises on missing or unexpected keys.
     `path` may be a URL (`s3://bucket/model`): each rank lists the prefix, reads the headers and then its
     blocks' bytes by ranged GETs; `storage_options` go to the backend's file system (as `--storage-options`).

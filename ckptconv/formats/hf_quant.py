@@ -57,10 +57,32 @@ def read_config(directory: Path | None, root: Path | None) -> dict[str, Any]:
     return doc
 
 
+# the parts of a quantized weight in the formats ckptconv knows of (and GPTQ / AWQ's): never a model's own
+# parameter names, so one left after reading means a weight went unread (config.json missing or wrong)
+PART_SUFFIXES = (
+    SCALE_SUFFIX,
+    BLOCKS_SUFFIX,
+    ".weight_scale",
+    ".weight_scale_2",
+    ".weight_packed",
+    ".weight_shape",
+    ".weight_global_scale",
+    ".weight_zero_point",
+    ".weight_g_idx",
+    ".input_scale",
+    ".input_global_scale",
+    ".qweight",
+    ".qzeros",
+)
+PART_DTYPES = (*FP8_DTYPES, "float8_e8m0fnu")
+
+
 def might_be_quantized(tensors: Mapping[str, StoredTensor]) -> bool:
-    """Whether any key or dtype looks like a quantized weight (then config.json is worth reading)."""
+    """Whether any key or dtype looks like a part of a quantized weight (then config.json must be read)."""
     return any(
-        k.endswith((SCALE_SUFFIX, BLOCKS_SUFFIX, quant_modelopt.SCALE_2)) or t.dtype_name in FP8_DTYPES
+        k.endswith(PART_SUFFIXES)
+        or t.dtype_name in PART_DTYPES
+        or (k.endswith(quant_dsv4.SCALE) and quant_dsv4.is_scale(tensors, k))
         for k, t in tensors.items()
     )
 
@@ -72,14 +94,29 @@ def logical_tensors(tensors: dict[str, StoredTensor], config: Mapping[str, Any])
     CkptconvError naming the key and its file."""
     method = _quant_method(config)
     qc = config.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        _unknown(tensors, f"a quantization_config that is a JSON {type(qc).__name__}, not an object")
     if method is None and isinstance(qc, dict):
         _unknown(tensors, "a quantization_config with no quant_method")
     if method is not None and method not in READERS:
         _unknown(tensors, f"quant_method {method!r}")
     found = READERS.get(method or "", _by_keys)(tensors, config)
-    if not found.logical and not found.dropped:
-        return tensors
-    return _placed(tensors, found)
+    out = _placed(tensors, found) if found.logical or found.dropped else tensors
+    _none_unread(out, method)
+    return out
+
+
+def _none_unread(tensors: Mapping[str, StoredTensor], method: str | None) -> None:
+    """Refuses a part of a quantized weight that no reader took (a scale, packed words, an E8M0 tensor): its
+    weight would reach the DCP as raw bytes. FP8 tensors alone are copied as they are (limits.md)."""
+    for key, t in tensors.items():
+        if t.quant is None and (key.endswith(PART_SUFFIXES) or t.dtype_name == "float8_e8m0fnu"):
+            said = f"quant_method {method!r}" if method else "no quantization_config"
+            raise CkptconvError(
+                f"{t.file}: {key!r} ({t.dtype_name} {list(t.shape)}) is a part of a quantized weight that "
+                f"config.json ({said}) does not account for: give the release's own config.json (its "
+                "quantization_config says how the weights are stored), or dequantize it first"
+            )
 
 
 def _placed(tensors: dict[str, StoredTensor], found: Recognised) -> dict[str, StoredTensor]:
@@ -136,6 +173,14 @@ def _by_keys(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> Rec
             raise CkptconvError(f"{t.file}: MXFP4 scales {key!r} have no {_blocks_key(key)!r}")
     if method == "fp8" or any(t.quant is not None and t.quant.scheme == "fp8" for t in logical.values()):
         _no_unscaled_fp8(tensors, logical)
+    if quant_dsv4.expert_dtype(config) == "fp4":
+        for key, t in tensors.items():
+            if t.dtype_name == "int8" and key.endswith(quant_dsv4.WEIGHT) and key not in logical:
+                raise CkptconvError(
+                    f"{t.file}: {key!r} is int8 (two FP4 values a byte, config.json's expert_dtype \"fp4\") "
+                    f"with no {key[: -len(quant_dsv4.WEIGHT)] + quant_dsv4.SCALE!r}: its values cannot be "
+                    "dequantized"
+                )
     return Recognised(logical)
 
 

@@ -128,10 +128,17 @@ def _module(tensors: Mapping[str, StoredTensor], module: str, group: Group, nomi
             cols = scale.shape[-1] * group.group_size if len(scale.shape) == 2 else 0
             widest = values.shape[1] * 32 // group.bits  # the columns the packed words can hold
             if -(-cols * group.bits // 32) != values.shape[1]:
+                need = f"[{rows}, {widest // group.group_size}]" if widest >= group.group_size else "no group"
                 raise CkptconvError(
                     f"{scale.file}: {scale.key!r} is {list(scale.shape)}, but {values.key!r} "
                     f"{list(values.shape)} ({widest} columns of {group.bits}-bit values, group_size "
-                    f"{group.group_size}) needs [{rows}, {widest // group.group_size}]"
+                    f"{group.group_size}) needs {need}"
+                )
+            told = _stored_ints(shape)  # compressed-tensors unpacks weight_shape's columns: they must agree
+            if told != (rows, cols):
+                raise CkptconvError(
+                    f"{shape.file}: {shape.key!r} says {list(told)}, but {values.key!r} and {scale.key!r} "
+                    f"hold [{rows}, {cols}]"
                 )
         else:  # the packed width fixes the columns only to within 32 / bits: weight_shape says
             told = _stored_ints(shape)

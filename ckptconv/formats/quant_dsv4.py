@@ -55,7 +55,7 @@ def logical_weight(
         raise CkptconvError(f"{weight.file}: {name!r} is {list(weight.shape)}; DeepSeek-V4 weights are 2-D")
     rows, cols = weight.shape
     if weight.dtype_name == "int8":
-        if _expert_dtype(config) != "fp4":
+        if expert_dtype(config) != "fp4":
             raise CkptconvError(
                 f"{weight.file}: {name!r} is int8 with a scale {key!r}, but config.json does not say "
                 "expert_dtype \"fp4\" (DeepSeek-V4's FP4 experts): cannot tell how its bytes are stored"
@@ -79,7 +79,7 @@ def logical_weight(
     return logical(weight, name, shape, nominal, quant)
 
 
-def _expert_dtype(config: Mapping[str, Any]) -> object:
+def expert_dtype(config: Mapping[str, Any]) -> object:
     qc = config.get("quantization_config")
     inner = qc.get("expert_dtype") if isinstance(qc, dict) else None
     return inner if inner is not None else config.get("expert_dtype")

@@ -62,7 +62,7 @@ def recognised(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> R
             raise CkptconvError(
                 f"{where} is a quantized part of {module!r}, which quantization_config ignores"
             )
-        group, layer_algo = _group(qc), algo
+        group, layer_algo = _group(qc, t), algo
         if layers is not None:
             cfg = _layer(layers, module)
             layer_algo = cfg.get("quant_algo") if isinstance(cfg, dict) else None
@@ -162,15 +162,17 @@ def _no_lone_parts(tensors: Mapping[str, StoredTensor], found: Mapping[str, Stor
     for key, t in tensors.items():
         if key.endswith(SCALE_2) and key not in parts:
             raise CkptconvError(f"{t.file}: NVFP4 global scale {key!r} has no {key[:-2]!r}")
-        if t.dtype_name in ("uint8", "float8_e4m3fn") and key not in parts and key.endswith(".weight"):
+        if t.dtype_name in ("uint8", "float8_e4m3fn") and key not in parts:
+            scale = key[:-6] + "weight_scale" if key.endswith(".weight") else key + "_weight_scale"
             raise CkptconvError(
-                f"{t.file}: {key!r} is {t.dtype_name} (quantized) with no {key[:-6] + 'weight_scale'!r}: its "
-                "values cannot be dequantized"
+                f"{t.file}: {key!r} is {t.dtype_name} (quantized) with no {scale!r}: its values cannot be "
+                "dequantized"
             )
 
 
-def _group(qc: Mapping[str, Any]) -> int:
-    """The group size the config says (top level, or config_groups' weights), else 16."""
+def _group(qc: Mapping[str, Any], first: StoredTensor) -> int:
+    """The group size the config says (top level, or config_groups' weights), else 16 (`first`: a tensor of
+    the release, whose directory's config.json an error names)."""
     size = qc.get("group_size")
     groups = qc.get("config_groups")
     if size is None and isinstance(groups, dict):
@@ -179,12 +181,19 @@ def _group(qc: Mapping[str, Any]) -> int:
             if isinstance(w, dict) and w.get("num_bits") == 4 and w.get("type") == "float":
                 size = w.get("group_size")
                 break
-    return _size(GROUP if size is None else size, "config.json's quantization_config")
+    where = f"{first.file.parent / 'config.json'}: quantization_config"
+    return _size(GROUP if size is None else size, where)
+
+
+MAX_GROUP = 1 << 16  # ModelOpt writes 16; a larger claim is no NVFP4 release
 
 
 def _size(size: object, where: str) -> int:
-    if type(size) is not int or size <= 0 or size % 2:
-        raise CkptconvError(f"{where}: NVFP4 group_size {size!r} is not a positive even integer")
+    if type(size) is not int or size <= 0 or size % 2 or size > MAX_GROUP:
+        raise CkptconvError(
+            f"{where}: NVFP4 group_size {size!r} is not an even integer from 2 to {MAX_GROUP} (ModelOpt "
+            "writes 16): fix it in config.json"
+        )
     return size
 
 

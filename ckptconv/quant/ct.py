@@ -31,7 +31,9 @@ def unpack_int(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     (pack_quantized.helpers.unpack_from_int32)."""
     n, k = words.shape
     if bits in (4, 8):  # whole bytes: split them (values never straddle one) instead of shifting words
-        data = words.contiguous().view(torch.uint8).view(n, k, 4)
+        # reshape(-1) first: a [n, 1] block of a transposed tensor is "contiguous" with a stride torch's
+        # byte view refuses (torch ignores the strides of size-1 dims)
+        data = words.contiguous().reshape(-1).view(torch.uint8).view(n, k, 4)
         if sys.byteorder == "big":
             data = data.flip(-1)
         if bits == 4:

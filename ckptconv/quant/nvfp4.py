@@ -42,5 +42,5 @@ def dequantize(
     s = scale.to(torch.float32)
     if global_scale is not None:
         s = s * global_scale.to(torch.float32)
-    s = s.repeat_interleave(group, -1)[..., :width]
+    s = s.repeat_interleave(min(group, width), -1)[..., :width]  # a group wider than the values: one scale
     return (values * s).to(dtype)

@@ -411,6 +411,12 @@ BAD: dict[str, tuple[Any, Any, tuple[str, ...]]] = {
         None,
         (f"'{O_PROJ}.weight_g_idx'", "actorder"),
     ),
+    "weight_shape disagrees": (
+        _put(O_PROJ + ".weight_shape", lambda t: torch.tensor([256, 64]).to(t[O_PROJ + ".weight_shape"].dtype)),  # noqa: E501
+        None,
+        (f"'{O_PROJ}.weight_shape' says [256, 64]",),
+    ),
+    "quantization_config emptied": (None, lambda qc: qc.clear(), ("no quant_method",)),
     "ignored yet quantized": (None, lambda qc: qc["ignore"].append("re:.*down_proj$"), (DOWN, "ignore")),
     "targeted by no group": (
         None,
@@ -453,3 +459,22 @@ def test_gptq_is_refused_naming_a_key(tmp_path: Path, capsys: pytest.CaptureFixt
         code, err = run(capsys, command[0], str(src), *command[1:])
         assert_one_line(code, err, "model.safetensors", f"'{layer}", "quant_method 'gptq'")
     assert not (tmp_path / "out").exists()
+
+
+def test_unpacking_one_word_rows_of_a_transposed_block() -> None:
+    """A slab inside the last, partial group of an asymmetric weight reads zero points of one int32 word a
+    row, from a transposed block: [n, 1] with stride (1, n), which torch's byte view refused (a traceback).
+    The values are compressed-tensors' unpack of the same words (given a fresh contiguous copy, as its own
+    unpack refuses that stride too)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    from ckptconv.quant.ct import unpack_int
+
+    for bits in (2, 4, 8):
+        words = torch.randint(-(2**31), 2**31 - 1, (1, 5), dtype=torch.int32).t().contiguous()
+        assert words.stride() == (1, 5)
+        count = 32 // bits
+        ours = unpack_int(words, bits, count)
+        fresh = torch.tensor(words.tolist(), dtype=torch.int32)
+        theirs = unpack_from_int32(fresh, bits, torch.Size([5, count]))
+        assert torch.equal(ours.to(theirs.dtype), theirs), bits

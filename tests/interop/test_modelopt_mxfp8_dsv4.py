@@ -297,6 +297,28 @@ BAD = {
         {"expert_dtype": "fp4"},
         ("'a.scale'", "needs [4, 2]"),
     ),
+    "bmm experts without their scales": (
+        {**_nvfp4(), "experts.gate_up_proj": torch.zeros(2, 8, 4, dtype=torch.uint8)},
+        NVFP4,
+        {},
+        ("'experts.gate_up_proj'", "no 'experts.gate_up_proj_weight_scale'"),
+    ),
+    "dsv4 fp4 weight without its scale": (
+        {
+            "a.weight": torch.zeros(4, 32, dtype=torch.int8),
+            "a.scale": torch.ones(4, 2).to(E8M0),
+            "b.weight": torch.zeros(4, 32, dtype=torch.int8),
+        },
+        DSV4,
+        {"expert_dtype": "fp4"},
+        ("'b.weight'", "no 'b.scale'"),
+    ),
+    "nvfp4 parts without a quantization_config": (
+        {k: v for k, v in _nvfp4().items() if not k.endswith("_2")},
+        None,
+        {},
+        ("'a.weight_scale'", "no quantization_config"),
+    ),
     "dsv4 fp8 scale shape": (
         {"a.weight": torch.zeros(200, 64).to(fp8.FP8), "a.scale": torch.ones(1, 1).to(E8M0)},
         DSV4,
@@ -332,3 +354,14 @@ def test_a_norm_scale_and_an_unquantized_ignored_module_stay_tensors(tmp_path: P
     shutil.rmtree(src)
     src = _write(tmp_path / "src", {"n.weight": torch.ones(4), "n.scale": torch.ones(4)}, DSV4)
     assert set(open_hf(src).tensors) == {"n.weight", "n.scale"}
+
+
+def test_a_group_size_no_release_has_is_refused_before_any_allocation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The scales were repeated group_size times before being cut to the weight's width: a 3 KB release
+    claiming group_size 2**28 took 17 GB, 2**34 a traceback. Now bounded, and refused naming config.json."""
+    src = _write(tmp_path / "src", _nvfp4(), {**NVFP4, "group_size": 2**34})
+    code, err = run(capsys, "hf-to-dcp", str(src), str(tmp_path / "out"))
+    assert_one_line(code, err, str(src / "config.json"), "group_size 17179869184", "ModelOpt writes 16")
+    assert not (tmp_path / "out").exists()

@@ -59,9 +59,8 @@ def read_config(directory: Path | None, root: Path | None) -> dict[str, Any]:
 
 # the parts of a quantized weight in the formats ckptconv knows of (and GPTQ / AWQ's): never a model's own
 # parameter names, so one left after reading means a weight went unread (config.json missing or wrong)
-PART_SUFFIXES = (
+PART_SUFFIXES = (  # not "_blocks": MXFP4's are told by their scales and shape, and the name alone is no part
     SCALE_SUFFIX,
-    BLOCKS_SUFFIX,
     ".weight_scale",
     ".weight_scale_2",
     ".weight_packed",
@@ -80,7 +79,7 @@ PART_DTYPES = (*FP8_DTYPES, "float8_e8m0fnu")
 def might_be_quantized(tensors: Mapping[str, StoredTensor]) -> bool:
     """Whether any key or dtype looks like a part of a quantized weight (then config.json must be read)."""
     return any(
-        k.endswith(PART_SUFFIXES)
+        k.endswith((*PART_SUFFIXES, BLOCKS_SUFFIX))
         or t.dtype_name in PART_DTYPES
         or (k.endswith(quant_dsv4.SCALE) and quant_dsv4.is_scale(tensors, k))
         for k, t in tensors.items()

@@ -52,11 +52,6 @@ def layers(descriptors: tuple[str, ...], where: object) -> int:
     return len(descriptors)
 
 
-def describe(descriptors: tuple[str, ...]) -> str:
-    """How `inspect` names the transforms: "ZStandard-compressed (stream.zstd/1)"."""
-    return f"ZStandard-compressed ({', '.join(descriptors)})"
-
-
 def stored_bound(n: int) -> int:
     """The most bytes zstd's compression of `n` bytes takes (ZSTD_compressBound, with room to spare): what
     an outer frame of a record compressed twice may make."""

@@ -133,6 +133,9 @@ class DcpCheckpoint:
     kind: str = "dcp"  # "megatron": Megatron-Core torch_dist; "fsdp_dtensor": Megatron-FSDP (model.module.)
     common: Common | None = None  # Megatron's common state (common.pt or DCP items), read without running it
     file_split: dict[str, int] | None = None  # key -> output file number, from torch's distributed HF writer
+    transforms: tuple[str, ...] = ()
+    """The stream transforms every record is stored through (torch's `_extensions` descriptors, outermost
+    first: `("stream.zstd/1",)` for ZStandard, read by formats/dcp_transforms); () for none."""
 
     @property
     def nbytes(self) -> int:

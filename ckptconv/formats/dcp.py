@@ -30,6 +30,7 @@ from ckptconv.core.specs import (
 from ckptconv.errors import CkptconvError
 from ckptconv.formats import safe_pickle as md
 from ckptconv.formats.dcp_columns import Columns, load_dcp_metadata
+from ckptconv.formats.dcp_transforms import MAX_RATIO, ZSTD_MAGIC, layers
 from ckptconv.formats.files import (
     BoundedReader,
     inside,
@@ -126,6 +127,8 @@ def _specs_from_metadata(
     # {fqn: {offsets: storage row}} as stored: a chunk's validated offsets find their entry, a malformed one
     # matches no chunk (then "no stored data"), so the index needs no check of its own
     locations = _Locations(columns)
+    transforms = locations.transforms(where)
+    ratio = MAX_RATIO ** layers(transforms, where)
     file_sizes = _FileSizes(root, remote)
     planner_paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     tensors: dict[str, TensorSpec] = {}
@@ -140,10 +143,10 @@ def _specs_from_metadata(
             file, start, length = _location(locations, fqn, file_sizes, where)
             items[fqn] = NonTensorItem(fqn, paths[fqn], file, start, length)
         elif isinstance(entry, md.TensorStorageMetadata) and isinstance(getattr(entry, "rows", None), range):
-            tensors[fqn] = _tensor_spec(fqn, entry, locations, file_sizes, where)
+            tensors[fqn] = _tensor_spec(fqn, entry, locations, file_sizes, where, ratio)
         else:
             raise CkptconvError(f"{where}: key {fqn!r} has an unknown storage type")
-    formats = _sniff_formats(root, tensors.values(), remote)
+    formats = _sniff_formats(root, tensors.values(), remote, bool(transforms))
     other = {file for file, fmt in formats.items() if fmt != "torch_save"}
     if other:  # chunks were made as torch_save records: re-make those of the files that are not
         tensors = {
@@ -153,7 +156,7 @@ def _specs_from_metadata(
             )
             for fqn, t in tensors.items()
         }
-    return DcpCheckpoint(root, tensors, items, paths, file_sizes.stamps)
+    return DcpCheckpoint(root, tensors, items, paths, file_sizes.stamps, transforms=transforms)
 
 
 class _Locations:
@@ -175,20 +178,30 @@ class _Locations:
             list(map(c.lengths.__getitem__, rows)),
         )
 
-    def transforms(self, rows: list[int]) -> Any:
-        """The transform descriptors of the first of `rows` stored with any, or None."""
+    def transforms(self, where: Path) -> tuple[str, ...]:
+        """The transform descriptors every record is stored with (torch's writer applies its `_extensions`
+        to all of them), () for none; records stored with different ones are refused."""
         found = self.columns.transforms
-        return next((found[k] for k in rows if k in found), None) if found else None
+        if not found:
+            return ()
+        kinds = set(found.values())
+        if len(kinds) > 1 or len(found) != len(self.columns.paths):
+            raise CkptconvError(
+                f"{where}: its records are stored with different transforms ({sorted(kinds)}, or none), "
+                "which torch's writer never does; re-save the checkpoint"
+            )
+        return kinds.pop()
 
 
 _FILE, _BYTE_OFFSET = attrgetter("file"), attrgetter("byte_offset")
 
 
 def _tensor_spec(
-    fqn: str, entry: Any, locations: _Locations, file_sizes: _FileSizes, where: Path
+    fqn: str, entry: Any, locations: _Locations, file_sizes: _FileSizes, where: Path, ratio: int = 1
 ) -> TensorSpec:
     """The spec of one tensor, its chunks checked in bulk: each check is one pass in C over all the chunks
-    (a million of them at 1 TB), and the per-chunk message is found only when a check fails."""
+    (a million of them at 1 TB), and the per-chunk message is found only when a check fails. `ratio`: the
+    most a stored byte decompresses to (1: the records are not compressed)."""
     dtype = getattr(entry.properties, "dtype", None)
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CkptconvError(f"{where}: tensor {fqn!r} has no valid dtype")
@@ -211,12 +224,6 @@ def _tensor_spec(
     files, starts, lengths = locations.files(stored)
     if set(map(type, files)) - {str}:
         raise CkptconvError(f"{where}: malformed storage entry for {fqn!r}")
-    transforms = locations.transforms(stored)
-    if transforms is not None:
-        raise CkptconvError(
-            f"{where}: {fqn!r} is stored with transforms {transforms} "
-            "(compression or another DCP extension), which ckptconv does not read yet"
-        )
     if stored and (min(starts) < 0 or min(lengths) < 0):
         raise CkptconvError(
             f"{where}: negative storage offset or length for {fqn!r}; the metadata is corrupt"
@@ -232,11 +239,14 @@ def _tensor_spec(
             f"{ends[i]}); re-copy the checkpoint"
         )
     needed = list(map(mul, map(math.prod, sizes), repeat(ITEMSIZE[dtype])))
-    if any(map(gt, needed, lengths)):  # no shape makes ckptconv allocate more than is stored
-        i = next(i for i, (n, length) in enumerate(zip(needed, lengths, strict=True)) if n > length)
+    # compressed, no shape needs more than the stored frames can decompress to
+    most = list(map(mul, lengths, repeat(ratio))) if ratio > 1 else lengths
+    if any(map(gt, needed, most)):  # no shape makes ckptconv allocate more than is stored
+        i = next(i for i, (n, length) in enumerate(zip(needed, most, strict=True)) if n > length)
+        held = f"holds {most[i]}" if ratio == 1 else f"decompresses to {most[i]} at most"
         raise CkptconvError(
             f"{where}: tensor {fqn!r}: a chunk of shape {list(sizes[i])} needs {needed[i]} bytes, its record "
-            f"in {files[i]} holds {lengths[i]}; the metadata is corrupt"
+            f"in {files[i]} {held}; the metadata is corrupt"
         )
     problem = tiling_problem(shape, list(zip(offsets, sizes, strict=True)))
     if problem:
@@ -284,12 +294,6 @@ def _location(locations: _Locations, fqn: str, file_sizes: _FileSizes, where: Pa
     (rel,), (start,), (length,) = locations.files([row])
     if not isinstance(rel, str):
         raise CkptconvError(f"{where}: malformed storage entry for {fqn!r}")
-    transforms = locations.transforms([row])
-    if transforms is not None:
-        raise CkptconvError(
-            f"{where}: {fqn!r} is stored with transforms {transforms} "
-            "(compression or another DCP extension), which ckptconv does not read yet"
-        )
     size = file_sizes.size(rel, fqn, where)
     if start < 0 or length < 0 or start + length > size:
         raise CkptconvError(
@@ -335,13 +339,14 @@ class _FileSizes:
 
 
 def _sniff_formats(
-    root: Path, tensors: Iterable[TensorSpec], remote: RemoteFiles | None = None
+    root: Path, tensors: Iterable[TensorSpec], remote: RemoteFiles | None = None, compressed: bool = False
 ) -> dict[str, ChunkFormat]:
     """Tell the two chunk serializations apart by the bytes where one of a file's tensor chunks starts (the
     first listed: each one starts a record).
 
     torch_save items are zip archives ("PK"); in the safetensors serialization every tensor item of a file
-    points at one safetensors blob (8-byte header length, then a JSON header).
+    points at one safetensors blob (8-byte header length, then a JSON header). `compressed`: the records
+    are zstd frames (dcp_transforms) of torch_save items, the only kind torch's writer compresses.
     """
     first: dict[str, int] = {}
     for t in tensors:  # each file's first chunk here, found in C: of equal keys, dict() keeps the last
@@ -353,7 +358,14 @@ def _sniff_formats(
     formats: dict[str, ChunkFormat] = {}
     for rel, offset in first.items():
         head = _head(root, rel, offset, remote)
-        if head[:4] == b"PK\x03\x04":
+        if compressed:
+            if head[:4] != ZSTD_MAGIC:
+                raise CkptconvError(
+                    f"{root / rel}: no zstd frame at byte {offset}, where .metadata says a compressed record "
+                    "starts; the checkpoint is corrupt, re-save or re-copy it"
+                )
+            formats[rel] = "torch_save"
+        elif head[:4] == b"PK\x03\x04":
             formats[rel] = "torch_save"
         elif len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] <= MAX_HEADER_BYTES:
             formats[rel] = "safetensors"

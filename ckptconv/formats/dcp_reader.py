@@ -14,21 +14,23 @@ import os
 import struct
 import threading
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from ckptconv.core.crc32 import crc32, whole_crc
+from ckptconv.core.crc32 import crc32
 from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, NonTensorItem, StoredTensor, TensorSpec
 from ckptconv.errors import CkptconvError
+from ckptconv.formats import dcp_transforms as zt
+from ckptconv.formats.dcp_pieces import RowPiece, crc_error
 from ckptconv.formats.files import check_unchanged, open_regular, pread_exact, read_error
 from ckptconv.formats.hf import MAX_HEADER_BYTES, header_tensors, parse_header
 from ckptconv.formats.items import load_item
 from ckptconv.formats.torch_record import MAX_RECORD_PICKLE, TensorRecord, read_tensor_record
 from ckptconv.formats.torch_zip import TorchZip
-from ckptconv.job.limits import Budget
+from ckptconv.job.limits import Budget, limit
 from ckptconv.remote.files import RemoteFiles
 from ckptconv.remote.urls import UrlPath
 
@@ -138,7 +140,7 @@ class DcpReader:
         if self._remote is None or not chunk.numel:
             return
         rows = chunk.sizes[0] if chunk.sizes else 1
-        if chunk.fmt == "torch_save" and r0 == 0 and r1 == rows:
+        if self.ckpt.transforms or (chunk.fmt == "torch_save" and r0 == 0 and r1 == rows):  # a whole record
             self._remote.expect(chunk.file, chunk.byte_offset, chunk.byte_length)
             return
         where = self.locate(spec, chunk)
@@ -174,7 +176,7 @@ class DcpReader:
         (chunks that are a part of their record, and the safetensors serialization, have none to check)."""
         expected = self._crcs.get((chunk.file, where))
         if expected is not None and expected != crc:
-            raise _crc_error(self.ckpt, chunk.file, spec.fqn, chunk.byte_offset)
+            raise crc_error(self.ckpt, chunk.file, spec.fqn, chunk.byte_offset)
 
     def note_piece(
         self, spec: TensorSpec, chunk: ChunkSpec, where: int, start: int, piece: memoryview
@@ -211,7 +213,10 @@ class DcpReader:
         return out
 
     def locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
-        """File offset of the chunk's raw bytes (C order, in `spec.dtype`), None if only torch.load can."""
+        """File offset of the chunk's raw bytes (C order, in `spec.dtype`), None if only torch.load can (or
+        `torch_load_chunk` decompresses the record: compressed records cannot be read by offset)."""
+        if self.ckpt.transforms:
+            return None
         key = (chunk.file, chunk.byte_offset, spec.fqn, chunk.offsets)  # one blob holds many (safetensors)
         if key not in self._located:
             found = self._locate(spec, chunk)
@@ -240,8 +245,29 @@ class DcpReader:
 
     def _locate_in_zip(self, spec: TensorSpec, chunk: ChunkSpec, nbytes: int) -> int | None:
         window = _Window(self, chunk.file, chunk.byte_offset, chunk.byte_length)
+        found = self._in_record(
+            spec,
+            chunk,
+            window,
+            lambda at: self.read_bytes(chunk.file, chunk.byte_offset + at, 30),
+            chunk.byte_length,
+        )
+        if found is None:
+            return None
+        start, crc = found
+        if crc is not None:
+            self._crcs[(chunk.file, chunk.byte_offset + start)] = crc
+        return chunk.byte_offset + start
+
+    def _in_record(
+        self, spec: TensorSpec, chunk: ChunkSpec, data: Any, local_header: Any, length: int
+    ) -> tuple[int, int | None] | None:
+        """(where the chunk's bytes start in its torch.save record, the zip entry's CRC-32 when they are all
+        of it, else None), or None when only torch.load can read the record. `data`: the record, `length`
+        bytes; `local_header(at)`: its 30 bytes at `at`."""
+        nbytes = chunk.numel * spec.dtype.itemsize
         try:
-            archive, record = self._record(chunk, window)
+            archive, record = self._record(chunk, data, length)
             if archive.read("byteorder", 16) != b"little":
                 return None
             if record.dtype != spec.dtype or not record.is_contiguous:
@@ -253,34 +279,64 @@ class DcpReader:
             raise self._corrupt(chunk, f"is not a readable torch.save record ({str(e)[:200]})") from None
         if info.compress_type != zipfile.ZIP_STORED:
             return None
-        local = self.read_bytes(chunk.file, chunk.byte_offset + info.header_offset, 30)
-        if local[:4] != b"PK\x03\x04":
+        local = local_header(info.header_offset)
+        if len(local) < 30 or local[:4] != b"PK\x03\x04":
             raise self._corrupt(chunk, "has a broken zip entry")
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         data_start = info.header_offset + 30 + name_len + extra_len
         start = data_start + record.storage_offset * spec.dtype.itemsize
-        if start + nbytes > data_start + info.file_size or data_start + info.file_size > chunk.byte_length:
+        if start + nbytes > data_start + info.file_size or data_start + info.file_size > length:
             raise self._corrupt(chunk, "stores fewer bytes than its shape needs")
-        if start == data_start and nbytes == info.file_size:  # the chunk is the whole entry: checkable
-            self._crcs[(chunk.file, chunk.byte_offset + start)] = info.CRC
-        return chunk.byte_offset + start
+        whole = start == data_start and nbytes == info.file_size  # the chunk is the whole entry: checkable
+        return start, info.CRC if whole else None
 
-    def _record(self, chunk: ChunkSpec, data: Any) -> tuple[TorchZip, TensorRecord]:
+    def _record(self, chunk: ChunkSpec, data: Any, length: int) -> tuple[TorchZip, TensorRecord]:
         """The zip of a chunk's torch.save record (`data`: its bytes or a window on them) and the tensor its
         data.pkl describes, read within the read limits; a record of anything but one plain tensor (which
         only torch's unbounded unpickler would read) is refused."""
         budget = Budget(self.ckpt.path / chunk.file)
         archive = TorchZip(data, budget.where, budget)
-        archive.check_declared(chunk.byte_length + budget.bytes_left())  # what torch.load would inflate
+        archive.check_declared(length + budget.bytes_left())  # what torch.load would inflate
         record = read_tensor_record(archive.read("data.pkl", MAX_RECORD_PICKLE), budget)
         if record is None:
             raise self._corrupt(chunk, "holds something else than one plain tensor")
         return archive, record
 
     def torch_load_chunk(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
-        data = self.read_bytes(chunk.file, chunk.byte_offset, chunk.byte_length)
+        """The stored chunk, loaded whole: by torch.load(weights_only=True), or decompressed
+        (`_unpack`)."""
+        if self.ckpt.transforms:
+            return self._unpack(spec, chunk)
+        return self.load_record(
+            spec, chunk, self.read_bytes(chunk.file, chunk.byte_offset, chunk.byte_length)
+        )
+
+    def _unpack(self, spec: TensorSpec, chunk: ChunkSpec) -> torch.Tensor:
+        """A compressed chunk: its record decompressed whole (dcp_transforms), the tensor a view of its
+        bytes there (no copy), checked against the zip entry's CRC-32 when it is the whole entry."""
+        nbytes = chunk.numel * spec.dtype.itemsize
+        where = f"{self.ckpt.path / chunk.file}: the chunk of {spec.fqn!r} at byte {chunk.byte_offset}"
+        data = zt.record(
+            lambda at, n: self.read_bytes(chunk.file, chunk.byte_offset + at, n),
+            chunk.byte_length,
+            len(self.ckpt.transforms),
+            nbytes + zt.RECORD_SLACK,
+            where,
+        )
+        found = self._in_record(
+            spec, chunk, zt.BufferFile(data), lambda at: bytes(data[at : at + 30]), len(data)
+        )
+        if found is None:  # big-endian, strided or deflated: as torch.load reads it
+            return self.load_record(spec, chunk, bytes(data))
+        start, crc = found
+        if crc is not None and crc32(data[start : start + nbytes]) != crc:
+            raise crc_error(self.ckpt, chunk.file, spec.fqn, chunk.byte_offset)
+        return torch.frombuffer(data, dtype=spec.dtype, count=chunk.numel, offset=start).view(chunk.sizes)
+
+    def load_record(self, spec: TensorSpec, chunk: ChunkSpec, data: Any) -> torch.Tensor:
+        """The chunk `data` (its torch.save record's bytes) holds, by torch.load(weights_only=True)."""
         try:
-            self._record(chunk, data)
+            self._record(chunk, data, len(data))
         except (zipfile.BadZipFile, KeyError, EOFError, ValueError) as e:
             raise self._corrupt(chunk, f"is not a readable torch.save record ({str(e)[:200]})") from None
         try:
@@ -324,41 +380,14 @@ class DcpReader:
         """(raw torch.save bytes, the value loaded with weights_only=True, why it was not loaded or None):
         formats/items, within the read limits."""
         raw = self.read_bytes(item.file, item.byte_offset, item.byte_length)
+        if self.ckpt.transforms:
+            where = f"{self.ckpt.path / item.file}: {item.fqn!r}"
+            raw = bytes(zt.record(_from(raw), len(raw), len(self.ckpt.transforms), limit("bytes"), where))
         return (raw, *load_item(raw, item.fqn, f"{self.ckpt.path / item.file}: {item.fqn!r}"))
 
 
-class RowPiece(NamedTuple):
-    """A part of a stored chunk that was read on its own, with its CRC-32 and the whole chunk's."""
-
-    file: str
-    where: int  # file offset of the chunk's bytes
-    fqn: str
-    byte_offset: int  # of the chunk's record, for the error message
-    expected: int  # CRC-32 of the whole chunk, from its zip entry
-    nbytes: int  # of the whole chunk
-    start: int  # of this piece, from the chunk's first byte
-    length: int
-    crc: int
-
-
-def check_pieces(ckpt: DcpCheckpoint, pieces: Iterable[RowPiece]) -> None:
-    """Check every chunk whose pieces (from any number of ranks) cover it exactly against its stored
-    CRC-32. A chunk not wholly read (only some experts mapped) is not checked."""
-    by_chunk: dict[tuple[str, int], list[RowPiece]] = {}
-    for piece in pieces:
-        by_chunk.setdefault((piece.file, piece.where), []).append(piece)
-    for (file, _), parts in sorted(by_chunk.items()):
-        first = parts[0]
-        crc = whole_crc(((p.start, p.length, p.crc) for p in parts), first.nbytes)
-        if crc is not None and crc != first.expected:
-            raise _crc_error(ckpt, file, first.fqn, first.byte_offset)
-
-
-def _crc_error(ckpt: DcpCheckpoint, file: str, fqn: str, byte_offset: int) -> CkptconvError:
-    return CkptconvError(
-        f"{ckpt.path / file}: the chunk of {fqn!r} at byte {byte_offset} fails its CRC-32 check; "
-        "the checkpoint is corrupt, re-copy or re-save it"
-    )
+def _from(raw: bytes) -> zt.Reader:
+    return lambda at, n: raw[at : at + n]
 
 
 class _Window(io.RawIOBase):

@@ -30,6 +30,7 @@ from typing import Any
 
 from ckptconv.core.specs import Common, DcpCheckpoint, MegatronInfo, NonTensorItem
 from ckptconv.errors import CkptconvError
+from ckptconv.formats.dcp_transforms import record
 from ckptconv.formats.documents import load_json
 from ckptconv.formats.files import mode_of, naming, open_regular, pread_exact, read_regular
 from ckptconv.formats.opaque import bytes_io, load_opaque, readable
@@ -72,7 +73,7 @@ def read_common_state(ckpt: DcpCheckpoint, remote: RemoteFiles | None = None) ->
     item = next((i for fqn, i in ckpt.items.items() if fqn.startswith(COMMON_STATE + "/shard_")), None)
     if item is None:
         return None
-    raw = item_bytes(ckpt.path, item, remote)
+    raw = item_bytes(ckpt.path, item, remote, ckpt.transforms)
     where = f"{ckpt.path / item.file}: {item.fqn!r}"
     try:  # megatron saves a BytesIO of torch.save bytes, which DCP torch.saves once more
         inner = bytes_io(raw, Budget(where))
@@ -82,9 +83,12 @@ def read_common_state(ckpt: DcpCheckpoint, remote: RemoteFiles | None = None) ->
     return dataclasses.replace(common, raw=raw, source=item.fqn, raw_key=item.fqn, items=(item.fqn,))
 
 
-def item_bytes(root: Path, item: NonTensorItem, remote: RemoteFiles | None = None) -> bytes:
+def item_bytes(
+    root: Path, item: NonTensorItem, remote: RemoteFiles | None = None, transforms: tuple[str, ...] = ()
+) -> bytes:
     """The torch.save bytes of the DCP bytes item `item`, at most `MAX_COMMON_BYTES` of them (an item
-    `.metadata` says is larger is refused before a byte of it is read)."""
+    `.metadata` says is larger is refused before a byte of it is read); decompressed when the checkpoint's
+    records are (`transforms`: `DcpCheckpoint.transforms`)."""
     where = f"{root / item.file}: {item.fqn!r}"
     if item.byte_length > MAX_COMMON_BYTES:
         raise CkptconvError(
@@ -92,14 +96,18 @@ def item_bytes(root: Path, item: NonTensorItem, remote: RemoteFiles | None = Non
             "may have; refusing to read it (is the checkpoint corrupt?)"
         )
     if remote is not None:
-        return remote.read(item.file, item.byte_offset, item.byte_length)
-    fd = open_regular(root / item.file, root)
-    try:
-        buf = bytearray(item.byte_length)
-        pread_exact(fd, root / item.file, item.byte_offset, memoryview(buf))
-        return bytes(buf)
-    finally:
-        os.close(fd)
+        raw = remote.read(item.file, item.byte_offset, item.byte_length)
+    else:
+        fd = open_regular(root / item.file, root)
+        try:
+            buf = bytearray(item.byte_length)
+            pread_exact(fd, root / item.file, item.byte_offset, memoryview(buf))
+            raw = bytes(buf)
+        finally:
+            os.close(fd)
+    if not transforms:
+        return raw
+    return bytes(record(lambda at, n: raw[at : at + n], len(raw), len(transforms), MAX_COMMON_BYTES, where))
 
 
 def common_of(raw: bytes, where: object, *, listed: bool = False, **fields: Any) -> Common:

@@ -65,7 +65,7 @@ def read_items(ckpt: DcpCheckpoint, remote: RemoteFiles | None = None) -> Common
         return None
     for name in present:
         item = ckpt.items[name]
-        raw = item_bytes(ckpt.path, item, remote)
+        raw = item_bytes(ckpt.path, item, remote, ckpt.transforms)
         values[name], unreadable[name] = readable_item(raw, f"{ckpt.path / item.file}: {name!r}", name)
         if unreadable[name] and name != "args":  # Megatron-LM saves plain numbers there
             raise CkptconvError(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.core.specs import DcpCheckpoint
-from ckptconv.formats.dcp_reader import RowPiece
+from ckptconv.formats.dcp_pieces import RowPiece
 from ckptconv.formats.files import naming
 from ckptconv.formats.hf import INDEX_FILE, write_index
 from ckptconv.formats.stash import collect_stash, write_stash

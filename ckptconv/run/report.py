@@ -56,6 +56,8 @@ def _inspect(path: Path) -> dict[str, Any]:
         ]
         formats = sorted({c.fmt for t in ckpt.tensors.values() for c in t.chunks})
         extra = {"serialization": formats, "non_tensor_items": list(ckpt.items), "release": _release(ckpt)}
+        if ckpt.transforms:
+            extra["transforms"] = list(ckpt.transforms)
         if ckpt.kind != "dcp":
             extra["writer"] = ckpt.kind
         if ckpt.common is not None:
@@ -191,6 +193,12 @@ def render_inspect(info: dict[str, Any], console: Console) -> None:
         console.print(_quantized_line(quantized), markup=False)
     if info.get("non_tensor_items"):
         console.print("non-tensor items: " + ", ".join(info["non_tensor_items"]), markup=False)
+    if info.get("transforms"):
+        console.print(
+            f"chunks and items ZStandard-compressed ({', '.join(info['transforms'])}): each chunk is "
+            "decompressed whole to be read",
+            markup=False,
+        )
     megatron = info.get("megatron")
     if megatron is not None:
         console.print(megatron_line(megatron), markup=False)

@@ -13,7 +13,8 @@ import torch
 
 from ckptconv.core.dtypes import check_range
 from ckptconv.core.specs import DcpCheckpoint
-from ckptconv.formats.dcp_reader import DcpReader, RowPiece
+from ckptconv.formats.dcp_pieces import RowPiece
+from ckptconv.formats.dcp_reader import DcpReader
 from ckptconv.formats.durable import Syncer
 from ckptconv.formats.files import CONFIG_BYTES, naming, read_regular
 from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter

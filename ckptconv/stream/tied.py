@@ -18,7 +18,8 @@ import torch
 
 from ckptconv.core.specs import DcpCheckpoint
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp_reader import DcpReader, RowPiece
+from ckptconv.formats.dcp_pieces import RowPiece
+from ckptconv.formats.dcp_reader import DcpReader
 from ckptconv.job.world import World, everyone
 from ckptconv.plan.types import HfSavePlan, OutTensor, TiedHead
 from ckptconv.stream.unshard import RowsFn, assemble, check_read_pieces, direct_rows

@@ -1,7 +1,7 @@
 """Under torchrun: train a tiny model one step with FSDP2 (optionally x TP) and save it with dcp.save.
 
 Also writes `<out>.ref.pt` (rank 0): the full values of every saved tensor, to compare conversions against.
-usage: make_dcp.py OUT {fsdp2,mesh2d,tiny} [torch_save|safetensors]
+usage: make_dcp.py OUT {fsdp2,mesh2d,tiny} [torch_save|safetensors|zstd]
 """
 
 import sys
@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _finish import finish
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -86,7 +87,11 @@ def main() -> None:
     }
     if layout == "tiny":
         state = {"model": model_sd}
-    dcp.save(state, storage_writer=FileSystemWriter(out, serialization_format=fmt))
+    zstd = sys.argv[3:] == ["zstd"]  # through torch's ZStandard extension, and an uncompressed twin beside
+    writer = FileSystemWriter(out, serialization_format=fmt, _extensions=[ZStandard()] if zstd else None)
+    dcp.save(state, storage_writer=writer)
+    if zstd:
+        dcp.save(state, storage_writer=FileSystemWriter(out + ".plain"))
     full = {
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model_sd.items()
     }

@@ -273,6 +273,7 @@ def open_rank_shards(path: Path) -> DcpCheckpoint:
     chunks: dict[str, list[ChunkSpec]] = {}
     dtypes: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    blocks: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for rf in files:
         for key in rf.tensors:
             local, parts = rf.chunks(key, len(files))
@@ -283,7 +284,14 @@ def open_rank_shards(path: Path) -> DcpCheckpoint:
                     f"{rf.file}: {key!r} is {dtype} {list(shape)} here, {dtypes[key]} {list(shapes[key])} "
                     "in another rank's file; the files are of different runs, re-copy the checkpoint"
                 )
-            chunks.setdefault(key, []).extend(parts)
+            # a block every rank of another mesh dim holds (FSDP2 x TP: the dp sub-mesh of a parameter TP
+            # leaves whole is a different mesh on each TP rank, each at coordinate 0): read once
+            have = blocks.setdefault(key, set())
+            for part in parts:
+                if (part.offsets, part.sizes) not in have:
+                    have.add((part.offsets, part.sizes))
+                    chunks.setdefault(key, []).append(part)
+            chunks.setdefault(key, [])
     if not chunks:
         raise CkptconvError(f"{path}: its model files hold no tensors")
     tensors = {}

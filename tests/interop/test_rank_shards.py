@@ -20,6 +20,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 from conftest import ROOT, SUPPORT, WORKERS, torchrun, tree_sha256
@@ -28,6 +29,7 @@ from safetensors.torch import load_file
 from test_bad_input import assert_one_line, run
 
 from ckptconv.cli.app import main
+from ckptconv.cli.schema import load
 from ckptconv.formats import dtensor_pickle as dp
 from ckptconv.formats.dtensor_layout import LayoutError, local_blocks
 
@@ -82,6 +84,7 @@ def test_inspect_json_names_the_writer(saved: Path, capsys) -> None:
     ):
         main(["inspect", "--json", str(saved / kind)])
         report = json.loads(capsys.readouterr().out)
+        jsonschema.Draft202012Validator(load()).validate(report)
         assert report["format"] == "dcp" and report["writer"] == writer
         assert report["serialization"] == ["torch_entry"] and report["num_tensors"] == 21
         assert {c["file"] for t in report["tensors"] for c in t["chunks"]} == files  # never optim_*/extra_*

@@ -52,6 +52,11 @@ from ckptconv.job.limits import Budget
 VERL = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 ACCELERATE = re.compile(r"pytorch_model_fsdp_(\d+)_rank(\d+)\.bin")
 KINDS = {"verl-fsdp": VERL, "accelerate-fsdp2": ACCELERATE}
+# the files beside the model's that hold the optimizer, scheduler and RNG state: named, never opened
+TRAINER_FILES = {
+    "verl-fsdp": re.compile(r"(optim|extra_state)_world_size_\d+_rank_\d+\.pt"),
+    "accelerate-fsdp2": re.compile(r"optimizer_\d+_rank\d+\.bin"),
+}
 HF_DIR = "huggingface"  # verl's config.json and tokenizer files
 FSDP_CONFIG = "fsdp_config.json"
 MAX_PICKLE = 256 * 2**20
@@ -321,3 +326,14 @@ def model_files(ckpt: DcpCheckpoint) -> Path | None:
         return None
     inside(files, ckpt.path)
     return files
+
+
+def left_out(ckpt: DcpCheckpoint) -> list[str]:
+    """A note naming the optimizer and extra-state files beside the model files (never read), for inspect;
+    [] for any other checkpoint."""
+    pattern = TRAINER_FILES.get(ckpt.kind)
+    names = sorted(n for n in listdir(ckpt.path) if pattern.fullmatch(n)) if pattern else []
+    if not names:
+        return []
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return [f"left out, never read: {shown} (optimizer, scheduler and RNG state; only the model converts)"]

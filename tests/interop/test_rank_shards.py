@@ -85,6 +85,8 @@ def test_inspect_json_names_the_writer(saved: Path, capsys) -> None:
         main(["inspect", "--json", str(saved / kind)])
         report = json.loads(capsys.readouterr().out)
         jsonschema.Draft202012Validator(load()).validate(report)
+        (note,) = (n for n in report["release"]["notes"] if n.startswith("left out, never read: "))
+        assert ("optim_world_size_2_rank_1.pt" if kind == "verl_tp" else "optimizer_0_rank1.bin") in note
         assert report["format"] == "dcp" and report["writer"] == writer
         assert report["serialization"] == ["torch_entry"] and report["num_tensors"] == 21
         assert {c["file"] for t in report["tensors"] for c in t["chunks"]} == files  # never optim_*/extra_*

@@ -46,6 +46,7 @@ from ckptconv.formats.files import (
     read_regular,
     stamp,
 )
+from ckptconv.formats.torch_record import TensorRecord
 from ckptconv.formats.torch_zip import TorchZip
 from ckptconv.job.limits import Budget
 
@@ -150,6 +151,8 @@ def _walk(value: Any, prefix: str, out: dict[str, Local]) -> None:
             _walk(item, f"{prefix}{key}" if not prefix else f"{prefix}.{key}", out)
     elif isinstance(value, Local):
         out[prefix] = value
+    elif isinstance(value, TensorRecord):  # a plain tensor (torch pickles it without the subclass wrapper)
+        out[prefix] = Local(value)
 
 
 class _RankFile:

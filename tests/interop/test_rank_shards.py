@@ -201,3 +201,16 @@ def test_one_and_two_ranks_write_the_same_bytes(saved: Path, tmp_path: Path) -> 
             outs.append(tree_sha256(out))
         assert outs[0] == outs[1]
         _assert_release(tmp_path / f"{kind}2", saved / "expected")
+
+
+def test_plain_tensors_beside_the_dtensors_are_taken_from_one_rank(tmp_path: Path, capsys) -> None:
+    """A state dict's plain tensors (buffers FSDP2 leaves whole; integers untouched) and nested dicts."""
+    ckpt = tmp_path / "run"
+    ckpt.mkdir()
+    state = {"buf": torch.tensor([1, 2, 3]), "nested": {"x": torch.arange(6.0).view(2, 3)[1:]}}
+    torch.save(state, ckpt / "pytorch_model_fsdp_0_rank0.bin")  # x: a view at a storage offset
+    code, err = run(capsys, "dcp-to-hf", str(ckpt), str(tmp_path / "hf"), "--dtype", "keep")
+    assert code == 0, err
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert got.keys() == {"buf", "nested.x"} and torch.equal(got["buf"], state["buf"])
+    assert torch.equal(got["nested.x"], state["nested"]["x"])

@@ -55,7 +55,8 @@ METADATA_FILE = ".metadata"
 
 def is_dcp_dir(path: Path) -> bool:
     """Whether `path` is a directory with a `.metadata` (of any kind: `open_dcp` refuses a FIFO by name), or
-    the per-rank safetensors shards torch's distributed HF writer leaves (`hf_sharded`)."""
+    the per-rank safetensors shards torch's distributed HF writer leaves (`hf_sharded`), or verl's and
+    accelerate's per-rank torch.save model files (`rank_shards`)."""
     if isinstance(path, UrlPath):
         return METADATA_FILE in RemoteFiles(path).sizes()
     mode = mode_of(path)
@@ -64,8 +65,9 @@ def is_dcp_dir(path: Path) -> bool:
     if mode_of(path / METADATA_FILE) is not None:
         return True
     from ckptconv.formats.hf_sharded import is_sharded_dir
+    from ckptconv.formats.rank_shards import is_rank_dir
 
-    return is_sharded_dir(path)
+    return is_sharded_dir(path) or is_rank_dir(path)
 
 
 def open_dcp(path: Path) -> DcpCheckpoint:
@@ -80,6 +82,10 @@ def open_dcp(path: Path) -> DcpCheckpoint:
 
         if is_sharded_dir(path):
             return open_sharded(path)
+        from ckptconv.formats.rank_shards import is_rank_dir, open_rank_shards
+
+        if is_rank_dir(path):
+            return open_rank_shards(path)
     with paused():  # a million records, none of them garbage: see gcpause
         if remote is not None:
             metadata, columns = load_dcp_metadata(_remote_metadata(remote), str(md_path))

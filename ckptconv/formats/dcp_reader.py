@@ -233,6 +233,8 @@ class DcpReader:
 
     def _locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
         nbytes = chunk.numel * spec.dtype.itemsize
+        if chunk.fmt == "torch_entry":  # the bytes of a storage in a torch.save zip, located when opened
+            return chunk.byte_offset
         if chunk.fmt == "safetensors":
             stored = self._st_header(chunk.file, chunk.byte_offset).get(spec.fqn)
             if stored is None or stored.shape != chunk.sizes:

@@ -15,6 +15,7 @@ from ckptconv.core.specs import DcpCheckpoint
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.hf import INDEX_FILE, checkpoint_root
 from ckptconv.formats.hf_sharded import metadata_dir
+from ckptconv.formats.rank_shards import model_files
 from ckptconv.job import gcpause
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone, on_main
@@ -128,9 +129,9 @@ def make_plan(
     if bases is None:
         bases = Bases(options.copy_from, options.reference)
     located, copy_from, keys = ckpt.path, bases.copy_from, options.mapping
-    # the model's files: --copy-from's, else NeMo Automodel's .hf_metadata beside the shards (each with the
-    # root its files must resolve inside)
-    meta = None if copy_from or ckpt.file_split is None else metadata_dir(located)
+    # the model's files: --copy-from's, else NeMo Automodel's .hf_metadata beside the shards, or verl's
+    # huggingface/ beside its rank files (each with the root its files must resolve inside)
+    meta = None if copy_from else metadata_dir(located) if ckpt.file_split is not None else model_files(ckpt)
     described = (copy_from, checkpoint_root(copy_from)) if copy_from else ((meta, located) if meta else None)
     if described is not None and world.is_main:
         check_copy(*described)  # what the copy would refuse, refused before the weights are written

@@ -16,6 +16,7 @@ from ckptconv.formats.dcp import is_dcp_dir, open_dcp
 from ckptconv.formats.files import exists, is_directory
 from ckptconv.formats.hf import is_hf_dir, open_hf
 from ckptconv.formats.megatron import megatron_info
+from ckptconv.formats.rank_shards import left_out
 from ckptconv.job.gcpause import paused
 from ckptconv.job.ui import human_bytes
 from ckptconv.plan.writes import bytes_per_rank
@@ -136,7 +137,8 @@ def _release(ckpt: DcpCheckpoint) -> dict[str, Any]:
     shapes = {key: ckpt.tensors[fqn].shape for key, fqn in selection.keys}
     local = None if is_url(ckpt.path) else ckpt.path
     lora = describe(list(shapes), shapes, local)
-    return {"model": dict(selection.keys), "stash": stash, "notes": list(selection.notes), "lora": lora}
+    notes = [*selection.notes, *(left_out(ckpt) if local is not None else [])]
+    return {"model": dict(selection.keys), "stash": stash, "notes": notes, "lora": lora}
 
 
 def _columns(rows: list[list[str]], indent: str = "") -> list[str]:

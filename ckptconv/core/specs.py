@@ -16,7 +16,7 @@ from ckptconv.core.dtype_names import ITEMSIZE, torch_dtype
 if TYPE_CHECKING:
     import torch
 
-ChunkFormat = Literal["torch_save", "safetensors"]
+ChunkFormat = Literal["torch_save", "safetensors", "raw"]  # raw: the bytes themselves, C order
 
 
 class ChunkSpec(NamedTuple):

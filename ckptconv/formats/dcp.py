@@ -62,9 +62,10 @@ def is_dcp_dir(path: Path) -> bool:
         return False
     if mode_of(path / METADATA_FILE) is not None:
         return True
+    from ckptconv.formats.deepspeed import is_deepspeed_dir
     from ckptconv.formats.hf_sharded import is_sharded_dir
 
-    return is_sharded_dir(path)
+    return is_sharded_dir(path) or is_deepspeed_dir(path)
 
 
 def open_dcp(path: Path) -> DcpCheckpoint:
@@ -79,6 +80,10 @@ def open_dcp(path: Path) -> DcpCheckpoint:
 
         if is_sharded_dir(path):
             return open_sharded(path)
+        from ckptconv.formats.deepspeed import is_deepspeed_dir, open_deepspeed
+
+        if is_deepspeed_dir(path):
+            return open_deepspeed(path)
     with paused():  # a million records, none of them garbage: see gcpause
         if remote is not None:
             metadata, columns = load_dcp_metadata(_remote_metadata(remote), str(md_path))

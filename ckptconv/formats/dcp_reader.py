@@ -228,6 +228,12 @@ class DcpReader:
 
     def _locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
         nbytes = chunk.numel * spec.dtype.itemsize
+        if chunk.fmt == "raw":  # a DeepSpeed partition's slice: the bytes in place (formats/deepspeed)
+            if chunk.byte_length != nbytes:
+                raise self._corrupt(
+                    chunk, f"holds {chunk.byte_length} bytes for {spec.fqn!r}, expected {nbytes}"
+                )
+            return chunk.byte_offset
         if chunk.fmt == "safetensors":
             stored = self._st_header(chunk.file, chunk.byte_offset).get(spec.fqn)
             if stored is None or stored.shape != chunk.sizes:

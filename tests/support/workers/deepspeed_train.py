@@ -1,0 +1,87 @@
+"""Under torchrun (gloo, CPU), with DeepSpeed on PYTHONPATH (tests/support/deepspeed.py): train a tiny
+transformers Llama one step under ZeRO stage STAGE and save it with DeepSpeed's own `engine.save_checkpoint`;
+then rank 0 writes what DeepSpeed's own `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` makes of it
+(the expected fp32 weights) and the engine's 16-bit `module` weights.
+
+usage: deepspeed_train.py STAGE OUT [--tied] [--frozen]
+
+OUT/ckpt       the checkpoint (`latest`, `global_step1/`)
+OUT/fp32.pt    {name: tensor} from zero_to_fp32 (torch.save, loadable with weights_only=True)
+OUT/module.pt  {name: tensor}: the module's bf16 state dict as the engine holds it after the step
+OUT/config     the model's config.json (save_pretrained of its config)
+--tied         tie the input embedding and the LM head (DeepSpeed records the head as a shared param)
+--frozen       freeze the first layer's input layernorm (DeepSpeed records it as a frozen param)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import deepspeed
+import deepspeed.comm.torch  # (shadowed by torch as an attribute of deepspeed.comm)
+import torch
+import torch.distributed as dist
+import transformers
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+
+def main() -> None:
+    stage, out = int(sys.argv[1]), sys.argv[2]
+    tied, frozen = "--tied" in sys.argv, "--frozen" in sys.argv
+    # DeepSpeed's CPU shared-memory allreduce is a C++ op compiled on first use (a minute here); gloo does
+    # the same collectives, and the checkpoint it saves does not depend on which did them
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,  # odd-sized partitions: 80*64 etc. split unevenly over the ranks
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # norms away from all ones, so a mix-up shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    if frozen:
+        model.model.layers[0].input_layernorm.weight.requires_grad_(False)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1000,
+    }
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(rank))
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    ckpt = os.path.join(out, "ckpt")
+    engine.save_checkpoint(ckpt)
+    if stage == 3:
+        module = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        module = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    dist.barrier()
+    if rank == 0:
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+        torch.save({k: v.contiguous() for k, v in fp32.items()}, os.path.join(out, "fp32.pt"))
+        torch.save({k: v.contiguous() for k, v in module.items()}, os.path.join(out, "module.pt"))
+        config.save_pretrained(os.path.join(out, "config"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -80,7 +80,8 @@ def open_dcp(path: Path) -> DcpCheckpoint:
 
         if is_sharded_dir(path):
             return open_sharded(path)
-        from ckptconv.formats.deepspeed import is_deepspeed_dir, open_deepspeed
+        from ckptconv.formats.deepspeed import is_deepspeed_dir
+        from ckptconv.formats.deepspeed_open import open_deepspeed
 
         if is_deepspeed_dir(path):
             return open_deepspeed(path)

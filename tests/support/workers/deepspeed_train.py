@@ -1,16 +1,17 @@
 """Under torchrun (gloo, CPU), with DeepSpeed on PYTHONPATH (tests/support/deepspeed.py): train a tiny
 transformers Llama one step under ZeRO stage STAGE and save it with DeepSpeed's own `engine.save_checkpoint`;
 then rank 0 writes what DeepSpeed's own `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` makes of it
-(the expected fp32 weights) and the engine's 16-bit `module` weights.
+(the expected fp32 weights) and the engine's 16-bit `module` weights. Several runs in one job (one start).
 
-usage: deepspeed_train.py STAGE OUT [--tied] [--frozen]
+usage: deepspeed_train.py OUT SPEC [SPEC ...]     SPEC: STAGE[+tied][+frozen], e.g. 1 or 3+tied+frozen
 
-OUT/ckpt       the checkpoint (`latest`, `global_step1/`)
-OUT/fp32.pt    {name: tensor} from zero_to_fp32 (torch.save, loadable with weights_only=True)
-OUT/module.pt  {name: tensor}: the module's bf16 state dict as the engine holds it after the step
-OUT/config     the model's config.json (save_pretrained of its config)
---tied         tie the input embedding and the LM head (DeepSpeed records the head as a shared param)
---frozen       freeze the first layer's input layernorm (DeepSpeed records it as a frozen param)
+OUT/SPEC/ckpt       the checkpoint (`latest`, `global_step1/`)
+OUT/SPEC/fp32.pt    {name: tensor} from zero_to_fp32 (torch.save, loadable with weights_only=True)
+OUT/SPEC/module.pt  {name: tensor}: the module's bf16 state dict as the engine holds it after the step
+                    (ZeRO-3: as `_zero3_consolidated_16bit_state_dict` gathers it)
+OUT/SPEC/config     the model's config.json (save_pretrained of its config)
++tied               tie the input embedding and the LM head (DeepSpeed records the head as a shared param)
++frozen             freeze the first layer's input layernorm (ZeRO-2/3 record it as a frozen param)
 """
 
 from __future__ import annotations
@@ -27,12 +28,18 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 
 def main() -> None:
-    stage, out = int(sys.argv[1]), sys.argv[2]
-    tied, frozen = "--tied" in sys.argv, "--frozen" in sys.argv
     # DeepSpeed's CPU shared-memory allreduce is a C++ op compiled on first use (a minute here); gloo does
     # the same collectives, and the checkpoint it saves does not depend on which did them
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
+    for spec in sys.argv[2:]:
+        stage, *flags = spec.split("+")
+        train(int(stage), os.path.join(sys.argv[1], spec), "tied" in flags, "frozen" in flags)
+    dist.destroy_process_group()
+
+
+def train(stage: int, out: str, tied: bool, frozen: bool) -> None:
+    """One step of a tiny Llama under ZeRO `stage`, saved to OUT/ckpt, with the expected weights beside."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -80,7 +87,6 @@ def main() -> None:
         torch.save({k: v.contiguous() for k, v in module.items()}, os.path.join(out, "module.pt"))
         config.save_pretrained(os.path.join(out, "config"))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -40,8 +40,13 @@ def step_dir(path: Path) -> tuple[Path, str] | None:
     mode = mode_of(path)
     if mode is None or not stat.S_ISDIR(mode):
         return None
-    if is_regular(path / "latest"):
-        tag = read_regular(path / "latest", path, limit=4096).decode("utf-8", "replace").strip()
+    for latest in (
+        "latest",
+        "latest_universal",
+    ):  # the tag file engine.save_checkpoint / ds_to_universal write
+        if not is_regular(path / latest):
+            continue
+        tag = read_regular(path / latest, path, limit=4096).decode("utf-8", "replace").strip()
         usable = tag and "/" not in tag and tag not in (".", "..") and is_directory(path / tag)
         if usable and any(MODEL.fullmatch(n) for n in listdir(path / tag)):
             return path / tag, tag + "/"

@@ -24,6 +24,7 @@ from ckptconv.errors import CkptconvError
 from ckptconv.formats.deepspeed import MODEL, OPTIM, step_dir, weights
 from ckptconv.formats.deepspeed_layout import Piece, Span, chunks, zero2_pieces, zero3_pieces
 from ckptconv.formats.deepspeed_pickle import PickledFile, read_pickled
+from ckptconv.formats.deepspeed_universal import is_universal, universal_tensors
 from ckptconv.formats.files import inside, listdir
 from ckptconv.formats.torch_record import TensorRecord
 
@@ -66,6 +67,20 @@ def open_deepspeed(path: Path) -> DcpCheckpoint:
     if weights() == "module":
         tensors = _module_tensors(path, model, module, state)
         return DcpCheckpoint(path, tensors, {}, {k: (k,) for k in tensors}, stamps, kind="deepspeed")
+    if not optims and is_universal(step):
+        listed = {
+            k: _shape(v, model.rel)
+            for g in state.get("param_shapes") or []
+            for k, v in _dict(g, model.rel).items()
+        }
+        tensors, more = universal_tensors(path, prefix, listed)
+        stamps.update(more)
+        if state.get("frozen_param_shapes"):  # not in zero/: the model states files' fragments
+            ranks = sorted(int(m.group(1)) for m in models.values() if m and m.group(1) is not None)
+            files = [model] + [read_pickled(path, prefix + _zero3_model(r)) for r in ranks[1:]]
+            stamps.update({f.rel: f.stamp for f in files})
+            tensors.update(_frozen(path, 3 if ranks else 2, state, files))
+        return _finish(path, model, module, state, tensors, stamps)
     if not optims:
         raise _fail(
             step,
@@ -124,10 +139,7 @@ def open_deepspeed(path: Path) -> DcpCheckpoint:
     }
     frozen_files = [model]
     if stage == 3 and state.get("frozen_param_shapes"):
-        frozen_files += [
-            read_pickled(path, prefix + f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
-            for r in range(1, world)
-        ]
+        frozen_files += [read_pickled(path, prefix + _zero3_model(r)) for r in range(1, world)]
         stamps.update({f.rel: f.stamp for f in frozen_files})
     tensors.update(_frozen(path, stage, state, frozen_files))
     return _finish(path, model, module, state, tensors, stamps)
@@ -226,6 +238,10 @@ def _frozen(path: Path, stage: int, state: dict[str, Any], files: list[PickledFi
                 pieces.append(Piece(lo, hi, f.rel, f.where(frag)))
         out[name] = TensorSpec(name, dtype, shape, chunks(shape, itemsize, pieces))
     return out
+
+
+def _zero3_model(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
 
 def _optim_file(step: Path, optims: dict[str, Any], rank: int) -> str:

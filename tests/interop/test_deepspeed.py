@@ -7,7 +7,8 @@ frozen layernorm) and saves it with `engine.save_checkpoint`; its own
 
 - dcp-to-hf's fp32 release equals zero_to_fp32's weights bit for bit (the `latest` tag followed, or the
   `global_step1/` directory given), `--dtype bf16` their cast; the tied head is the embedding, the frozen
-  layernorm DeepSpeed's own fragment(s);
+  layernorm DeepSpeed's own fragment(s); so does the universal checkpoint DeepSpeed's own ds_to_universal.py
+  makes of the ZeRO-2 and ZeRO-3 ones;
 - `--deepspeed-weights module` equals the engine's 16-bit module weights (ZeRO-1/2); ZeRO-3, which keeps none
   there, is refused with exit 2;
 - the Adam moments are never read: their bytes overwritten with garbage change nothing, and the bytes read
@@ -34,7 +35,7 @@ from test_dcp_to_hf import load_dir, same_bits
 
 from ckptconv.formats.deepspeed_pickle import read_pickled
 
-SPECS = ("1", "2+tied+frozen", "3+tied+frozen")
+SPECS = ("1", "2_tied_frozen_universal", "3_tied_frozen_universal")
 STEP = "global_step1"
 
 
@@ -74,6 +75,13 @@ def test_fp32_equals_zero_to_fp32(runs: Path, tmp_path: Path, spec: str) -> None
     if spec.startswith("3"):  # the tag directory given directly, and bf16 the cast of the fp32 weights
         got = convert(run / "ckpt" / STEP, tmp_path / "bf16", "--dtype", "bf16")
         check_equal(got, {k: v.to(torch.bfloat16) for k, v in want.items()})
+
+
+@pytest.mark.parametrize("spec", SPECS[1:])
+def test_universal_equals_zero_to_fp32(runs: Path, tmp_path: Path, spec: str) -> None:
+    run = runs / spec
+    got = convert(run / "universal", tmp_path / "out", "--dtype", "keep")
+    check_equal(got, expected(run, "fp32.pt"))
 
 
 @pytest.mark.parametrize("spec", SPECS[:2])

@@ -58,7 +58,7 @@ def run_deepspeed(nproc: int, out: Path, *specs: str, timeout: int = 300) -> Non
 
 
 def trained(*specs: str) -> Path:
-    """A directory holding SPEC/{ckpt,fp32.pt,module.pt,config} for each SPEC (`1`, `3+tied+frozen`; see the
+    """A directory holding SPEC/{ckpt,fp32.pt,module.pt,config} for each SPEC (`1`, `3_tied_frozen`; see the
     worker), made by one 2-rank DeepSpeed job; removed at exit."""
     root = Path(tempfile.mkdtemp(prefix="ckptconv-deepspeed-"))
     atexit.register(shutil.rmtree, root, True)

@@ -3,20 +3,24 @@ transformers Llama one step under ZeRO stage STAGE and save it with DeepSpeed's 
 then rank 0 writes what DeepSpeed's own `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` makes of it
 (the expected fp32 weights) and the engine's 16-bit `module` weights. Several runs in one job (one start).
 
-usage: deepspeed_train.py OUT SPEC [SPEC ...]     SPEC: STAGE[+tied][+frozen], e.g. 1 or 3+tied+frozen
+usage: deepspeed_train.py OUT SPEC [SPEC ...]     SPEC: STAGE[_tied][_frozen][_universal], e.g. 3_tied_frozen
+(no "+" in SPEC: ds_to_universal.py puts its output path into a regular expression unescaped)
 
 OUT/SPEC/ckpt       the checkpoint (`latest`, `global_step1/`)
 OUT/SPEC/fp32.pt    {name: tensor} from zero_to_fp32 (torch.save, loadable with weights_only=True)
 OUT/SPEC/module.pt  {name: tensor}: the module's bf16 state dict as the engine holds it after the step
                     (ZeRO-3: as `_zero3_consolidated_16bit_state_dict` gathers it)
 OUT/SPEC/config     the model's config.json (save_pretrained of its config)
-+tied               tie the input embedding and the LM head (DeepSpeed records the head as a shared param)
-+frozen             freeze the first layer's input layernorm (ZeRO-2/3 record it as a frozen param)
+_tied               tie the input embedding and the LM head (DeepSpeed records the head as a shared param)
+_frozen             freeze the first layer's input layernorm (ZeRO-2/3 record it as a frozen param)
+_universal          also OUT/SPEC/universal: DeepSpeed's own ds_to_universal.py of the checkpoint (rank 0;
+                    --inject_missing_state, as a plain model records no universal_checkpoint_info)
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import deepspeed
@@ -33,8 +37,12 @@ def main() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     for spec in sys.argv[2:]:
-        stage, *flags = spec.split("+")
-        train(int(stage), os.path.join(sys.argv[1], spec), "tied" in flags, "frozen" in flags)
+        stage, *flags = spec.split("_")
+        out = os.path.join(sys.argv[1], spec)
+        train(int(stage), out, "tied" in flags, "frozen" in flags)
+        if "universal" in flags and dist.get_rank() == 0:
+            universal(out)
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -87,6 +95,25 @@ def train(stage: int, out: str, tied: bool, frozen: bool) -> None:
         torch.save({k: v.contiguous() for k, v in module.items()}, os.path.join(out, "module.pt"))
         config.save_pretrained(os.path.join(out, "config"))
     dist.barrier()
+
+
+def universal(out: str) -> None:
+    """DeepSpeed's ds_to_universal.py of OUT/ckpt/global_step1 into OUT/universal (one worker each way)."""
+    args = ["--input_folder", os.path.join(out, "ckpt", "global_step1"), "--output_folder"]
+    args += [os.path.join(out, "universal"), "--inject_missing_state"]
+    args += ["--num_extract_workers", "1", "--num_merge_workers", "1"]
+    torchrun = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith("TORCHELASTIC")}
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *args]
+    subprocess.run(cmd, check=True, env=env, stdin=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":

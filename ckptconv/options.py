@@ -102,6 +102,12 @@ class DtypeOptions:
         return DtypePolicy(self.target(), self.fp32, reference, explicit=not self.defaulted)
 
 
+def check_deepspeed_weights(which: str) -> None:
+    """Refuse a `--deepspeed-weights` other than fp32 or module."""
+    if which not in ("fp32", "module"):
+        raise CkptconvError(f"--deepspeed-weights {which!r} is not one of fp32, module")
+
+
 def check_megatron_tp(tp: int | None, job: str = "saving") -> None:
     """`--megatron-tp N` names a TP size (of the `job` that saved or will load the checkpoint): an integer of
     at least 1."""
@@ -183,6 +189,9 @@ class DcpToHfOptions:
     """Write an output that differs from the reference, each difference a warning (refused otherwise)."""
     drop_untied_head: bool = False
     """Leave out an output head that differs from the embedding config.json ties it to (refused otherwise)."""
+    deepspeed_weights: str = "fp32"
+    """A DeepSpeed ZeRO checkpoint's weights: fp32 (the optimizer's master partitions) or module (the 16-bit
+    `module` state dict of mp_rank_00_model_states.pt)."""
     push: PushRequest | None = None
     """After OUT is published, upload it to this hub repo."""
     lora: LoraRequest | None = None
@@ -198,6 +207,7 @@ class DcpToHfOptions:
         wording = self.wording
         if self.read_path not in READ_PATHS:
             raise CkptconvError(f"--read {self.read_path!r} is not one of direct, gather")
+        check_deepspeed_weights(self.deepspeed_weights)
         if self.lora is not None:
             self.lora.check()
         if self.dtype.dtype is None:  # the one place this default lives (the CLI and save_hf share it)
@@ -362,8 +372,11 @@ class InspectOptions:
     reference: Path | None = None
     """An HF directory (the base model) whose index and safetensors headers the checkpoint's tensors are
     compared with (a DCP's as the mapping writes them, with a mapping): keys, shapes, dtypes."""
+    deepspeed_weights: str = "fp32"
+    """A DeepSpeed ZeRO checkpoint's weights shown: fp32 (the master partitions) or module (16-bit)."""
 
     def __post_init__(self) -> None:
+        check_deepspeed_weights(self.deepspeed_weights)
         if self.explain and not self.mapping.mapping:
             raise CkptconvError("--explain needs --mapping: name the mapping whose rules made the key")
         if self.explain and self.reference is not None:

@@ -51,6 +51,7 @@ from ckptconv.cli.flags import (
 )
 from ckptconv.cli.render import print_json as _print_json
 from ckptconv.cli.render import trust as _trust
+from ckptconv.formats.deepspeed import deepspeed_weights as _deepspeed_weights
 
 app = typer.Typer(
     name="ckptconv",
@@ -116,6 +117,7 @@ def dcp_to_hf_cmd(
     keep_trainer_state: KeepTrainerStateOpt = False,
     megatron_tp: opt.MegatronTpOpt = None,
     keep_file_split: KeepFileSplitOpt = False,
+    deepspeed_weights: opt.DeepSpeedWeightsOpt = "fp32",
     file_split: opt.FileSplitOpt = "size",
     quantize: QuantizeOpt = None,
     quantize_skip: QuantizeSkipOpt = None,
@@ -150,7 +152,7 @@ def dcp_to_hf_cmd(
 
     source, target = location(src, "SRC"), location(out, "OUT")  # as strings: a Path makes s3: of s3://
     use_storage(storage_options, coalesce_gap)
-    with _trust(trust_pickle):
+    with _trust(trust_pickle), _deepspeed_weights(deepspeed_weights):
         early = None
         if not refuses(dcp_to_hf_options, flags):  # a refused flag comes first, with nothing read
             early = open_early(source, None if dry_run else target, overwrite)  # before torch (early_open)
@@ -328,6 +330,7 @@ def inspect_cmd(
     json_out: JsonOpt = False,
     explain: ExplainOpt = None,
     reference: opt.InspectReferenceOpt = None,
+    deepspeed_weights: opt.DeepSpeedWeightsOpt = "fp32",
 ) -> None:
     """Show what a checkpoint holds (reads metadata and headers only); with --mapping, the mapped view too;
     with --reference, how it differs from a base model."""
@@ -341,7 +344,7 @@ def inspect_cmd(
 
     options = inspect_options(flags)
     use_storage(storage_options, "0")
-    with _trust(trust_pickle):
+    with _trust(trust_pickle), _deepspeed_weights(deepspeed_weights):
         found = inspect_checkpoint(path, options)
     console = Console(highlight=False, soft_wrap=True)
     if found.explained is not None:

@@ -82,6 +82,7 @@ def dcp_to_hf_options(flags: Mapping[str, Any]) -> DcpToHfOptions:
         reference=flags["reference"],
         allow_layout_change=flags["allow_layout_change"],
         drop_untied_head=flags["drop_untied_head"],
+        deepspeed_weights=flags["deepspeed_weights"],
         push=push,
         lora=None if lora == LoraRequest() else lora,  # no --lora flag: as the library's default
     )
@@ -127,7 +128,11 @@ def inspect_options(flags: Mapping[str, Any]) -> InspectOptions:
         mapping=flags["mapping"], config=flags["config"], allow_unmapped=flags["allow_unmapped"]
     )
     return InspectOptions(
-        mapping=mapping, revision=flags["revision"], explain=flags["explain"], reference=flags["reference"]
+        mapping=mapping,
+        revision=flags["revision"],
+        explain=flags["explain"],
+        reference=flags["reference"],
+        deepspeed_weights=flags["deepspeed_weights"],
     )
 
 

@@ -226,6 +226,15 @@ MegatronTpOpt = Annotated[
         show_default=False,
     ),
 ]
+DeepSpeedWeightsOpt = Annotated[
+    str,
+    typer.Option(
+        "--deepspeed-weights",
+        help="A DeepSpeed ZeRO checkpoint's weights: fp32 (the optimizer's master partitions, as "
+        "zero_to_fp32.py puts them together) or module (the 16-bit module weights of "
+        "mp_rank_00_model_states.pt).",
+    ),
+]
 KeepFileSplitOpt = Annotated[
     bool,
     typer.Option(

@@ -64,10 +64,11 @@ def is_dcp_dir(path: Path) -> bool:
         return False
     if mode_of(path / METADATA_FILE) is not None:
         return True
+    from ckptconv.formats.deepspeed import is_deepspeed_dir
     from ckptconv.formats.hf_sharded import is_sharded_dir
     from ckptconv.formats.rank_shards import is_rank_dir
 
-    return is_sharded_dir(path) or is_rank_dir(path)
+    return is_sharded_dir(path) or is_rank_dir(path) or is_deepspeed_dir(path)
 
 
 def open_dcp(path: Path) -> DcpCheckpoint:
@@ -86,6 +87,11 @@ def open_dcp(path: Path) -> DcpCheckpoint:
 
         if is_rank_dir(path):
             return open_rank_shards(path)
+        from ckptconv.formats.deepspeed import is_deepspeed_dir
+        from ckptconv.formats.deepspeed_open import open_deepspeed
+
+        if is_deepspeed_dir(path):
+            return open_deepspeed(path)
     with paused():  # a million records, none of them garbage: see gcpause
         if remote is not None:
             metadata, columns = load_dcp_metadata(_remote_metadata(remote), str(md_path))

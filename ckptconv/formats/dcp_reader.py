@@ -233,7 +233,11 @@ class DcpReader:
 
     def _locate(self, spec: TensorSpec, chunk: ChunkSpec) -> int | None:
         nbytes = chunk.numel * spec.dtype.itemsize
-        if chunk.fmt == "torch_entry":  # the bytes of a storage in a torch.save zip, located when opened
+        if chunk.fmt == "torch_entry":  # bytes in place in a torch.save zip (rank files, DeepSpeed)
+            if chunk.byte_length != nbytes:
+                raise self._corrupt(
+                    chunk, f"holds {chunk.byte_length} bytes for {spec.fqn!r}, expected {nbytes}"
+                )
             return chunk.byte_offset
         if chunk.fmt == "safetensors":
             stored = self._st_header(chunk.file, chunk.byte_offset).get(spec.fqn)

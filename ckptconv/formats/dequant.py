@@ -37,6 +37,7 @@ class RowReader(Protocol):
         self, t: StoredTensor, offsets: Sequence[int], sizes: Sequence[int], dtype: torch.dtype | None = None
     ) -> torch.Tensor: ...
 
+
 class BlockReader(Protocol):
     """One scheme's dequantizer: the block of logical `t` at `offsets` of `sizes` into `out` (its dtype)."""
 

@@ -33,7 +33,6 @@ from ckptconv.formats.files import (
 from ckptconv.remote.urls import UrlPath
 
 if TYPE_CHECKING:
-
     pass
 
 INDEX_FILE = "model.safetensors.index.json"

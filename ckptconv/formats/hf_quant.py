@@ -158,7 +158,7 @@ def _by_keys(tensors: dict[str, StoredTensor], config: Mapping[str, Any]) -> Rec
         if method is None and key.endswith(quant_modelopt.SCALE_2):
             raise CkptconvError(
                 f"{t.file}: {key!r} is a ModelOpt NVFP4 global scale, but config.json has no "
-                "quantization_config: add ModelOpt's (quant_method \"modelopt\", as its hf_quant_config.json "
+                'quantization_config: add ModelOpt\'s (quant_method "modelopt", as its hf_quant_config.json '
                 "says) to config.json"
             )
         if key.endswith(SCALE_SUFFIX):
@@ -210,9 +210,7 @@ def _fp8_block(config: Mapping[str, Any], scale: StoredTensor) -> tuple[int, int
     return int(size[0]), int(size[1])
 
 
-def _fp8(
-    tensors: Mapping[str, StoredTensor], key: str, nominal: str, block: tuple[int, int]
-) -> StoredTensor:
+def _fp8(tensors: Mapping[str, StoredTensor], key: str, nominal: str, block: tuple[int, int]) -> StoredTensor:
     """The logical tensor of the block-FP8 weight whose scale is `key` (MXFP8 when its blocks are 1 x 32)."""
     scale, name = tensors[key], key[: -len(SCALE_SUFFIX)]
     weight = tensors.get(name)

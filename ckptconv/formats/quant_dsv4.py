@@ -27,7 +27,7 @@ SCALE_DTYPES = ("float8_e8m0fnu", "float32", "bfloat16")
 
 
 def weight_key(scale_key: str) -> str:
-    """"X.scale" -> "X.weight"."""
+    """ "X.scale" -> "X.weight"."""
     return scale_key[: -len(SCALE)] + WEIGHT
 
 
@@ -58,7 +58,7 @@ def logical_weight(
         if expert_dtype(config) != "fp4":
             raise CkptconvError(
                 f"{weight.file}: {name!r} is int8 with a scale {key!r}, but config.json does not say "
-                "expert_dtype \"fp4\" (DeepSeek-V4's FP4 experts): cannot tell how its bytes are stored"
+                'expert_dtype "fp4" (DeepSeek-V4\'s FP4 experts): cannot tell how its bytes are stored'
             )
         shape = (rows, cols * 2)
         want = (rows, -(-shape[1] // FP4_GROUP))

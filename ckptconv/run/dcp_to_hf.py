@@ -13,6 +13,7 @@ from typing import Any
 
 from ckptconv.core.specs import DcpCheckpoint
 from ckptconv.errors import CkptconvError
+from ckptconv.formats.deepspeed import deepspeed_weights
 from ckptconv.formats.hf import INDEX_FILE, checkpoint_root
 from ckptconv.formats.hf_sharded import metadata_dir
 from ckptconv.formats.rank_shards import model_files
@@ -72,7 +73,7 @@ def dcp_to_hf(
     start = time.perf_counter()
     return_freed_memory()
     src, out = location(src, "SRC"), location(out, "OUT")  # a URL without a bucket: refused before any work
-    with gcpause.paused():
+    with gcpause.paused(), deepspeed_weights(options.deepspeed_weights):
         located = sources.for_all(world, lambda: early.path if early is not None else sources.dcp_source(src))
         following = options.following()
         bases = locate_bases(world, following)  # rank 0 fetches a repo id's small files and headers, for all

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.formats.deepspeed import deepspeed_weights
 from ckptconv.formats.files import is_directory
 from ckptconv.formats.hf import checkpoint_root
 from ckptconv.mapping import load_config
@@ -40,7 +41,8 @@ def inspect_checkpoint(path: str, options: InspectOptions = InspectOptions()) ->
     # a bad --reference is refused before SRC is read (or downloaded)
     base = None if options.reference is None else (options.reference, read_reference(options.reference))
     local = download(path, options.revision) if looks_like_repo_id(path) else location(path, "PATH")
-    info = inspect(local)
+    with deepspeed_weights(options.deepspeed_weights):
+        info = inspect(local)
     m = options.mapping
     if not m.mapping:
         return Inspected(_laid_out(info, None, None, base))

@@ -76,6 +76,7 @@ DCP_TO_HF = {
     "--keep-trainer-state": "keep_trainer_state",
     "--megatron-tp": "megatron_tp",
     "--keep-file-split": "keep_file_split",
+    "--deepspeed-weights": "deepspeed_weights",
     "--file-split": "file_split",
     "--quantize": "quantize",
     "--quantize-skip": "quantize_skip",
@@ -137,6 +138,7 @@ INSPECT = {
     "--allow-unmapped": "mapping.allow_unmapped",
     "--explain": "explain",
     "--reference": "reference",
+    "--deepspeed-weights": "deepspeed_weights",
 }
 # per command: fields its flags do not set (verify compares factors: it writes no adapter config; inspect
 # shows every key a checkpoint holds)

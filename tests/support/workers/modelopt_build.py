@@ -75,8 +75,10 @@ def nvfp4(src: Path, dst: Path) -> None:
     # ModelOpt exports bmm experts: quantized per expert in [E, H, I], stored transposed [E, I/2, H]
     experts = "model.layers.1.mlp.experts."
     n = len({k.split(".")[5] for k in stored if k.startswith(experts)})
-    per = {p: torch.stack([stored.pop(f"{experts}{e}.{p}.weight") for e in range(n)]) for p in
-           ("gate_proj", "up_proj", "down_proj")}
+    per = {
+        p: torch.stack([stored.pop(f"{experts}{e}.{p}.weight") for e in range(n)])
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
     for key, w in stored.items():
         module = key.removesuffix(".weight")
         if not _linear(key, w) or any(fnmatchcase(module, p) for p in IGNORE):
@@ -156,8 +158,12 @@ def mxfp8(src: Path, dst: Path) -> None:
             refs[d][key] = dequant._dequantize_one(pair[key], pair[key + "_scale_inv"], output_dtype=d)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
-        "weight_block_size": [1, 32], "modules_to_not_convert": ["lm_head"],
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [1, 32],
+        "modules_to_not_convert": ["lm_head"],
     }
     _save(dst, out, config, "_scale_inv")
     _references(dst, refs)
@@ -185,7 +191,10 @@ def dsv4(src: Path, dst: Path) -> None:
             refs[d][key] = dequant._dequantize_one(q, s, output_dtype=d)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
         "weight_block_size": [128, 128],
     }
     config["expert_dtype"] = "fp4"  # as DeepSeek-V4's config.json says it (V4.1: in quantization_config)

@@ -16,7 +16,7 @@ from ckptconv.core.dtype_names import ITEMSIZE, torch_dtype
 if TYPE_CHECKING:
     import torch
 
-ChunkFormat = Literal["torch_save", "safetensors", "torch_entry"]  # torch_entry: raw C-order bytes at byte_offset
+ChunkFormat = Literal["torch_save", "safetensors", "torch_entry"]  # torch_entry: C-order bytes in place
 
 
 class ChunkSpec(NamedTuple):

@@ -325,7 +325,6 @@ class DcpReader:
         data = zt.record(
             lambda at, n: self.read_bytes(chunk.file, chunk.byte_offset + at, n),
             chunk.byte_length,
-            len(self.ckpt.transforms),
             nbytes + zt.RECORD_SLACK,
             where,
         )
@@ -388,7 +387,7 @@ class DcpReader:
         raw = self.read_bytes(item.file, item.byte_offset, item.byte_length)
         if self.ckpt.transforms:
             where = f"{self.ckpt.path / item.file}: {item.fqn!r}"
-            raw = bytes(zt.record(_from(raw), len(raw), len(self.ckpt.transforms), limit("bytes"), where))
+            raw = bytes(zt.record(_from(raw), len(raw), limit("bytes"), where))  # grown as it arrives
         return (raw, *load_item(raw, item.fqn, f"{self.ckpt.path / item.file}: {item.fqn!r}"))
 
 

@@ -107,7 +107,7 @@ def item_bytes(
             os.close(fd)
     if not transforms:
         return raw
-    return bytes(record(lambda at, n: raw[at : at + n], len(raw), len(transforms), MAX_COMMON_BYTES, where))
+    return bytes(record(lambda at, n: raw[at : at + n], len(raw), MAX_COMMON_BYTES, where))
 
 
 def common_of(raw: bytes, where: object, *, listed: bool = False, **fields: Any) -> Common:

@@ -3,27 +3,36 @@ read as torch's own `dcp.load` reads them: each record's zstd frame decompressed
 
 The oracle is torch: `dcp.save` writes the compressed checkpoint (and an uncompressed twin of the same
 state), `dcp.load` reads it back; a tiny transformers Llama's state dict (bf16 and fp32), an integer buffer
-and non-tensor items. Crafted frames (a bomb, a cut one) and a descriptor torch never registers are refused.
+and non-tensor items. Crafted frames (a bomb, a cut one) and a descriptor torch never registers are refused,
+and so are records under two frames; memory follows what a record holds, never what `.metadata` claims.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
+import subprocess
+import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import zstandard
-from conftest import ckptconv, make_dcp, reference, tree_sha256
+from conftest import _env, _forked, _forkserver, ckptconv, make_dcp, on_path, reference, tree_sha256
 from families import config
 from safetensors.torch import load_file
 from test_bad_input import assert_one_line, copy_ckpt, run
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
+from ckptconv.formats.dcp import open_dcp
+from ckptconv.formats.dcp_reader import DcpReader
 from ckptconv.formats.dcp_transforms import RECORD_SLACK
+from ckptconv.job.limits import limit
 
 
 def _state() -> dict[str, object]:
@@ -150,6 +159,79 @@ def test_an_extension_ckptconv_does_not_read_is_refused_by_name(
         code, err = run(capsys, *argv)
         assert_one_line(code, err, repr(descriptor), str(ckpt / ".metadata"))
     assert not (tmp_path / "out").exists()
+
+
+def test_two_zstd_layers_are_refused_by_name(
+    saved: tuple[Path, Path, dict[str, object]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each frame would multiply what a stored byte may make: one (all torch's writer makes) is read."""
+    ckpt = copy_ckpt(saved[0], tmp_path / "ckpt")
+    md = pickle.loads((ckpt / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        info.transform_descriptors = ["stream.zstd/1", "stream.zstd/1"]
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    for argv in (["dcp-to-hf", str(ckpt), str(tmp_path / "out")], ["inspect", str(ckpt)]):
+        code, err = run(capsys, *argv)
+        assert_one_line(code, err, "2 DCP extensions", "'stream.zstd/1'", str(ckpt / ".metadata"))
+    assert not (tmp_path / "out").exists()
+
+
+def _peak_growth(*args: str) -> tuple[subprocess.CompletedProcess[str], int]:
+    """(ckptconv ARGS run in a fresh process, how far its peak RSS rose above its RSS at the start):
+    `python -m peak_rss ARGS`, through the fork server where the tests use it (no torch import to pay)."""
+    environ = _env()
+    if _forked():
+        proc = _forkserver[0].run("peak_rss", list(args), environ, 120)
+    else:
+        cmd = [sys.executable, "-m", "peak_rss", *args]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=on_path(environ), timeout=120, stdin=subprocess.DEVNULL
+        )
+    assert proc.stdout.strip(), proc.stderr
+    return proc, int(proc.stdout.split()[-1])
+
+
+def test_a_chunk_claiming_1_gib_is_refused_without_allocating_it(
+    saved: tuple[Path, Path, dict[str, object]], tmp_path: Path
+) -> None:
+    """.metadata claims a 1 GiB chunk whose record (within zstd's densest ratio of its stored bytes, so the
+    plan lets it through) holds 128 KiB: refused by what the record holds, the process's RSS rising far
+    less than the claim (by the claim, 1.3 GB in all, when the buffer was allocated at the claimed size)."""
+    ckpt = copy_ckpt(saved[0], tmp_path / "ckpt")
+    record = io.BytesIO()
+    torch.save(torch.randn(1 << 16).to(torch.bfloat16), record)  # incompressible: ~128 KiB stored
+    _point(ckpt, FQN, zstandard.ZstdCompressor(write_content_size=False).compress(record.getvalue()))
+    md, key = _info(ckpt, FQN)
+    claim = 1 << 29  # bf16 elements: 1 GiB
+    entry = md.state_dict_metadata[FQN]
+    entry.size = torch.Size([claim])
+    entry.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([claim]))]
+    md.storage_data[type(key)(FQN, torch.Size([0]), key.index)] = md.storage_data.pop(key)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    out = tmp_path / "out"
+    proc, growth = _peak_growth("dcp-to-hf", str(ckpt), str(out))
+    assert_one_line(proc.returncode, proc.stderr, "expected [536870912]", str(ckpt))
+    assert not out.exists()
+    assert growth < 128 << 20, f"peak RSS rose {growth >> 20} MiB reading a record of 128 KiB"
+
+
+def test_a_non_tensor_item_is_read_without_allocating_its_limit(
+    saved: tuple[Path, Path, dict[str, object]],
+) -> None:
+    """A compressed item may inflate to the read limit on bytes (256 MiB): what is allocated is what it
+    holds (traced: a buffer of the limit, allocated and zeroed per item, was once 256 MiB of RSS each)."""
+    ckpt = open_dcp(saved[0])
+    item = ckpt.items["train_state.step"]
+    assert limit("bytes") >= 256 << 20
+    with DcpReader(ckpt) as reader:
+        tracemalloc.start()
+        try:
+            raw, value, _ = reader.load_item(item)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert value == 7 and raw.startswith(b"PK")
+    assert peak < 4 << 20, f"{peak} bytes traced reading a {len(raw)}-byte item"
 
 
 @pytest.mark.slow

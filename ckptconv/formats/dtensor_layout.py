@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptconv.formats.dtensor_pickle import Partial, Replicate, Shard, StridedShard
+from ckptconv.formats.safe_pickle import short
 
 Runs = list[tuple[int, int]]  # (first global index, count), in the local tensor's order
 Block = tuple[tuple[int, ...], tuple[int, ...], int]  # global offsets, sizes, first row in the local tensor
@@ -46,6 +47,17 @@ def _slice(runs: Runs, start: int, stop: int) -> Runs:
     return out
 
 
+def _joined(runs: Runs) -> Runs:
+    """`runs` with each run that continues the one before merged into it (the same indices)."""
+    out: Runs = []
+    for first, n in runs:
+        if out and out[-1][0] + out[-1][1] == first:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((first, n))
+    return out
+
+
 def _chunk(runs: Runs, k: int, c: int) -> Runs:
     """The c-th of `torch.chunk(indices, k)` (empty past the pieces torch makes)."""
     n = _length(runs)
@@ -55,7 +67,7 @@ def _chunk(runs: Runs, k: int, c: int) -> Runs:
 
 def _int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0:
-        raise LayoutError(f"{what} {value!r} is not a non-negative integer")
+        raise LayoutError(f"{what} {short(value)} is not a non-negative integer")
     return value
 
 
@@ -71,9 +83,15 @@ def local_blocks(
     rank at `coordinate` of `mesh`; [] when another rank holds this copy (Replicate) or it is empty.
     `shard_order` (torch 2.10's `DTensorSpec.shard_order`: (tensor dim, mesh dims) pairs) must be the
     default, left to right; another order is refused."""
+    if shard_order is not None and not isinstance(shard_order, tuple):
+        raise LayoutError(f"a shard order of {type(shard_order).__name__}, not a tuple")
     for entry in shard_order or ():
-        dims = entry[1] if isinstance(entry, tuple) and len(entry) == 2 else None
-        if not isinstance(dims, tuple) or list(dims) != sorted(dims):
+        # ints checked before they are sorted or printed (a crafted entry can hold anything, nested deep)
+        pair = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], tuple)
+        if not pair or type(entry[0]) is not int or any(type(m) is not int for m in entry[1]):
+            raise LayoutError("a shard order entry that is not (tensor dim, mesh dims) of integers")
+        dims = entry[1]
+        if list(dims) != sorted(dims):
             raise LayoutError(f"a shard order {entry!r} other than left to right (not read by ckptconv)")
     if len(mesh) != len(placements) or len(coordinate) != len(mesh):
         raise LayoutError(
@@ -81,8 +99,11 @@ def local_blocks(
         )
     runs: list[Runs] = [[(0, _int(n, "a size"))] for n in global_shape]
     owner = True
+    ranks = 1
+    for k in mesh:
+        ranks *= _int(k, "a mesh dim's size")
     for k, c, placement in zip(mesh, coordinate, placements, strict=True):
-        if not 0 <= c < k:
+        if not 0 <= _int(c, "a coordinate") < k:
             raise LayoutError(f"coordinate {c} outside a mesh dim of {k}")
         if isinstance(placement, Replicate):
             owner = owner and c == 0
@@ -98,7 +119,15 @@ def local_blocks(
             f = _int(placement.split_factor, "a split factor")
             if f < 1:
                 raise LayoutError("a split factor of 0")
-            runs[d] = [r for piece in range(f) for r in _chunk(_chunk(runs[d], f, piece), k, c)]
+            # torch's split factor is the product of the mesh dims that shard the dim after this one, so
+            # never more than the mesh's ranks; a larger one would loop over that many pieces
+            if f > ranks:
+                raise LayoutError(f"a split factor of {f}, more than the {ranks} ranks of its mesh")
+            runs[d] = _joined([r for piece in range(f) for r in _chunk(_chunk(runs[d], f, piece), k, c)])
+            # each mesh dim sharding a dim at most multiplies its runs by its size: more than the mesh's
+            # ranks is a crafted spec, refused before its runs multiply again
+            if len(runs[d]) > ranks:
+                raise LayoutError(f"its placements split dim {d} into more runs than its {ranks} ranks")
         else:
             runs[d] = _chunk(runs[d], k, c)
     sizes = tuple(_length(r) for r in runs)

@@ -192,22 +192,39 @@ def load_rank_state(data_pkl: Any, budget: Budget) -> Any:
     return _RankFileUnpickler(data_pkl, RANK_FILE_GLOBALS, budget).load()
 
 
-def _ints(value: Any) -> list[int]:
-    """The ints of a (nested) layout shape: a mesh dim's size is their product (1 for `()`)."""
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, tuple) and len(value) <= 64:
-        return [n for v in value for n in _ints(v)]
-    raise ValueError(f"a mesh layout shape of {type(value).__name__}")
+MAX_LAYOUT_NODES = 64  # ints and tuples of one mesh dim's nested layout shape (torch's nest a level or two)
+
+
+def _ints(value: Any) -> list[int] | None:
+    """The ints of a (nested) layout shape: a mesh dim's size is their product (1 for `()`); None for
+    anything but sizes nested in tuples. Walked with a list, not recursion, over at most
+    `MAX_LAYOUT_NODES` nodes: a pickle builds nesting thousands deep, and memo references a tuple of
+    2^64 leaves, without any recursion of its own."""
+    out: list[int] = []
+    todo = [value]
+    seen = 0
+    while todo:
+        item = todo.pop()
+        seen += 1
+        if seen > MAX_LAYOUT_NODES:
+            return None
+        if type(item) is int and 0 <= item < 2**63:
+            out.append(item)
+        elif type(item) is tuple:
+            todo.extend(item)
+        else:
+            return None
+    return out
 
 
 def mesh_shape(mesh: Any) -> tuple[int, ...] | None:
     """The mesh's shape: from its `_layout` (torch 2.9 and later) or its `mesh` tensor of ranks; None when
-    neither is there."""
+    neither is there, or its layout is not sizes."""
     layout = getattr(mesh, "_layout", None)
     axes = getattr(layout, "axes", None) if layout is not None else None
     if isinstance(axes, tuple) and all(isinstance(a, FlatLayout) for a in axes):
-        return tuple(math.prod(_ints(getattr(a, "shape", ()))) for a in axes)
+        sizes = [_ints(getattr(a, "shape", ())) for a in axes]
+        return None if None in sizes else tuple(math.prod(n) for n in sizes if n is not None)
     ranks = getattr(mesh, "mesh", None)
     if isinstance(ranks, Local):
         return ranks.record.size

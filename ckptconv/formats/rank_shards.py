@@ -144,15 +144,35 @@ def _check_fsdp_config(path: Path, world: int) -> None:
         )
 
 
-def _walk(value: Any, prefix: str, out: dict[str, Local]) -> None:
-    """The tensors of a state dict (nested dicts joined with dots), in the order saved."""
+def _walk(value: Any, prefix: str, out: dict[str, Local], budget: Budget, level: int = 1) -> None:
+    """The tensors of a state dict (nested dicts joined with dots), in the order saved. The walk is charged
+    to the load's `budget` (a node once per reference, no deeper than its depth limit: pickle's unpickler
+    nests without recursing, so nothing stopped a deep or memo-shared tree while it loaded); a name met
+    twice (a nested `{"model": {"w": ...}}` beside a dotted `"model.w"`) is refused, not overwritten."""
+    budget.objects(1, "nodes of the state dict walked")
     if isinstance(value, dict):
+        budget.nested(level, "nesting of the state dict")
+        budget.objects(len(value), "items of the state dict walked")  # a dict memo shares is walked again
         for key, item in value.items():
-            _walk(item, f"{prefix}{key}" if not prefix else f"{prefix}.{key}", out)
-    elif isinstance(value, Local):
-        out[prefix] = value
-    elif isinstance(value, TensorRecord):  # a plain tensor (torch pickles it without the subclass wrapper)
-        out[prefix] = Local(value)
+            if not isinstance(item, dict | Local | TensorRecord):
+                continue  # not a tensor (nor holds one): never named
+            if not isinstance(key, str):
+                raise CkptconvError(
+                    f"{budget.where}: a key of type {type(key).__name__} in its state dict, not a name; "
+                    "the file is not a model's state dict, re-save it"
+                )
+            _walk(item, f"{prefix}{key}" if not prefix else f"{prefix}.{key}", out, budget, level + 1)
+        return
+    if isinstance(value, TensorRecord):  # a plain tensor (torch pickles it without the subclass wrapper)
+        value = Local(value)
+    if not isinstance(value, Local):
+        return
+    if prefix in out:
+        raise CkptconvError(
+            f"{budget.where}: {sp.clip(prefix)!r} twice in its state dict (a nested dict's key and a dotted "
+            "key name the same tensor); re-save the checkpoint"
+        )
+    out[prefix] = value
 
 
 class _RankFile:
@@ -195,7 +215,8 @@ class _RankFile:
                 "the file is truncated or corrupt, re-copy it"
             ) from None
         self.tensors: dict[str, Local] = {}
-        _walk(state, "", self.tensors)
+        _walk(state, "", self.tensors, budget)
+        size = os.fstat(fd).st_size
         self.starts: dict[str, tuple[int, int]] = {}  # storage key -> (data start, bytes)
         for local in self.tensors.values():
             key = local.record.storage_key
@@ -209,6 +230,11 @@ class _RankFile:
                     raise zipfile.BadZipFile(f"a broken local header of data/{key}")
                 name_len, extra_len = struct.unpack("<HH", header[26:30])
                 self.starts[key] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+                if sum(self.starts[key]) > size:  # else inspect reports, and planning trusts, bytes not there
+                    raise CkptconvError(
+                        f"{self.file}: storage {key} claims {info.file_size} bytes, past the end of the file "
+                        f"({size} bytes); it is truncated or corrupt, re-copy it"
+                    )
 
     def chunks(self, key: str, world: int) -> tuple[Local, list[ChunkSpec]]:
         """The chunks of tensor `key` this file holds (none where another rank holds its copy)."""
@@ -250,13 +276,19 @@ class _RankFile:
             )
         saved_by = getattr(mesh, "_rank", self.rank)
         if saved_by != self.rank:
-            raise CkptconvError(f"{where}: saved by rank {saved_by!r}, not the rank its name says; re-copy")
+            raise CkptconvError(
+                f"{where}: saved by rank {sp.short(saved_by)}, not the rank its name says; re-copy"
+            )
         meta = getattr(local.spec, "tensor_meta", None)
-        if meta is not None and tuple(getattr(meta, "shape", None) or ()) != local.global_shape:
+        told = (getattr(meta, "shape", None) or ()) if meta is not None else local.global_shape
+        if not isinstance(told, tuple | list) or tuple(told) != local.global_shape:
             raise CkptconvError(f"{where}: its spec and its size disagree on its shape; re-save it")
+        placements = getattr(local.spec, "placements", None) or ()
+        if not isinstance(placements, tuple | list):
+            raise CkptconvError(f"{where}: placements of type {type(placements).__name__}; re-save it")
         assert local.global_shape is not None
         try:
-            placements = tuple(getattr(local.spec, "placements", None) or ())
+            placements = tuple(placements)
             order = getattr(local.spec, "shard_order", None)
             return local_blocks(local.global_shape, shape, coordinate, placements, local.record.size, order)
         except LayoutError as e:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 import shutil
+import struct
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import jsonschema
+import pickle_edit as pe
 import pytest
 import torch
 from conftest import ROOT, SUPPORT, WORKERS, torchrun, tree_sha256
@@ -214,3 +217,79 @@ def test_plain_tensors_beside_the_dtensors_are_taken_from_one_rank(tmp_path: Pat
     got = load_file(tmp_path / "hf" / "model.safetensors")
     assert got.keys() == {"buf", "nested.x"} and torch.equal(got["buf"], state["buf"])
     assert torch.equal(got["nested.x"], state["nested"]["x"])
+
+
+R0, R1 = "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"
+
+
+def _spec(tree: pe.Call, name: str | None = None) -> dict[str, object]:
+    """The DTensorSpec state of the first tensor (or of `name`) of a rank file's tree."""
+    dtensor = next(v for k, v in tree.items if name in (None, k))
+    return dtensor.args[3][1]["_spec"].state  # _rebuild_from_type_v2(func, type, args, (None, slots))
+
+
+def _edit(ckpt: Path, change: object, files: tuple[str, ...] = (R0,)) -> None:
+    for name in files:
+        tree = pe.load(ckpt / name)
+        change(tree)  # type: ignore[operator]
+        pe.save(ckpt / name, tree)
+
+
+def _set(field: str, value: object, *, mesh: bool = False, name: str | None = None) -> object:
+    def change(tree: pe.Call) -> None:
+        spec = _spec(tree, name)
+        (spec["mesh"].state if mesh else spec)[field] = value  # type: ignore[attr-defined]
+
+    return change
+
+
+def _split_factor(tree: pe.Call) -> None:
+    placements = _spec(tree, "model.layers.0.self_attn.q_proj.weight")["placements"]
+    (strided,) = (p for p in placements if p.func.name == "_StridedShard")  # type: ignore[attr-defined]
+    strided.state["split_factor"] = 2**40
+
+
+def _mesh_shape(tree: pe.Call) -> None:  # a 3000-deep tuple, as opcodes (the pickler would recurse)
+    (axis,) = _spec(tree)["mesh"].state["_layout"].state["axes"]  # type: ignore[attr-defined]
+    axis.state["shape"] = pe.Raw(pickle.BININT1 + b"\x02" + pickle.TUPLE1 * 3000)
+
+
+def _collide(tree: pe.Call) -> None:  # {"model": {"embed_tokens.weight": <the next tensor>}} beside it
+    tree.items.append(("model", {"embed_tokens.weight": tree.items[1][1]}))
+
+
+def _huge_storage(ckpt: Path) -> None:
+    """data/0's central directory entry of rank 0's file claims 0xFFFFFFF0 bytes (the file has ~90 KB)."""
+    raw = bytearray((ckpt / R0).read_bytes())
+    at = raw.find(b"PK\x01\x02")
+    while not bytes(raw[at + 46 : at + 46 + struct.unpack_from("<H", raw, at + 28)[0]]).endswith(b"/data/0"):
+        at = raw.find(b"PK\x01\x02", at + 4)
+    struct.pack_into("<II", raw, at + 20, 0xFFFFFFF0, 0xFFFFFFF0)  # compressed and uncompressed sizes
+    (ckpt / R0).write_bytes(bytes(raw))
+
+
+TENSOR_META = pe.Call(pe.Global("torch.distributed.tensor._dtensor_spec", "TensorMeta"), (5, 5, 5), True)
+CRAFTED = {  # case: (checkpoint, edit, what the message says)
+    "split_factor": ("verl_tp", lambda c: _edit(c, _split_factor), "a split factor of 1099511627776"),
+    "coordinate_float": ("verl", lambda c: _edit(c, _set("_coordinate_on_dim", (0.5,), mesh=True)), "0.5"),
+    "mesh_shape_deep": ("verl", lambda c: _edit(c, _mesh_shape), "device mesh ckptconv cannot read"),
+    "shard_order_mixed": ("verl", lambda c: _edit(c, _set("shard_order", ((0, (1, "a")),))), "shard order"),
+    "shard_order_int": ("verl", lambda c: _edit(c, _set("shard_order", 5)), "a shard order of int"),
+    "tensor_meta_int": ("verl", lambda c: _edit(c, _set("tensor_meta", TENSOR_META)), "disagree on its"),
+    "placements_int": ("verl", lambda c: _edit(c, _set("placements", 3)), "placements of type int"),
+    "collide": ("verl", lambda c: _edit(c, _collide, (R0, R1)), "'model.embed_tokens.weight' twice"),
+    "storage_past_the_end": ("verl", _huge_storage, "storage 0 claims 4294967280 bytes, past the end"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_rank_file_is_refused_in_one_line(saved: Path, tmp_path: Path, capsys, case: str) -> None:
+    """A spec, state dict or zip directory no torch writes (an endless loop, a traceback, a tensor silently
+    overwritten, a storage inspect reports as 4 GiB): exit 2 naming rank 0's file, nothing written."""
+    kind, edit, says = CRAFTED[case]
+    ckpt = shutil.copytree(saved / kind, tmp_path / case)
+    edit(ckpt)  # type: ignore[operator]
+    for argv in (("dcp-to-hf", str(ckpt), str(tmp_path / "hf")), ("inspect", "--json", str(ckpt))):
+        code, err = run(capsys, *argv)
+        assert_one_line(code, err, f"{ckpt / R0}: ", says)
+    assert not (tmp_path / "hf").exists()

@@ -26,7 +26,9 @@ from ckptconv.formats.deepspeed_layout import Piece, Span, chunks, zero2_pieces,
 from ckptconv.formats.deepspeed_pickle import PickledFile, read_pickled
 from ckptconv.formats.deepspeed_universal import is_universal, universal_tensors
 from ckptconv.formats.files import inside, listdir
+from ckptconv.formats.safe_pickle import short
 from ckptconv.formats.torch_record import TensorRecord
+from ckptconv.job.limits import MAX_DIMS
 
 _UNIVERSAL = "ds_to_universal.py"
 
@@ -60,18 +62,18 @@ def open_deepspeed(path: Path) -> DcpCheckpoint:
         if model_name not in models:
             raise _fail(step, "no mp_rank_00_model_states.pt (nor zero_pp_rank_0_mp_rank_00_model_states.pt)")
     model = read_pickled(path, prefix + model_name)
-    state = _dict(model.value, model.rel)
+    state = _dict(model.value, model.path)
     _refuse_unsupported(path / model.rel, state)
-    module = _dict(state.get("module"), f"{model.rel}: module")
+    module = _dict(state.get("module"), f"{model.path}: module")
     stamps = {model.rel: model.stamp}
     if weights() == "module":
         tensors = _module_tensors(path, model, module, state)
         return DcpCheckpoint(path, tensors, {}, {k: (k,) for k in tensors}, stamps, kind="deepspeed")
     if not optims and is_universal(step):
         listed = {
-            k: _shape(v, model.rel)
+            k: _shape(v, model.path)
             for g in state.get("param_shapes") or []
-            for k, v in _dict(g, model.rel).items()
+            for k, v in _dict(g, model.path).items()
         }
         tensors, more = universal_tensors(path, prefix, listed)
         stamps.update(more)
@@ -89,13 +91,16 @@ def open_deepspeed(path: Path) -> DcpCheckpoint:
         )
     rank0 = read_pickled(path, prefix + _optim_file(step, optims, 0))
     osd = _dict(
-        _dict(rank0.value, rank0.rel).get("optimizer_state_dict"), f"{rank0.rel}: optimizer_state_dict"
+        _dict(rank0.value, rank0.path).get("optimizer_state_dict"), f"{rank0.path}: optimizer_state_dict"
     )
     stage, count = osd.get("zero_stage"), osd.get("partition_count")
-    world = max(count) if isinstance(count, list) and count else count
+    counts = count if isinstance(count, list) and count else [count]
+    world = max(counts) if all(type(c) is int for c in counts) else None
     if type(stage) is not int or stage not in (1, 2, 3) or type(world) is not int or world < 1:
         raise _fail(
-            path / rank0.rel, f"zero_stage {stage!r} with partition_count {count!r} is not ZeRO-1/2/3"
+            path / rank0.rel,
+            f"zero_stage {_show(stage)} with partition_count {_show(count)} "
+            "is not ZeRO-1/2/3; the file is corrupt or not DeepSpeed's, re-copy the checkpoint",
         )
     if len(optims) != world:
         raise _fail(
@@ -110,8 +115,8 @@ def open_deepspeed(path: Path) -> DcpCheckpoint:
     key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
     groups = [_groups(f, key) for f in optim_files]
     shapes = [
-        [(str(k), _shape(v, model.rel)) for k, v in _dict(g, model.rel).items()]
-        for g in _list(state.get("param_shapes"), f"{model.rel}: param_shapes")
+        [(str(k), _shape(v, model.path)) for k, v in _dict(g, model.path).items()]
+        for g in _list(state.get("param_shapes"), f"{model.path}: param_shapes")
     ]
     pieces: dict[str, list[Piece]] = {}
     if stage <= 2:
@@ -119,7 +124,7 @@ def open_deepspeed(path: Path) -> DcpCheckpoint:
         if len(shapes) != len(groups[0]):
             raise _fail(path / model.rel, f"{len(shapes)} param groups, {len(groups[0])} fp32 partitions")
         for g, group_shapes in enumerate(shapes):
-            pad = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
+            pad = _paddings(path / rank0.rel, paddings, g, len(group_shapes))
             got, problem = zero2_pieces(group_shapes, [r[g] for r in groups], world, pad)
             if problem:
                 raise _fail(
@@ -155,7 +160,7 @@ def _finish(
 ) -> DcpCheckpoint:
     """Buffers from `module`, shared parameters under both names, parameters DeepSpeed keeps only in `module`
     (a ZeRO-1 checkpoint's frozen ones), in `module`'s order."""
-    shared = {str(k): str(v) for k, v in _dict(state.get("shared_params") or {}, model.rel).items()}
+    shared = {str(k): str(v) for k, v in _dict(state.get("shared_params") or {}, model.path).items()}
     out: dict[str, TensorSpec] = {}
     for name, value in module.items():
         if name in tensors:
@@ -177,9 +182,9 @@ def _module_tensors(
     path: Path, model: PickledFile, module: dict[str, Any], state: dict[str, Any]
 ) -> dict[str, TensorSpec]:
     shapes = {
-        k: _shape(v, model.rel)
+        k: _shape(v, model.path)
         for g in state.get("param_shapes") or []
-        for k, v in _dict(g, model.rel).items()
+        for k, v in _dict(g, model.path).items()
     }
     out = {}
     for name, value in module.items():
@@ -211,11 +216,11 @@ def _frozen(path: Path, stage: int, state: dict[str, Any], files: list[PickledFi
     ceil(numel / world) fragment of each per rank, in each rank's model states file."""
     shapes = state.get("frozen_param_shapes") or {}
     out = {}
-    for name, shape_value in _dict(shapes, files[0].rel).items():
-        shape = _shape(shape_value, files[0].rel)
+    for name, shape_value in _dict(shapes, files[0].path).items():
+        shape = _shape(shape_value, files[0].path)
         frags = []
         for f in files:
-            frag = _dict(_dict(f.value, f.rel).get("frozen_param_fragments"), f.rel).get(name)
+            frag = _dict(_dict(f.value, f.path).get("frozen_param_fragments"), f.path).get(name)
             if not isinstance(frag, TensorRecord):
                 raise _fail(path / f.rel, f"frozen parameter {name!r} has no fragment")
             frags.append(frag)
@@ -255,17 +260,32 @@ def _optim_file(step: Path, optims: dict[str, Any], rank: int) -> str:
 
 
 def _groups(file: PickledFile, key: str) -> list[Span]:
-    osd = _dict(_dict(file.value, file.rel).get("optimizer_state_dict"), file.rel)
+    osd = _dict(_dict(file.value, file.path).get("optimizer_state_dict"), file.path)
     spans = []
-    for record in _list(osd.get(key), f"{file.rel}: {key}"):
+    for record in _list(osd.get(key), f"{file.path}: {key}"):
         if (
             not isinstance(record, TensorRecord)
             or len(record.size) != 1
             or str(record.dtype) != "torch.float32"
         ):
-            raise _fail(file.rel, f"{key} holds something else than flat fp32 tensors")
+            raise _fail(file.path, f"{key} holds something else than flat fp32 tensors")
         spans.append(Span(file.rel, file.where(record), record.size[0]))
     return spans
+
+
+def _paddings(where: Path, paddings: Any, group: int, count: int) -> list[int] | None:
+    """Param group `group`'s `param_alignment_paddings`: a non-negative int per parameter (None when the
+    checkpoint records none); anything else would misplace every parameter after it."""
+    if paddings is None:
+        return None
+    pad = paddings[group] if isinstance(paddings, list) and group < len(paddings) else None
+    if not isinstance(pad, list) or len(pad) != count or not all(type(n) is int and n >= 0 for n in pad):
+        raise _fail(
+            where,
+            f"param_alignment_paddings of param group {group} is not {count} non-negative ints (one per "
+            "parameter); the file is corrupt or not DeepSpeed's, re-copy the checkpoint",
+        )
+    return pad
 
 
 def _refuse_unsupported(where: Path, state: dict[str, Any]) -> None:
@@ -281,15 +301,26 @@ def _refuse_unsupported(where: Path, state: dict[str, Any]) -> None:
             )
     dims = state.get("checkpoint_parallel_dimensions")
     sizes = {k: dims.get(k) for k in ("pp_degree", "tp_degree")} if isinstance(dims, dict) else {}
-    if any(type(v) is int and v > 1 for v in sizes.values()) or state.get("mp_world_size", 1) not in (
-        1,
-        None,
-    ):
+    mp = state.get("mp_world_size", 1)
+    if mp is not None and (type(mp) is not int or mp < 1):
         raise _fail(
             where,
-            f"saved with pipeline or tensor parallelism ({sizes}); ckptconv puts back "
+            f"mp_world_size {_show(mp)} is not a model-parallel world size; the file is corrupt or "
+            "not DeepSpeed's, re-copy the checkpoint",
+        )
+    if any(type(v) is int and v > 1 for v in sizes.values()) or mp not in (1, None):
+        raise _fail(
+            where,
+            f"saved with pipeline or tensor parallelism (mp_world_size {mp}, {sizes}); ckptconv puts back "
             f"data-parallel ZeRO partitions only, convert it with DeepSpeed's {_UNIVERSAL} first",
         )
+
+
+def _show(value: Any) -> str:
+    """A value read from a pickle, short enough for a message (a list by its first few items)."""
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(short(v, 30) for v in value[:4]) + (", ...]" if len(value) > 4 else "]")
+    return short(value, 80)
 
 
 def _dict(value: Any, where: object) -> dict[str, Any]:
@@ -307,4 +338,8 @@ def _list(value: Any, where: object) -> list[Any]:
 def _shape(value: Any, where: object) -> tuple[int, ...]:
     if not isinstance(value, tuple | list) or not all(type(n) is int and n >= 0 for n in value):
         raise _fail(where, f"a parameter shape {type(value).__name__} is not a list of sizes")
+    if len(value) > MAX_DIMS:
+        raise _fail(
+            where, f"a parameter shape of {len(value)} dimensions (at most {MAX_DIMS}); the file is corrupt"
+        )
     return tuple(value)

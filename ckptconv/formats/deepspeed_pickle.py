@@ -102,6 +102,8 @@ class PickledFile:
 
     rel: str
     """The file, relative to the checkpoint directory."""
+    path: Path
+    """The file itself (the checkpoint directory as given, joined with `rel`): what messages name."""
     value: Any
     """The unpickled object, tensors as `TensorRecord`s."""
     storages: dict[str, tuple[int, int]]
@@ -118,7 +120,7 @@ class PickledFile:
             numel *= n
         if length < 0 or not record.is_contiguous or first + numel * record.dtype.itemsize > start + length:
             raise CkptconvError(
-                f"{self.rel}: a tensor of shape {list(record.size)} lies outside its storage "
+                f"{self.path}: a tensor of shape {list(record.size)} lies outside its storage "
                 "(or is not contiguous); the file is corrupt, re-save or re-copy it"
             )
         return first
@@ -142,7 +144,7 @@ def read_pickled(root: Path, rel: str) -> PickledFile:
                 raise CkptconvError(f"{path}: saved big-endian; ckptconv reads little-endian checkpoints")
             data = archive.read("data.pkl", MAX_PICKLE)
             value = _Unpickler(data, DEEPSPEED_GLOBALS, budget).load()
-            storages = _storages(file, archive)
+            storages = _storages(file, archive, st.st_size)
         except Refused as e:
             raise CkptconvError(
                 f"{path}: its pickle calls {clip(str(e), 200)}, which ckptconv does not run (not a plain "
@@ -155,11 +157,12 @@ def read_pickled(root: Path, rel: str) -> PickledFile:
                 f"{path}: not a readable torch.save file ({type(e).__name__}: {clip(str(e), 160)}); "
                 "the checkpoint is corrupt or incomplete, re-copy it"
             ) from None
-    return PickledFile(rel, value, storages, stamp(st))
+    return PickledFile(rel, path, value, storages, stamp(st))
 
 
-def _storages(file: Any, archive: TorchZip) -> dict[str, tuple[int, int]]:
-    """Where the bytes of each `data/KEY` entry start: after its local header, which must say stored."""
+def _storages(file: Any, archive: TorchZip, size: int) -> dict[str, tuple[int, int]]:
+    """Where the bytes of each `data/KEY` entry start: after its local header, which must say stored; its
+    bytes must lie within the file's `size` (a storage claiming more is refused here, not when read)."""
     found = {}
     for name, info in archive.entries.items():
         if not name.startswith("data/"):
@@ -171,5 +174,8 @@ def _storages(file: Any, archive: TorchZip) -> dict[str, tuple[int, int]]:
         if len(local) != 30 or local[:4] != b"PK\x03\x04":
             raise zipfile.BadZipFile(f"{name} has a broken zip entry")
         name_len, extra_len = struct.unpack("<HH", local[26:30])
-        found[name[5:]] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+        start = info.header_offset + 30 + name_len + extra_len
+        if start + info.file_size > size:
+            raise zipfile.BadZipFile(f"{name} claims {info.file_size} bytes from byte {start}, past the end")
+        found[name[5:]] = (start, info.file_size)
     return found

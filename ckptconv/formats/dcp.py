@@ -66,7 +66,7 @@ def is_dcp_dir(path: Path) -> bool:
         return True
     from ckptconv.formats.deepspeed import is_deepspeed_dir
     from ckptconv.formats.hf_sharded import is_sharded_dir
-    from ckptconv.formats.rank_shards import is_rank_dir
+    from ckptconv.formats.rank_files import is_rank_dir
 
     return is_sharded_dir(path) or is_rank_dir(path) or is_deepspeed_dir(path)
 
@@ -83,7 +83,8 @@ def open_dcp(path: Path) -> DcpCheckpoint:
 
         if is_sharded_dir(path):
             return open_sharded(path)
-        from ckptconv.formats.rank_shards import is_rank_dir, open_rank_shards
+        from ckptconv.formats.rank_files import is_rank_dir
+        from ckptconv.formats.rank_shards import open_rank_shards
 
         if is_rank_dir(path):
             return open_rank_shards(path)

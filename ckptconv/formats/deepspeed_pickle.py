@@ -45,6 +45,22 @@ class LossScaleProfile:
         return value
 
 
+ENUM_MEMBERS: dict[Any, dict[str, Any]] = {  # DeepSpeed 0.19's members of the two enums its pickles hold
+    ZeroStageEnum: {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3, "max_stage": 3},
+    LossScaleProfile: {"FUSED": "fused", "UNFUSED": "unfused"},
+}
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """`getattr(EnumClass, "member")`: how some Python 3.11 releases pickle an enum member (3.11.2, CI's,
+    does; 3.11.7 calls the class with the value). Only the members of the enums above: any other getattr is
+    refused."""
+    members = ENUM_MEMBERS.get(cls) if isinstance(cls, type) else None
+    if members is None or type(name) is not str or name not in members:
+        raise pickle.UnpicklingError("getattr of anything but a DeepSpeed enum's member")
+    return members[name]
+
+
 class LossScaler(Record):
     """deepspeed.runtime.fp16.loss_scaler.LossScaler (or DynamicLossScaler): its attributes only."""
 
@@ -89,6 +105,8 @@ DEEPSPEED_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): _TENSOR,
     ("torch.nn.parameter", "Parameter"): _TENSOR,
     (f"{_DS}.zero.config", "ZeroStageEnum"): ZeroStageEnum,
+    ("builtins", "getattr"): _enum_member,
+    ("__builtin__", "getattr"): _enum_member,  # protocol 2's name of it
     (f"{_DS}.fp16.loss_scaler", "LossScaler"): LossScaler,
     (f"{_DS}.fp16.loss_scaler", "DynamicLossScaler"): LossScaler,
     (f"{_DS}.fp16.loss_scaler", "LossScaleProfile"): LossScaleProfile,

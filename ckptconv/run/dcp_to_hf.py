@@ -16,7 +16,7 @@ from ckptconv.errors import CkptconvError
 from ckptconv.formats.deepspeed import deepspeed_weights
 from ckptconv.formats.hf import INDEX_FILE, checkpoint_root
 from ckptconv.formats.hf_sharded import metadata_dir
-from ckptconv.formats.rank_shards import model_files
+from ckptconv.formats.rank_files import model_files
 from ckptconv.job import gcpause
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World, everyone, on_main

@@ -16,7 +16,7 @@ from ckptconv.formats.dcp import is_dcp_dir, open_dcp
 from ckptconv.formats.files import exists, is_directory
 from ckptconv.formats.hf import is_hf_dir, open_hf
 from ckptconv.formats.megatron import megatron_info
-from ckptconv.formats.rank_shards import left_out
+from ckptconv.formats.rank_files import left_out
 from ckptconv.job.gcpause import paused
 from ckptconv.job.ui import human_bytes
 from ckptconv.plan.writes import bytes_per_rank

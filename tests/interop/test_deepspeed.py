@@ -160,13 +160,22 @@ class _Boom:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_crafted_pickle_refused(runs: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "optimizer_state_dict"),
+        ("mp_rank_00_model_states.pt", "module"),
+    ],
+)
+def test_crafted_pickle_refused(runs: Path, tmp_path: Path, name: str, key: str) -> None:
+    """A REDUCE of os.system in an optimizer-states or a model-states file: refused by name, never run."""
     run = tmp_path / "run"
     shutil.copytree(runs / SPECS[1], run)
     marker = tmp_path / "ran"
-    rank1 = run / "ckpt" / STEP / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rank1 = run / "ckpt" / STEP / name
+    assert rank1.is_file()
     buf = io.BytesIO()
-    torch.save({"optimizer_state_dict": _Boom(marker)}, buf)
+    torch.save({key: _Boom(marker)}, buf)
     rank1.write_bytes(buf.getvalue())
     proc = ckptconv("dcp-to-hf", str(run / "ckpt"), str(tmp_path / "out"))
     assert proc.returncode == 2 and not marker.exists(), proc.stderr

@@ -46,8 +46,10 @@ def quantizable(shape: tuple[int, ...]) -> bool:
 
 def global_scale(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """weight_scale_2 of `w` cast to `dtype`: amax(|w|) / (6 * 448), fp32 0-d. The amax is taken before the
-    cast (a rounding never reorders values, so the cast amax is the amax of the cast values)."""
-    return w.abs().amax().to(dtype or w.dtype).float() / (E2M1_MAX * E4M3_MAX)
+    cast (a rounding never reorders values, so the cast amax is the amax of the cast values); |w|'s max is
+    max(-min, max), so no |w| copy of the weight is made."""
+    lo, hi = torch.aminmax(w)
+    return torch.maximum(-lo, hi).to(dtype or w.dtype).float() / (E2M1_MAX * E4M3_MAX)
 
 
 def _codes(x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from .methods import WORKERS
-from .runner import GIB, ROOT, Command, command_line, log, options, run_interleaved, write_results
+from .runner import GIB, ROOT, command_line, kept_commands, log, options, run_interleaved, write_results
 
 OPTIONS = options(3)
 WORKER = str(WORKERS / "ct_release.py")
@@ -82,18 +82,8 @@ def main(args: argparse.Namespace) -> int:
             "ckptconv 2 ranks": [*torchrun, *convert],
             "compressed-tensors": [sys.executable, WORKER, "dequant", str(release), "{out}"],
         }
-        outs = {m: args.workdir / f"dequant-out-{kind}-{i}" for i, m in enumerate(methods)}
-        commands = [
-            Command(
-                method,
-                method,
-                [a.replace("{out}", str(outs[method])) for a in argv],
-                args.workdir / "logs" / f"dequant-{kind}-{method.replace(' ', '_')}.log",
-                outs[method],
-                keep=True,  # compared below
-            )
-            for method, argv in methods.items()
-        ]
+        commands = kept_commands(methods, args.workdir, f"dequant-{kind}")  # outputs compared below
+        outs = {c.key: c.out for c in commands if c.out is not None}
         results = run_interleaved(commands, args.runs, env, f"dequant {kind} {args.gb:g}GB")
         failed = [r for r in results.values() if r.error is not None]
         for r in failed:

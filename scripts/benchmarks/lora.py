@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from .methods import WORKERS
-from .runner import GIB, ROOT, Command, command_line, log, options, run_interleaved, write_results
+from .runner import GIB, ROOT, command_line, kept_commands, log, options, run_interleaved, write_results
 
 OPTIONS = options(3)
 WORKER = str(WORKERS / "lora_peft.py")
@@ -76,18 +76,8 @@ def main(args: argparse.Namespace) -> int:
         "ckptconv 2 ranks": [*torchrun, *convert, "{out}", *flags],
         "PEFT merge": [sys.executable, WORKER, "merge", str(ckpt), "{out}"],
     }
-    outs = {m: args.workdir / f"lora-out-{i}" for i, m in enumerate(methods)}
-    commands = [
-        Command(
-            method,
-            method,
-            [a.replace("{out}", str(outs[method])) for a in argv],
-            args.workdir / "logs" / f"lora-{method.replace(' ', '_')}.log",
-            outs[method],
-            keep=True,  # compared below
-        )
-        for method, argv in methods.items()
-    ]
+    commands = kept_commands(methods, args.workdir, "lora")  # outputs compared below
+    outs = {c.key: c.out for c in commands if c.out is not None}
     results = run_interleaved(commands, args.runs, env, f"lora {args.gb:g}GB")
     failed = [r for r in results.values() if r.error is not None]
     for r in failed:

@@ -180,6 +180,22 @@ class Command:
     keep: bool = False
 
 
+def kept_commands(methods: dict[str, list[str]], workdir: Path, name: str) -> list[Command]:
+    """One Command per method, `{out}` in its argv replaced by its own output WORKDIR/NAME-out-I, kept after
+    each run (for comparing outputs), its log WORKDIR/logs/NAME-METHOD.log."""
+    return [
+        Command(
+            method,
+            method,
+            [a.replace("{out}", str(workdir / f"{name}-out-{i}")) for a in argv],
+            workdir / "logs" / f"{name}-{method.replace(' ', '_')}.log",
+            workdir / f"{name}-out-{i}",
+            keep=True,
+        )
+        for i, (method, argv) in enumerate(methods.items())
+    ]
+
+
 def run_interleaved(
     commands: Sequence[Command], runs: int, env: dict[str, str], tag: str
 ) -> dict[str, Result]:

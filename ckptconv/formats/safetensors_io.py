@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ckptconv.core.crc32 import crc32
 from ckptconv.core.dtypes import st_name
 from ckptconv.core.specs import StoredTensor
 from ckptconv.errors import CkptconvError
@@ -71,11 +72,21 @@ def header_bytes(entries: Sequence[Entry], metadata: dict[str, str] | None = Non
 
 class SafetensorsWriter:
     def __init__(
-        self, path: Path, entries: Sequence[Entry], *, header: bool = True, sink: PositionedSink | None = None
+        self,
+        path: Path,
+        entries: Sequence[Entry],
+        *,
+        header: bool = True,
+        sink: PositionedSink | None = None,
+        crc: bool = False,
     ) -> None:
-        """`sink`: where the bytes go instead of the local file `path` (object storage)."""
+        """`sink`: where the bytes go instead of the local file `path` (object storage); `crc`: keep the
+        CRC-32 of what is written (`crcs`), computed from the bytes in memory, not read back."""
         self.path = path
         self.bytes_written = 0
+        # (offset, length, CRC-32) of each run of bytes written, a write that continues the last run
+        # extending it (zlib's CRC-32 continues a running one): one piece where writes come in order
+        self.crcs: list[tuple[int, int, int]] | None = [] if crc else None
         self.entries = {e.key: e for e in entries}
         head = header_bytes(list(entries))
         self._offsets = dict(
@@ -104,6 +115,8 @@ class SafetensorsWriter:
             self._pwrite(view, self._offsets[key] + start)
 
     def _pwrite(self, data: memoryview, offset: int) -> None:
+        if self.crcs is not None and len(data):
+            self._crc(data, offset)
         if self._stream is not None:
             self._stream.write_at(offset, data)
             self.bytes_written += len(data)
@@ -115,6 +128,14 @@ class SafetensorsWriter:
                 self.bytes_written += n
         except OSError as e:
             raise self._error(e) from None
+
+    def _crc(self, data: memoryview, offset: int) -> None:
+        assert self.crcs is not None
+        if self.crcs and sum(self.crcs[-1][:2]) == offset:
+            start, length, crc = self.crcs[-1]
+            self.crcs[-1] = (start, length + len(data), crc32(data, crc))
+        else:
+            self.crcs.append((offset, len(data), crc32(data)))
 
     def _error(self, e: OSError) -> CkptconvError:
         return CkptconvError(f"{self.path}: cannot write ({e.strerror}); check free space and permissions")

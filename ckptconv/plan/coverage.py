@@ -1,11 +1,13 @@
-"""Pure: the byte ranges of the output files each rank writes, whether ranges cover a file, and the digest of
-the world-size independent part of a dcp-to-hf plan (each file's name, header and size), for `--resume`."""
+"""Pure: the byte ranges of the output files each rank writes, whether ranges cover a file, the CRC-32 of each
+range from those of the pieces written, and the digest of the world-size independent part of a dcp-to-hf plan
+(each file's name, header and size), for `--resume`."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
 
+from ckptconv.core.crc32 import combine
 from ckptconv.plan.types import HfSavePlan, OutFile
 
 Range = tuple[int, int]  # [lo, hi) bytes of a file
@@ -40,6 +42,25 @@ def covers(ranges: Iterable[Range], size: int) -> bool:
     if size == 0:
         return not whole
     return whole == [(0, size)]
+
+
+def range_crcs(ranges: Iterable[Range], pieces: Iterable[tuple[int, int, int]]) -> list[list[int]] | None:
+    """[lo, hi, CRC-32 of bytes [lo, hi)] of each of `ranges` (merged), from the (offset, length, CRC-32) of
+    the pieces written, in any order; None when the pieces do not tile the ranges exactly (a gap, an overlap,
+    a piece outside them)."""
+    todo = sorted(set(pieces))
+    out, i = [], 0
+    for lo, hi in sorted(ranges):
+        crc, at = 0, lo
+        while i < len(todo) and todo[i][0] < hi:
+            start, length, piece = todo[i]
+            if start != at or at + length > hi:
+                return None
+            crc, at, i = combine(crc, piece, length), at + length, i + 1
+        if at != hi:
+            return None
+        out.append([lo, hi, crc])
+    return out if i == len(todo) else None
 
 
 def rank_ranges(plan: HfSavePlan, rank: int) -> dict[str, list[Range]]:

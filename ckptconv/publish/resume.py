@@ -3,8 +3,9 @@ later run keep the files an interrupted one finished.
 
 Each rank, once its writes to a file are on the device (after the fsync; closed, with --no-fsync), writes a
 record into STAGING/.ckptconv-resume/: the run's fingerprint, the file's name and planned size, and the byte
-ranges it wrote with their CRC-32 (read back from the file). The fingerprint is three digests: the source's
-identity (file stamps, headers), the options that change what is written, and the plan of the files' bytes.
+ranges it wrote with their CRC-32 (computed from the bytes as they were written, not read back). The
+fingerprint is three digests: the source's identity (file stamps, headers), the options that change what is
+written, and the plan of the files' bytes.
 A run with `--resume` (rank 0, holding OUT's lock) reads the records as inputs (a bounded count and size,
 JSON with checked types; a malformed record is not trusted), refuses records made for another fingerprint,
 and keeps a file only when the records of it cover every byte and the bytes still have their CRC-32s; every
@@ -19,7 +20,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from ckptconv.core.crc32 import crc32
 from ckptconv.errors import CkptconvError
 from ckptconv.formats import durable
 from ckptconv.formats.files import write_failed
-from ckptconv.plan.coverage import Range, covers
+from ckptconv.plan.coverage import Range, covers, range_crcs
 
 RECORDS = ".ckptconv-resume"  # inside the staging directory; removed before it is published
 RECORD_BYTES = 64 << 10  # one record; a larger one is not trusted
@@ -219,25 +220,35 @@ class Recorder:
         self.resume, self.staging, self.rank, self.world_size = resume, staging, rank, world_size
         self.ranges = ranges
 
-    def done(self, path: object) -> None:
+    def done(self, path: object, pieces: Sequence[tuple[int, int, int]] | None = None) -> None:
         """Record the file `path` (in the staging directory): the ranges this rank wrote, with their CRC-32s
-        read back from it."""
+        made from `pieces` ((offset, length, CRC-32) of what the writer wrote, computed from the bytes in
+        memory), or read back from the file where no pieces are given or they do not tile the ranges."""
         name = Path(str(path)).name
         size = self.resume.sizes.get(name)
         if size is None:
             return
+        mine = self.ranges.get(name, [])
+        ranges = range_crcs(mine, pieces) if pieces is not None else None
+        if ranges is None:
+            ranges = self._read_back(path, mine)
+            if ranges is None:
+                return  # shorter than written: not recorded, so written again by a resume
+        write_record(self.staging, self.resume.fingerprint, name, size, ranges, self.rank, self.world_size)
+
+    @staticmethod
+    def _read_back(path: object, mine: Sequence[Range]) -> list[list[int]] | None:
+        """[lo, hi, CRC-32] of each range, read back from the file; None where it ends before one's end."""
         try:
             fd = os.open(Path(str(path)), os.O_RDONLY)
             try:
-                crcs = [(lo, hi, range_crc(fd, lo, hi)) for lo, hi in self.ranges.get(name, [])]
+                crcs = [(lo, hi, range_crc(fd, lo, hi)) for lo, hi in mine]
             finally:
                 os.close(fd)
         except OSError as e:
             raise write_failed(path, OSError(e.errno, e.strerror)) from None
         ranges = [[lo, hi, crc] for lo, hi, crc in crcs if crc is not None]
-        if len(ranges) < len(crcs):
-            return  # shorter than written: not recorded, so written again by a resume
-        write_record(self.staging, self.resume.fingerprint, name, size, ranges, self.rank, self.world_size)
+        return ranges if len(ranges) == len(crcs) else None
 
 
 def write_record(

@@ -32,6 +32,8 @@ from ckptconv.stream.gather import gather_tensors
 from ckptconv.stream.unshard import Item, direct_rows, direct_tensors
 
 ReadPath = Literal["direct", "gather"]
+# `--resume`'s record of a finished file: (its path, the (offset, length, CRC-32) of what was written to it)
+Record = Callable[[object, list[tuple[int, int, int]] | None], None]
 
 
 def write_shards(
@@ -44,12 +46,12 @@ def write_shards(
     read_path: ReadPath,
     fsync: bool,
     target: Sinks,
-    record: Callable[[object], None] | None = None,
+    record: Record | None = None,
 ) -> tuple[list[RowPiece], RankBytes]:
     """This rank's writes into `staging`, each file fsynced once this rank has written it (unless not
     `fsync`); returns the chunks' pieces it read (some rows of a chunk) and the bytes it read and wrote.
-    `target`: where the files go (`publish.target`); `record(path)`: called once a file is on the device
-    (`--resume`'s record of it)."""
+    `target`: where the files go (`publish.target`); `record(path, crcs)`: called once a file is on the
+    device (`--resume`'s record of it)."""
     with DcpReader(ckpt, cache_bytes=bucket) as reader:
         if read_path == "gather":
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
@@ -71,22 +73,25 @@ def write_files(
     fsync: bool = True,
     *,
     target: Sinks,
-    record: Callable[[object], None] | None = None,
+    record: Record | None = None,
 ) -> int:
     """Write this rank's byte ranges of the plan's files (`plan.writes_of`) from `items` (its writes with
     their data, in order, as unshard yields them), each in place; returns the bytes written. Tensors made
     in `pool` go back to it once written. With `fsync`, each file is fsynced as soon as this rank's writes to
     it are done, on a thread of its own while the next file is written, and all before this returns.
-    `target`: the files' sinks (`publish.target`); `record(path)`: called (on the fsync thread) once a file
-    this rank finished is on the device and closed."""
+    `target`: the files' sinks (`publish.target`); `record(path, crcs)`: called (on the fsync thread) once a
+    file this rank finished is on the device and closed, with the (offset, length, CRC-32) of what was
+    written to it (computed by the writer from the bytes in memory: nothing is read back)."""
     sinks = target
+    crcs: dict[str, list[tuple[int, int, int]] | None] = {}  # a finished file's, until its record is made
+    after = None if record is None else lambda path: record(path, crcs.pop(str(path), None))
     mine = plan.writes_of(world.rank)
     files = len({w.file.name for w in mine})
     nbytes = bytes_per_rank(plan.writes, plan.world_size)[world.rank]
     written = done = 0
     with (
         ui.bytes_progress(f"writing {files} of {len(plan.files)} files", nbytes) as progress,
-        Syncer(fsync, after=record) as syncer,
+        Syncer(fsync, after=after) as syncer,
     ):
         writer: SafetensorsWriter | None = None
         try:
@@ -94,12 +99,14 @@ def write_files(
                 if writer is None or writer.path.name != w.file.name:
                     if writer is not None:
                         finished, writer = writer, None  # its file is the syncer's to close now
+                        crcs[str(finished.path)] = finished.crcs
                         finished.close(syncer)
                         written += finished.bytes_written
                     entries = [Entry(x.hf_key, x.dtype, x.file_shape) for x in w.file.tensors]
                     # a rank's writes to a file are one run, so the write with the header opens it
                     path = staging / w.file.name
-                    writer = SafetensorsWriter(path, entries, header=w.header, sink=sinks.sink(path))
+                    sink, crc = sinks.sink(path), record is not None
+                    writer = SafetensorsWriter(path, entries, header=w.header, sink=sink, crc=crc)
                 if w.tensor.quant:
                     progress.advance(_write_quantized(writer, w.tensor, tensor))
                 else:
@@ -112,6 +119,7 @@ def write_files(
                 del tensor  # not held while the next tensor is assembled
             if writer is not None:
                 finished, writer = writer, None
+                crcs[str(finished.path)] = finished.crcs
                 finished.close(syncer)
                 written += finished.bytes_written
             syncer.wait()  # every file this rank wrote is on the device before it says it is done

@@ -11,7 +11,7 @@ import torch
 
 from ckptconv.errors import CkptconvError
 from ckptconv.options import DcpToHfOptions, DtypeOptions, OutputOptions
-from ckptconv.plan.coverage import covers, file_size, merged, plan_digest, rank_ranges
+from ckptconv.plan.coverage import covers, file_size, merged, plan_digest, range_crcs, rank_ranges
 from ckptconv.plan.types import HfSavePlan, OutFile, OutTensor, SourcePart
 from ckptconv.plan.writes import plan_writes
 from ckptconv.publish.resume import (
@@ -146,3 +146,29 @@ def test_a_file_that_fails_its_crc_is_not_kept(tmp_path: Path) -> None:
     write_record(staging, FP, "a.safetensors", 1000, [[600, 1000, zlib.crc32(data[600:]) ^ 1]], 1, 2)
     assert Resume(FP, {"a.safetensors": 1000}, True).keep(staging, fsync=False) == frozenset()
     assert not (staging / "a.safetensors").exists()
+
+
+def test_the_writers_crcs_from_memory_are_the_files_ranges_crcs(tmp_path: Path) -> None:
+    """Writes out of order (the first tensor in two slabs, the second between them): the CRC-32 of each merged
+    range, made from the pieces the writer computed in memory, is zlib's of the file's bytes."""
+    import zlib
+
+    from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter
+
+    a, b = torch.arange(48, dtype=torch.float32).reshape(12, 4), torch.arange(8, dtype=torch.int16)
+    writer = SafetensorsWriter(
+        tmp_path / "f", [Entry("a", a.dtype, (12, 4)), Entry("b", b.dtype, (8,))], crc=True
+    )
+    writer.write("a", a[:6])
+    writer.write("b", b)
+    writer.write("a", a[6:], 6 * 16)
+    writer.close()
+    data = (tmp_path / "f").read_bytes()
+    assert writer.crcs is not None and len(writer.crcs) == 3  # header + a's first slab ran on as one piece
+    assert range_crcs([(0, len(data))], writer.crcs) == [[0, len(data), zlib.crc32(data)]]
+    head = len(data) - a.nbytes - b.nbytes
+    split = [(0, head + 96), (head + 96, len(data))]
+    assert range_crcs(split, writer.crcs) == [[lo, hi, zlib.crc32(data[lo:hi])] for lo, hi in split]
+    assert range_crcs([(0, len(data) - 1)], writer.crcs) is None  # a piece past the range
+    assert range_crcs([(0, len(data)), (len(data), len(data) + 4)], writer.crcs) is None  # a gap
+    assert range_crcs([(0, 8)], [(0, 4, 1), (2, 6, 2)]) is None  # an overlap

@@ -13,8 +13,8 @@ _done = resume.Recorder.done
 _paused: list[int] = []
 
 
-def paused_done(self: resume.Recorder, path: object) -> None:
-    _done(self, path)
+def paused_done(self: resume.Recorder, path: object, pieces: object = None) -> None:
+    _done(self, path, pieces)  # type: ignore[arg-type]
     if _paused:
         return
     _paused.append(1)

@@ -127,6 +127,7 @@ def show_hf_to_dcp(
             "ranks": [r.to_json() for r in result.ranks],
             **summary,
             "reference": result.reference,
+            "resumed": result.resumed,
         }
     line = (
         f"wrote {out}: {summary['num_tensors']} tensors, {human_bytes(result.plan.total_size)}, "

@@ -14,6 +14,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo  # what FileSys
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ckptconv.core.crc32 import crc32
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.dcp_reader import byte_view
 from ckptconv.formats.sinks import ObjectStore
@@ -33,6 +35,20 @@ from ckptconv.job.env import env_int
 
 SLAB_BYTES = 8 * 2**20  # read, checksummed and written at once per writer thread (4-8 MiB measured best)
 ReadRows = Callable[[str, int, int, "torch.Tensor | None"], torch.Tensor]
+# a data file's item: (fqn, its chunk's offsets, MetadataIndex.index, where it starts in the file, length)
+Item = tuple[str, tuple[int, ...], "int | None", int, int]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """`--resume`: the data files kept from an interrupted run, and what records each file written."""
+
+    kept: dict[str, tuple[Item, ...]]
+    """{file name: its items, as its record says}: the file is not written again (nor its rows read)."""
+    record: Callable[[str, int, int, list[Item]], None]
+    """record(name, size, CRC-32, items) of a data file once written whole (and fsynced)."""
+    reused: set[str] = field(default_factory=set)
+    """The kept files whose write results were made from their records (the others were written again)."""
 
 
 def write_dcp(
@@ -43,6 +59,7 @@ def write_dcp(
     on_bytes: Callable[[int], None] = lambda n: None,
     fsync: bool = True,
     store: ObjectStore | None = None,
+    resumed: Resumed | None = None,
 ) -> None:
     """Collective: `dcp.save` the `state_dict` of meta tensors / meta-backed DTensors into `directory`.
 
@@ -55,10 +72,12 @@ def write_dcp(
     written, before `dcp.save` gathers the results and writes `.metadata` (which torch fsyncs too); the
     directory entries are `outdir`'s to fsync. `--no-fsync` turns it off for scratch work.
     `store`: an OUT in object storage (`directory` a URL), which takes the data files as uploads.
+    `resumed` (`--resume`): the data files kept (their write results made from their records, not written)
+    and the record of each file written.
     """
-    threads = env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
+    threads = write_threads()
     single = not (dist.is_available() and dist.is_initialized())
-    writer = _RecordWriter(directory, threads, read_rows, raw_items, on_bytes, store)
+    writer = _RecordWriter(directory, threads, read_rows, raw_items, on_bytes, store, resumed)
     writer.sync_files = fsync
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -69,6 +88,11 @@ def write_dcp(
         if error is None:
             raise
         raise error from None
+
+
+def write_threads() -> int:
+    """CKPTCONV_WRITE_THREADS: the data files each rank writes at once (and so writes at most)."""
+    return env_int("CKPTCONV_WRITE_THREADS", 2, maximum=256)
 
 
 def _one_error(e: BaseException, failed: OSError | None, directory: Path) -> BaseException | None:
@@ -139,6 +163,7 @@ class _RecordWriter(FileSystemWriter):
         raw_items: dict[str, bytes],
         on_bytes: Callable[[int], None],
         store: ObjectStore | None,
+        resumed: Resumed | None = None,
     ) -> None:
         # object storage: data files streamed to the URL, torch's `.metadata` left in the run's local
         # directory for the store to upload last
@@ -149,6 +174,7 @@ class _RecordWriter(FileSystemWriter):
         self.on_bytes = on_bytes
         self.scratch = threading.local()  # each writer thread's slab buffer
         self.failed: OSError | None = None  # the first write error, reported as such by write_dcp
+        self.resumed = resumed
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         """torch's: `.metadata` (through `.metadata.tmp`), on rank 0; a write error names the file."""
@@ -169,6 +195,12 @@ class _RecordWriter(FileSystemWriter):
         return future
 
     def _write_file(self, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
+        kept = _kept_results(name, items, self.resumed.kept.get(name)) if self.resumed is not None else None
+        if kept is not None:
+            assert self.resumed is not None
+            self.resumed.reused.add(name)
+            self.on_bytes(sum(_nbytes(i) for i in items if i.tensor_data is not None))
+            return kept
         try:
             return self._write_items(self.directory / name, name, items, planner)
         except OSError as e:
@@ -181,7 +213,8 @@ class _RecordWriter(FileSystemWriter):
         results = []
         f: Any
         sink = self.store.whole(path) if self.store is not None else None
-        with sink if sink is not None else open(path, "wb") as f:
+        with sink if sink is not None else open(path, "wb") as opened:
+            f = _Crc32Writer(opened) if self.resumed is not None else opened
             for item in items:
                 offset = f.tell()
                 if item.tensor_data is None:
@@ -195,6 +228,10 @@ class _RecordWriter(FileSystemWriter):
             if self.sync_files and self.store is None:
                 f.flush()
                 os.fsync(f.fileno())
+            size = f.tell()
+        if self.resumed is not None:  # closed (and fsynced): what the record says of it is on the device
+            crc = f.crc if f.exact else _file_crc(path)
+            self.resumed.record(name, size, crc, [_item(r) for r in results])
         return results
 
     def _write_tensor(self, f: BinaryIO, item: Any) -> None:
@@ -220,3 +257,59 @@ class _RecordWriter(FileSystemWriter):
             yield byte_view(slab)
             self.on_bytes(slab.numel() * slab.element_size())
             del slab
+
+
+def _item(r: WriteResult) -> Item:
+    """A write result as its record keeps it."""
+    info = r.storage_data
+    return (r.index.fqn, tuple(int(o) for o in r.index.offset or ()), r.index.index, info.offset, info.length)
+
+
+def _kept_results(name: str, items: list[Any], recorded: tuple[Item, ...] | None) -> list[WriteResult] | None:
+    """The write results of the kept file `name` made from its record, when it holds exactly these items
+    (torch's plan's, in order) laid out end to end; else None: the file is written again."""
+    if recorded is None or len(recorded) != len(items):
+        return None
+    results, at = [], 0
+    for item, (fqn, offsets, index, start, length) in zip(items, recorded, strict=True):
+        ours = (item.index.fqn, tuple(int(o) for o in item.index.offset or ()), item.index.index)
+        if ours != (fqn, offsets, index) or start != at:
+            return None
+        results.append(WriteResult(item.index, length, _StorageInfo(name, start, length)))
+        at += length
+    return results
+
+
+def _file_crc(path: Path) -> int:
+    """The CRC-32 of a file, read back (a record written by torch.save, which may seek)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(SLAB_BYTES):
+            crc = crc32(chunk, crc)
+    return crc
+
+
+class _Crc32Writer:
+    """A binary file that keeps the CRC-32 of what is written through it (`crc`), from the bytes in memory;
+    `exact` turns False when anything but write, tell, flush or fileno is used (torch.save's zip64 writer
+    may seek: the file is then read back)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f, self.crc, self.exact = f, 0, True
+
+    def write(self, data: Any) -> int:
+        self.crc = crc32(data, self.crc)
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def __getattr__(self, name: str) -> Any:
+        self.exact = False
+        return getattr(self._f, name)

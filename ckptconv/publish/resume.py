@@ -5,7 +5,8 @@ Each rank, once its writes to a file are on the device (after the fsync; closed,
 record into STAGING/.ckptconv-resume/: the run's fingerprint, the file's name and planned size, and the byte
 ranges it wrote with their CRC-32 (computed from the bytes as they were written, not read back). The
 fingerprint is three digests: the source's identity (file stamps, headers), the options that change what is
-written, and the plan of the files' bytes.
+written, and the plan of the files' bytes. A DCP data file (hf-to-dcp) is written whole by one rank: its
+record says too where each item lies in it, what `.metadata` needs when the file is not written again.
 A run with `--resume` (rank 0, holding OUT's lock) reads the records as inputs (a bounded count and size,
 JSON with checked types; a malformed record is not trusted), refuses records made for another fingerprint,
 and keeps a file only when the records of it cover every byte and the bytes still have their CRC-32s; every
@@ -15,28 +16,27 @@ other entry is removed and written again.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 import shutil
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
-from ckptconv.core.crc32 import crc32
 from ckptconv.errors import CkptconvError
 from ckptconv.formats import durable
 from ckptconv.formats.files import write_failed
 from ckptconv.plan.coverage import Range, covers, range_crcs
-
-RECORDS = ".ckptconv-resume"  # inside the staging directory; removed before it is published
-RECORD_BYTES = 64 << 10  # one record; a larger one is not trusted
-MAX_RECORDS = 200_000  # records in the directory; more is refused (it is not one of ours)
-MAX_RANGES = 1024  # ranges in one record
-READ_BYTES = 8 << 20  # read back at once to compute a CRC-32
-_NAME = re.compile(r"[^/\x00]{1,255}\.r[0-9]{1,6}-[0-9]{1,6}\.json")
-KINDS = ("source", "options", "plan")  # the fingerprint's parts, in the order a mismatch is named
+from ckptconv.publish.records import (
+    KINDS,
+    NAME,
+    RECORDS,
+    Item,
+    Record,
+    range_crc,
+    read_records,
+    write_record,
+)
 
 
 def digest(*parts: object) -> str:
@@ -71,95 +71,37 @@ def file_stamp(path: Path) -> tuple[int, int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-@dataclass(frozen=True)
-class Record:
-    """What one rank wrote of one file, as its record says."""
-
-    fingerprint: tuple[str, str, str]
-    """The fingerprint's parts (`KINDS`) of the run that wrote it."""
-    file: str
-    """The file's name in the staging directory."""
-    size: int
-    """The file's planned size."""
-    ranges: tuple[tuple[int, int, int], ...]
-    """(lo, hi, CRC-32 of bytes [lo, hi)) of each range written."""
-
-
-def parse_record(raw: bytes) -> Record | None:
-    """A record from its bytes, or None when it is not one (too large, not JSON, a field of the wrong type
-    or out of range)."""
-    if len(raw) > RECORD_BYTES:
-        return None
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(doc, dict) or doc.get("version") != 1:
-        return None
-    fp, name, size, ranges = doc.get("fingerprint"), doc.get("file"), doc.get("size"), doc.get("ranges")
-    if not (isinstance(fp, dict) and all(isinstance(fp.get(k), str) and len(fp[k]) <= 128 for k in KINDS)):
-        return None
-    if not (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and name not in (".", "..")):
-        return None
-    if not (type(size) is int and _count(size) and isinstance(ranges, list) and len(ranges) <= MAX_RANGES):
-        return None
-    out = []
-    for r in ranges:
-        if not (isinstance(r, list) and len(r) == 3 and all(_count(x) for x in r)):
-            return None
-        lo, hi, crc = r
-        if not (lo < hi <= size and crc < 2**32):
-            return None
-        out.append((lo, hi, crc))
-    return Record((fp["source"], fp["options"], fp["plan"]), name, size, tuple(out))
-
-
-def _count(x: object) -> bool:
-    """A non-negative int (not a bool) below 2**63."""
-    return type(x) is int and 0 <= x < 2**63
-
-
-def record_bytes(fingerprint: tuple[str, str, str], file: str, size: int, ranges: list[list[int]]) -> bytes:
-    """A record's JSON."""
-    doc = {
-        "version": 1,
-        "fingerprint": dict(zip(KINDS, fingerprint, strict=True)),
-        "file": file,
-        "size": size,
-        "ranges": ranges,
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def range_crc(fd: int, lo: int, hi: int) -> int | None:
-    """The CRC-32 of bytes [lo, hi) of the open file `fd`; None where the file ends before `hi`."""
-    crc, at = 0, lo
-    while at < hi:
-        data = os.pread(fd, min(READ_BYTES, hi - at), at)
-        if not data:
-            return None
-        crc = crc32(data, crc)
-        at += len(data)
-    return crc
-
-
 class Resume:
-    """A run's resume state: the fingerprint its records carry, the files it plans ({name: size}), whether
-    `--resume` was asked, and (`kept`, set on every rank by `outdir.atomically`) the files kept from an
-    earlier run, which no rank writes nor reads for again."""
+    """A run's resume state: the fingerprint its records carry, the files it plans ({name: size}; a size of
+    None: the one its record says, a DCP data file's), whether `--resume` was asked, and (`kept`, set on
+    every rank by `outdir.atomically`) the files kept from an earlier run, which no rank writes nor reads for
+    again. `ranks`: the number of ranks a resume must run at (hf-to-dcp's files depend on it), else None."""
 
     def __init__(
         self,
         fingerprint: tuple[str, str, str],
-        sizes: Mapping[str, int],
+        sizes: Mapping[str, int | None],
         asked: bool,
         *,
         info: Callable[[str], None] = lambda line: None,
         warn: Callable[[str], None] = lambda line: None,
+        ranks: int | None = None,
     ) -> None:
         self.fingerprint, self.sizes, self.asked = fingerprint, dict(sizes), asked
-        self.info, self.warn = info, warn
+        self.info, self.warn, self.ranks = info, warn, ranks
         self.kept: frozenset[str] = frozenset()
+
+    def record_whole(
+        self, staging: Path, rank: int, world_size: int, name: str, size: int, crc: int, items: list[Item]
+    ) -> None:
+        """Record a DCP data file `name`, written whole by this rank: its size, CRC-32 and `items`."""
+        if name in self.sizes:
+            ranges = [[0, size, crc]] if size else []
+            write_record(staging, self.fingerprint, name, size, ranges, rank, world_size, items)
+
+    def _fits(self, record: Record) -> bool:
+        """Whether `record` is of a file this run plans, of its planned size."""
+        return record.file in self.sizes and self.sizes[record.file] in (None, record.size)
 
     def recorder(
         self, staging: Path, rank: int, world_size: int, ranges: Mapping[str, list[Range]]
@@ -177,18 +119,32 @@ class Resume:
         by_file: dict[str, list[Record]] = {}
         for record in read_records(staging):
             self._same(staging, record)
-            if self.sizes.get(record.file) == record.size:
+            if self._fits(record):
                 by_file.setdefault(record.file, []).append(record)
         kept = frozenset(name for name, records in by_file.items() if _trusted(staging / name, records))
         _clear(staging, kept)
         if fsync:  # an earlier run with --no-fsync may have left them in the page cache only
             for name in sorted(kept):
                 durable.sync_file(staging / name)
-        self.info(f"--resume: {len(kept)} of {len(self.sizes)} files kept from {staging}; writing the rest")
+        of = f" of {len(self.sizes)}" if None not in self.sizes.values() else ""
+        self.info(f"--resume: {len(kept)}{of} files kept from {staging}; writing the rest")
         return kept
+
+    def items(self, staging: Path, names: Iterable[str]) -> dict[str, tuple[Item, ...]]:
+        """{file: its record's DCP items} of the kept files `names` (rank 0 checked them)."""
+        wanted = frozenset(names) & self.kept
+        records = read_records(staging, wanted) if wanted else []
+        return {r.file: r.items for r in records if r.fingerprint == self.fingerprint and self._fits(r)}
 
     def _same(self, staging: Path, record: Record) -> None:
         """Refuse a record made for another plan, naming what changed."""
+        if self.ranks is not None and record.world_size != self.ranks:
+            raise CkptconvError(
+                f"{staging}: --resume: this staging directory was written by {record.world_size} rank(s) "
+                f"and this run has {self.ranks}: its files depend on the number of ranks; rerun with "
+                f"{record.world_size} rank(s), or without --resume to start over (it removes the staging "
+                "directory)"
+            )
         for kind, ours, theirs in zip(KINDS, self.fingerprint, record.fingerprint, strict=True):
             if ours != theirs:
                 what = {"source": "the source", "options": "the options", "plan": "the plan"}[kind]
@@ -204,11 +160,11 @@ class Resume:
             records = read_records(staging)
         except CkptconvError:
             return 0
-        by_file: dict[str, list[Range]] = {}
+        by_file: dict[tuple[str, int], list[Range]] = {}
         for r in records:
-            if r.fingerprint == self.fingerprint and self.sizes.get(r.file) == r.size:
-                by_file.setdefault(r.file, []).extend((lo, hi) for lo, hi, _ in r.ranges)
-        return sum(covers(ranges, self.sizes[name]) for name, ranges in by_file.items())
+            if r.fingerprint == self.fingerprint and self._fits(r):
+                by_file.setdefault((r.file, r.size), []).extend((lo, hi) for lo, hi, _ in r.ranges)
+        return sum(covers(ranges, size) for (_, size), ranges in by_file.items())
 
 
 class Recorder:
@@ -251,71 +207,6 @@ class Recorder:
         return ranges if len(ranges) == len(crcs) else None
 
 
-def write_record(
-    staging: Path,
-    fingerprint: tuple[str, str, str],
-    name: str,
-    size: int,
-    ranges: list[list[int]],
-    rank: int,
-    world_size: int,
-) -> None:
-    """Write one record (through a temporary name: a record is whole or absent)."""
-    folder = staging / RECORDS
-    path = folder / f"{name}.r{rank}-{world_size}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        folder.mkdir(exist_ok=True)
-        tmp.write_bytes(record_bytes(fingerprint, name, size, ranges))
-        os.replace(tmp, path)
-    except OSError as e:
-        raise write_failed(path, OSError(e.errno, e.strerror)) from None
-
-
-def read_records(staging: Path) -> list[Record]:
-    """The records in `staging` that parse (a malformed one is left out: its file is not trusted); more than
-    MAX_RECORDS entries: one line, exit 2."""
-    folder = staging / RECORDS
-    try:
-        if not folder.is_dir() or folder.is_symlink():
-            return []
-        names = []
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                names.append(entry.name)
-                if len(names) > MAX_RECORDS:
-                    raise CkptconvError(
-                        f"{folder}: more than {MAX_RECORDS} entries, not a ckptconv resume record directory; "
-                        "rerun without --resume to start over"
-                    )
-    except OSError as e:
-        raise CkptconvError(f"{folder}: cannot read ({e.strerror}); rerun without --resume") from None
-    out = []
-    for name in sorted(names):
-        if _NAME.fullmatch(name):
-            record = parse_record(_read_small(folder / name))
-            if record is not None and name.startswith(record.file + ".r"):
-                out.append(record)
-    return out
-
-
-def _read_small(path: Path) -> bytes:
-    """A regular file's first RECORD_BYTES + 1 bytes (no more: a larger one is refused by its size); b""
-    where it is not one or cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return b""
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return b""
-        return os.read(fd, RECORD_BYTES + 1)
-    except OSError:
-        return b""
-    finally:
-        os.close(fd)
-
-
 def _trusted(path: Path, records: list[Record]) -> bool:
     """Whether the file `path` is what `records` say: a regular file of the planned size, every byte of it
     covered by a record, every recorded range with its CRC-32."""
@@ -350,7 +241,7 @@ def _clear(staging: Path, kept: frozenset[str]) -> None:
             return
         for entry in list(folder.iterdir()):
             record = entry.name.rsplit(".r", 1)[0]
-            if record not in kept or not _NAME.fullmatch(entry.name):
+            if record not in kept or not NAME.fullmatch(entry.name):
                 _remove(entry)
     except OSError as e:
         raise CkptconvError(

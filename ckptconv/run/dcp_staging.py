@@ -18,7 +18,10 @@ from ckptconv.options import HfToDcpOptions
 from ckptconv.plan import megatron as megatron_out
 from ckptconv.plan.config import dequantized_config
 from ckptconv.plan.types import DcpSavePlan, RankBytes
+from ckptconv.publish.resume import Resume, digest, file_stamp, options_digest, stamps_digest
 from ckptconv.publish.target import Target
+from ckptconv.remote import tree as remote_tree
+from ckptconv.remote.urls import UrlPath
 from ckptconv.run import sides
 from ckptconv.run.steps import ConfigFile, check_output
 from ckptconv.stream.dcp_save import save_dcp
@@ -40,14 +43,24 @@ class Staging:
     """The steps run on the staging directory before it is published: `write` and `check` (--verify) on
     every rank, `finish` on rank 0."""
 
-    def __init__(self, world: World, ui: Ui, job: Planned, options: HfToDcpOptions, target: Target) -> None:
+    def __init__(
+        self,
+        world: World,
+        ui: Ui,
+        job: Planned,
+        options: HfToDcpOptions,
+        target: Target,
+        resume: Resume | None = None,
+    ) -> None:
         self.world, self.ui, self.job, self.options, self.target = world, ui, job, options, target
+        self.resume = resume  # the records of the data files written (`--resume`); None: none kept
         self.mine = RankBytes(world.rank, 0, 0)  # what this rank read and wrote
 
     def write(self, staging: Path) -> None:
-        """This rank's rows of every tensor."""
-        o = self.options
-        self.mine = save_dcp(self.job.plan, staging, self.world, self.ui, o.output.fsync, self.target)
+        """This rank's rows of every tensor, but of the data files `--resume` kept (neither read nor
+        written)."""
+        o, plan = self.options, self.job.plan
+        self.mine = save_dcp(plan, staging, self.world, self.ui, o.output.fsync, self.target, self.resume)
 
     def check(self, staging: Path) -> None:
         """--verify: the staged output against the HF tensors the plan read."""
@@ -92,3 +105,35 @@ def _keep_config(staging: Path, found: ConfigFile) -> None:
     raw = dequantized_config(read_regular(path, root, limit=MAX_CONFIG_BYTES))
     with naming(staging / CONFIG_FILE):
         (staging / CONFIG_FILE).write_bytes(raw)
+
+
+# what changes how an hf-to-dcp run writes, not what: left out of its fingerprint
+OUTPUT_ONLY = ("output",)
+
+
+def resume_state(world: World, ui: Ui, job: Planned, options: HfToDcpOptions) -> Resume:
+    """The records an hf-to-dcp run writes and `--resume` checks: the fingerprint is the source's stamps
+    (each safetensors file, the config), the options that change what is written, and the plan with the
+    number of ranks and of files per rank (`__{rank}_{k}.distcp` and what each holds depend on both: a
+    resume runs at the same number of ranks, else one line says so). A data file's size is its record's."""
+    from ckptconv.formats.dcp_writer import write_threads  # torch.distributed.checkpoint: imported to write
+
+    hf, plan = job.hf, job.plan
+    stamps = {str(f): _stamp(f) for f in hf.files}
+    config = job.config_file[0]
+    source = stamps_digest(stamps, None if config is None else (str(config), _stamp(config)))
+    threads = write_threads()
+    layout = digest(plan.tensors, plan.nesting, plan.stash, world.size, threads)
+    fingerprint = (source, options_digest(options, OUTPUT_ONLY), layout)
+    sizes: dict[str, int | None] = {
+        f"__{rank}_{k}.distcp": None for rank in range(world.size) for k in range(threads)
+    }
+    return Resume(fingerprint, sizes, options.output.resume, info=ui.info, warn=ui.warn, ranks=world.size)
+
+
+def _stamp(path: Path) -> object:
+    """A source file's stamp: a local file's (device, inode, size, mtime); an object's size only (the
+    listing's: a rewrite of the same size is not seen, docs/limits.md says so)."""
+    if isinstance(path, UrlPath):
+        return ("object", remote_tree.size(path))
+    return file_stamp(path)

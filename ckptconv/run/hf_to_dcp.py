@@ -34,7 +34,8 @@ from ckptconv.publish import outcheck
 from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
 from ckptconv.run import hf_reference
-from ckptconv.run.dcp_staging import Planned, Staging
+from ckptconv.run.dcp_staging import Planned, Staging, resume_state
+from ckptconv.run.dcp_to_hf import refuse_remote_resume
 from ckptconv.run.steps import config_file, return_freed_memory
 from ckptconv.source import locate as sources
 from ckptconv.source.lora import with_adapter
@@ -53,6 +54,7 @@ class DcpResult:
     written: bool = False
     ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote
     reference: dict[str, Any] | None = None  # --reference: what the plan was compared with, how it differed
+    resumed: list[str] | None = None  # --resume: the data files kept from an interrupted run (None: none)
 
 
 def hf_to_dcp(
@@ -105,7 +107,9 @@ def check_inputs(
     inputs.append(outcheck.mapping_input(options.mapping.mapping))
     if options.output.dry_run:
         return None
-    return outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, False)
+    target = outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, False)
+    refuse_remote_resume(target, out, options.output.resume)
+    return target
 
 
 def megatron_options(path: Path, options: HfToDcpOptions) -> HfToDcpOptions:
@@ -195,12 +199,14 @@ def publish(
     """Write, check (with --verify) and finish the staging directory, and publish it as OUT."""
     for note in target.notes(world.size):
         ui.info(note)
-    if options.output.resume:
-        ui.info("--resume: hf-to-dcp keeps no files of an interrupted run yet; writing every file")
-    staged = Staging(world, ui, job, options, target)
+    resume = resume_state(world, ui, job, options) if target.local_path is not None else None
+    staged = Staging(world, ui, job, options, target, resume)
     check = staged.check if options.output.verify else None
     with gcpause.paused():  # `.metadata` completes a DCP checkpoint: it is published last
         fsync, say = options.output.fsync, ui.warn
-        target.publish(world, staged.write, staged.finish, check, last=METADATA_FILE, say=say, fsync=fsync)
+        target.publish(
+            world, staged.write, staged.finish, check, last=METADATA_FILE, say=say, fsync=fsync, resume=resume
+        )
     result.ranks = world.all_gather_object(staged.mine)
     result.written = True
+    result.resumed = sorted(resume.kept) if resume is not None and resume.asked else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,8 +15,13 @@ from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.job.ui import Ui
 from ckptconv.job.world import World
 from ckptconv.plan.types import DcpOutTensor, DcpSavePlan, RankBytes
+from ckptconv.publish.records import Item
+from ckptconv.publish.resume import Resume
 from ckptconv.publish.target import Sinks
 from ckptconv.stream.compose import source_rows, target_rows
+
+if TYPE_CHECKING:
+    from ckptconv.formats.dcp_writer import Resumed
 
 
 def save_dcp(
@@ -26,10 +31,12 @@ def save_dcp(
     ui: Ui,
     fsync: bool,
     target: Sinks,
+    resume: Resume | None = None,
 ) -> RankBytes:
     """This rank's rows of every tensor into `staging` (collective), each file fsynced as it is written
     unless not `fsync`; returns the bytes it read and the bytes of the data files it wrote. `target`: where
-    the files go (`publish.target`)."""
+    the files go (`publish.target`); `resume`: the records of the data files (each written whole by this
+    rank), and the files kept from an interrupted run, neither read for nor written again."""
     from ckptconv.formats.dcp_writer import write_dcp  # torch.distributed.checkpoint: about 1 s to import
 
     sinks = target
@@ -45,9 +52,10 @@ def save_dcp(
         check_range(fqn, t.src.dtype, rows)  # --dtype fp16 of values beyond its range: refused, not inf
         return rows
 
-    for (
-        t
-    ) in plan.tensors:  # from object storage: what this rank reads, announced (neighbours fetched together)
+    resumed = _resumed(resume, staging, world)
+    for t in plan.tensors if resumed is None or not resumed.kept else ():
+        # from object storage: what this rank reads, announced (neighbours fetched together); not when a
+        # resume keeps files, whose rows are not read (which rows those are, torch's plan says later)
         lo, hi = plan.rows_of(t, world.rank)
         if hi > lo:
             for stored, a, b in source_rows(t, lo, hi):
@@ -56,11 +64,30 @@ def save_dcp(
     with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
         try:
             store = sinks.store()
-            write_dcp(staging, state_dict, read_rows, raw_items, progress.advance, fsync=fsync, store=store)
+            advance = progress.advance
+            write_dcp(staging, state_dict, read_rows, raw_items, advance, fsync, store, resumed)
         finally:
             reader.close()
     written = sinks.written(staging, f"__{world.rank}_*.distcp")
+    if resumed is not None:
+        written -= sum((staging / name).stat().st_size for name in resumed.reused)
     return RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
+
+
+def _resumed(resume: Resume | None, staging: Path, world: World) -> Resumed | None:
+    """What `write_dcp` needs of `resume`: this rank's kept data files with their records' items, and the
+    record of each file it writes."""
+    from ckptconv.formats.dcp_writer import Resumed
+
+    if resume is None:
+        return None
+    mine = [name for name in resume.kept if name.startswith(f"__{world.rank}_")]
+    kept = resume.items(staging, mine)
+
+    def record(name: str, size: int, crc: int, items: list[Item]) -> None:
+        resume.record_whole(staging, world.rank, world.size, name, size, crc, items)
+
+    return Resumed(kept, record)
 
 
 def _dcp_state_dict(

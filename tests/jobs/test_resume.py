@@ -1,7 +1,8 @@
 """`--resume`: a 2-rank dcp-to-hf run stopped (one rank SIGKILLed; torchrun SIGTERMed) once every rank
 recorded a file, then resumed at 2 ranks and at 1: the output is byte-identical to an uninterrupted run's and
 the resumed run reads and writes less; a changed source or --dtype is refused with one line, a corrupted kept
-file is written again."""
+file is written again. hf-to-dcp the same, resumed at 2 ranks only (another number: one line); an OUT in
+object storage with --resume: one line."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from conftest import _env, ckptconv, tree_sha256
 from test_bad_input import assert_one_line
 
 from ckptconv.publish.outdir import staging_dir
-from ckptconv.publish.resume import RECORDS
+from ckptconv.publish.records import RECORDS
 
 WORKER = Path(__file__).parents[1] / "support" / "workers" / "paused_cli.py"
 ARGS = ["--max-shard-size", "300KB", "--bucket-size", "1MB"]
@@ -35,15 +36,17 @@ def _save(path: Path, seed: int) -> Path:
     return path
 
 
-def _stopped(src: Path, out: Path, pause: Path, how: str) -> subprocess.CompletedProcess[str]:
-    """A 2-rank run of `paused_cli`, stopped (`how`: "kill" rank 1, "term" torchrun) once each rank has
-    recorded a file."""
+def _stopped(
+    src: Path, out: Path, pause: Path, how: str, args: tuple[str, ...] = ("dcp-to-hf", *ARGS)
+) -> subprocess.CompletedProcess[str]:
+    """A 2-rank run of `paused_cli` (`args`: the command and its flags), stopped (`how`: "kill" rank 1,
+    "term" torchrun) once each rank has recorded a file."""
     pause.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
     env = {**_env(), "PAUSE_DIR": str(pause), "CKPTCONV_TIMEOUT_S": "30"}
     pipe = subprocess.PIPE
-    args = [*cmd, "dcp-to-hf", str(src), str(out), *ARGS]
-    agent = subprocess.Popen(args, stdout=pipe, stderr=pipe, text=True, env=env)
+    argv = [*cmd, args[0], str(src), str(out), *args[1:]]
+    agent = subprocess.Popen(argv, stdout=pipe, stderr=pipe, text=True, env=env)
     deadline = time.monotonic() + 120
     while not ((pause / "0").exists() and (pause / "1").exists()):
         assert agent.poll() is None, agent.communicate()
@@ -139,3 +142,51 @@ def test_sigterm_keeps_the_recorded_files_and_says_so(tmp_path: Path) -> None:
     # without --resume a kept staging directory is removed and every file written
     assert ckptconv("dcp-to-hf", str(src), str(again), *ARGS).returncode == 0
     assert tree_sha256(again) == tree_sha256(ref) and not staging_dir(again).exists()
+
+
+def _hf_source(path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    path.mkdir()
+    for k in range(2):
+        tensors = {f"layers.{2 * k + i}.w": torch.randn(96, 256, generator=g) for i in range(2)}
+        save_file(tensors, str(path / f"model-0000{k + 1}-of-00002.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _same_dcp(a: Path, b: Path) -> None:
+    """The same checkpoint: data files byte for byte, `.metadata` read back alike (but its save id), and
+    torch's own dcp.load of both equal."""
+    from test_hf_to_dcp import load_plain
+    from torch.distributed.checkpoint import FileSystemReader
+
+    data = {p.name: p.read_bytes() for p in sorted(a.glob("*.distcp"))}
+    assert data and data == {p.name: p.read_bytes() for p in sorted(b.glob("*.distcp"))}
+    ma, mb = (FileSystemReader(str(x)).read_metadata() for x in (a, b))
+    assert ma.state_dict_metadata == mb.state_dict_metadata and ma.storage_data == mb.storage_data
+    la, lb = load_plain(a), load_plain(b)
+    assert la.keys() == lb.keys() and all(torch.equal(la[k], lb[k]) for k in la)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_hf_to_dcp_resumes_at_the_same_number_of_ranks(tmp_path: Path) -> None:
+    src = _hf_source(tmp_path / "hf")
+    ref = tmp_path / "ref"
+    full = _json(ckptconv("hf-to-dcp", str(src), str(ref), "--json", nproc=2))
+    out = tmp_path / "out"
+    _stopped(src, out, tmp_path / "pause", "kill", ("hf-to-dcp",))
+    assert list((staging_dir(out) / RECORDS).iterdir())
+    other = tmp_path / "other"
+    _copy_staging(out, other)
+
+    before = tree_sha256(staging_dir(other))
+    proc = ckptconv("hf-to-dcp", str(src), str(other), "--resume")
+    assert_one_line(proc.returncode, proc.stderr, "written by 2 rank(s)", str(staging_dir(other)))
+    assert not other.exists() and tree_sha256(staging_dir(other)) == before
+
+    resumed = _json(ckptconv("hf-to-dcp", str(src), str(out), "--resume", "--json", nproc=2))
+    assert resumed["resumed"] and not (out / RECORDS).exists()
+    _same_dcp(out, ref)
+    read, written = _moved(resumed)
+    assert written < _moved(full)[1] and read < _moved(full)[0]

@@ -14,17 +14,16 @@ from ckptconv.options import DcpToHfOptions, DtypeOptions, OutputOptions
 from ckptconv.plan.coverage import covers, file_size, merged, plan_digest, range_crcs, rank_ranges
 from ckptconv.plan.types import HfSavePlan, OutFile, OutTensor, SourcePart
 from ckptconv.plan.writes import plan_writes
-from ckptconv.publish.resume import (
+from ckptconv.publish.records import (
     MAX_RANGES,
     RECORD_BYTES,
     RECORDS,
-    Resume,
-    options_digest,
     parse_record,
     read_records,
     record_bytes,
     write_record,
 )
+from ckptconv.publish.resume import Resume, options_digest
 from ckptconv.run.hf_staging import OUTPUT_ONLY
 
 FP = ("s" * 64, "o" * 64, "p" * 64)
@@ -106,12 +105,37 @@ def _doc(**changes: object) -> bytes:
         _doc(ranges=[[0, 1, 0]] * (MAX_RANGES + 1)),
         _doc(fingerprint={"source": "s"}),
         _doc(fingerprint={"source": 1, "options": "o", "plan": "p"}),
+        _doc(items={"a": 1}),  # a DCP data file's items: a list of [fqn, offsets, index, start, length]
+        _doc(items=[["w", [0, 0], None, 0]]),
+        _doc(items=[["w", [0, -1], None, 0, 10]]),
+        _doc(items=[[7, [0], None, 0, 10]]),
+        _doc(items=[["w", [0], "0", 0, 10]]),
+        _doc(items=[["w", [0], None, 95, 10]]),  # past the file's size
         b"[" * 100_000,
         b" " * (RECORD_BYTES + 1),
     ],
 )
 def test_a_malformed_record_is_not_trusted(raw: bytes) -> None:
     assert parse_record(raw) is None
+
+
+def test_a_dcp_records_items_round_trip_and_another_world_size_is_refused(tmp_path: Path) -> None:
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "__1_0.distcp").write_bytes(b"y" * 30)
+    import zlib
+
+    items = [("a.w", (0, 0), None, 0, 10), ("b", (), 3, 10, 20)]
+    write_record(staging, FP, "__1_0.distcp", 30, [[0, 30, zlib.crc32(b"y" * 30)]], 1, 2, items)
+    [record] = read_records(staging)
+    assert record.items == tuple(items) and record.world_size == 2
+    with pytest.raises(CkptconvError, match=r"written by 2 rank\(s\) and this run has 3"):
+        Resume(FP, {"__1_0.distcp": None}, True, ranks=3).keep(staging, fsync=False)
+    resume = Resume(FP, {"__1_0.distcp": None}, True, ranks=2)
+    resume.kept = resume.keep(staging, fsync=False)
+    assert resume.kept == {"__1_0.distcp"} and resume.items(staging, ["__1_0.distcp"]) == {
+        "__1_0.distcp": tuple(items)
+    }
 
 
 def test_records_round_trip_and_a_changed_fingerprint_is_refused(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """`python -m ckptconv ARGS` whose ranks each pause after recording their first finished file (`--resume`'s
-record): each makes the file $PAUSE_DIR/RANK and waits (on the fsync thread, the main one writing on) until
-it is removed, so a test can interrupt or kill the run at a known point: some files recorded, some not."""
+record): each makes the file $PAUSE_DIR/RANK and waits (on the fsync thread, the main one writing on; in
+hf-to-dcp on the writer thread, the others writing on) until it is removed, so a test can interrupt or kill
+the run at a known point: some files recorded, some not."""
 
 import os
 import sys
@@ -10,11 +11,21 @@ from pathlib import Path
 from ckptconv.publish import resume
 
 _done = resume.Recorder.done
+_whole = resume.Resume.record_whole
 _paused: list[int] = []
 
 
 def paused_done(self: resume.Recorder, path: object, pieces: object = None) -> None:
     _done(self, path, pieces)  # type: ignore[arg-type]
+    _pause()
+
+
+def paused_whole(self: resume.Resume, *args: object) -> None:
+    _whole(self, *args)  # type: ignore[arg-type]
+    _pause()
+
+
+def _pause() -> None:
     if _paused:
         return
     _paused.append(1)
@@ -26,6 +37,7 @@ def paused_done(self: resume.Recorder, path: object, pieces: object = None) -> N
 
 
 resume.Recorder.done = paused_done  # type: ignore[method-assign]
+resume.Resume.record_whole = paused_whole  # type: ignore[method-assign]
 from ckptconv.cli.app import run  # noqa: E402
 
 sys.argv[0] = "ckptconv"

@@ -11,14 +11,21 @@ from ckptconv.core.specs import HfCheckpoint
 from ckptconv.formats import megatron as megatron_files
 from ckptconv.formats.files import exists, naming, read_regular
 from ckptconv.job.ui import Ui
-from ckptconv.job.world import World
+from ckptconv.job.world import World, everyone, from_main
 from ckptconv.lora.select import AS_STORED
 from ckptconv.mapping import CONFIG_FILE, MAX_CONFIG_BYTES
 from ckptconv.options import HfToDcpOptions
 from ckptconv.plan import megatron as megatron_out
 from ckptconv.plan.config import dequantized_config
 from ckptconv.plan.types import DcpSavePlan, RankBytes
-from ckptconv.publish.resume import Resume, digest, file_stamp, options_digest, stamps_digest
+from ckptconv.publish.resume import (
+    Resume,
+    digest,
+    file_stamp,
+    object_stamps,
+    options_digest,
+    stamps_digest,
+)
 from ckptconv.publish.target import Target
 from ckptconv.remote import tree as remote_tree
 from ckptconv.remote.urls import UrlPath
@@ -121,7 +128,11 @@ def resume_state(world: World, ui: Ui, job: Planned, options: HfToDcpOptions) ->
     hf, plan = job.hf, job.plan
     stamps = {str(f): _stamp(f) for f in hf.files}
     config = job.config_file[0]
-    source = stamps_digest(stamps, None if config is None else (str(config), _stamp(config)))
+    more: list[object] = [None if config is None else (str(config), _stamp(config))]
+    root = hf.path
+    if isinstance(root, UrlPath):  # their stamps hold sizes only: the listing's versions (ETag, ...) too
+        more.append(everyone(world, from_main, world, lambda: object_stamps(root)))
+    source = stamps_digest(stamps, *more)
     threads = write_threads()
     layout = digest(plan.tensors, plan.nesting, plan.stash, world.size, threads)
     fingerprint = (source, options_digest(options, OUTPUT_ONLY), layout)
@@ -132,8 +143,8 @@ def resume_state(world: World, ui: Ui, job: Planned, options: HfToDcpOptions) ->
 
 
 def _stamp(path: Path) -> object:
-    """A source file's stamp: a local file's (device, inode, size, mtime); an object's size only (the
-    listing's: a rewrite of the same size is not seen, docs/limits.md says so)."""
+    """A source file's stamp: a local file's (device, inode, size, mtime); an object's size (its version is
+    `object_stamps`')."""
     if isinstance(path, UrlPath):
         return ("object", remote_tree.size(path))
     return file_stamp(path)

@@ -13,15 +13,16 @@ from ckptconv.formats.files import naming
 from ckptconv.formats.hf import INDEX_FILE, write_index
 from ckptconv.formats.stash import collect_stash, write_stash
 from ckptconv.job.ui import Ui
-from ckptconv.job.world import World
+from ckptconv.job.world import World, everyone, from_main
 from ckptconv.mapping import CONFIG_FILE
 from ckptconv.options import DcpToHfOptions
 from ckptconv.plan.coverage import file_size, plan_digest, rank_ranges
 from ckptconv.plan.follow import config_dtype
 from ckptconv.plan.types import HfSavePlan, RankBytes
 from ckptconv.publish.copy_from import copy_non_weights
-from ckptconv.publish.resume import Resume, file_stamp, options_digest, stamps_digest
+from ckptconv.publish.resume import Resume, file_stamp, object_stamps, options_digest, stamps_digest
 from ckptconv.publish.target import Target
+from ckptconv.remote.urls import UrlPath
 from ckptconv.run import sides
 from ckptconv.run.steps import check_output
 from ckptconv.stream.hf_write import follow_config, write_adapter_config, write_shards
@@ -135,10 +136,15 @@ OUTPUT_ONLY = ("output", "bucket_size", "read_path", "write_granularity", "push"
 
 def resume_state(world: World, ui: Ui, job: Planned, options: DcpToHfOptions) -> Resume:
     """The records a dcp-to-hf run writes and `--resume` checks: the fingerprint is the source's stamps
-    (`.metadata` and every data file), the options that change what is written, and each file's name,
-    header and size (the same at any number of ranks: a run may resume at another)."""
+    (`.metadata` and every data file; in object storage each object's size and version, from one listing),
+    the options that change what is written, and each file's name, header and size (the same at any number
+    of ranks: a run may resume at another)."""
     ckpt, plan = job.ckpt, job.plan
-    source = stamps_digest(ckpt.stamps, file_stamp(ckpt.path / ".metadata"))
+    more: list[object] = [file_stamp(ckpt.path / ".metadata")]
+    root = ckpt.path
+    if isinstance(root, UrlPath):  # its stamps hold sizes only: the listing's versions (ETag, ...) too
+        more.append(everyone(world, from_main, world, lambda: object_stamps(root)))
+    source = stamps_digest(ckpt.stamps, *more)
     fingerprint = (source, options_digest(options, OUTPUT_ONLY), plan_digest(plan.files))
     sizes = {f.name: file_size(f) for f in plan.files}
     return Resume(fingerprint, sizes, options.output.resume, info=ui.info, warn=ui.warn)

@@ -13,11 +13,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import torch
-from conftest import _env, ckptconv, tree_sha256
+from conftest import _env, ckptconv, s3_options, tree_sha256
 from test_bad_input import assert_one_line
 
 from ckptconv.publish.outdir import staging_dir
@@ -190,3 +191,47 @@ def test_hf_to_dcp_resumes_at_the_same_number_of_ranks(tmp_path: Path) -> None:
     _same_dcp(out, ref)
     read, written = _moved(resumed)
     assert written < _moved(full)[1] and read < _moved(full)[0]
+
+
+def test_resume_into_object_storage_is_refused_by_name(
+    tmp_path: Path, s3_endpoint: str, s3: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OUT in object storage with --resume: one line naming it, for both directions; nothing written."""
+    pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
+    from ckptconv.cli.app import main
+
+    src = _save(tmp_path / "src", 4)
+    hf = _hf_source(tmp_path / "hf")
+    options = json.dumps(s3_options(s3_endpoint))
+    for command, source in (("dcp-to-hf", src), ("hf-to-dcp", hf)):
+        try:
+            main([command, str(source), "s3://ckpts/resumed", "--resume", "--storage-options", options])
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        err = capsys.readouterr().err
+        assert_one_line(code, err, "--resume: OUT s3://ckpts/resumed is in object storage")
+    s3.invalidate_cache()
+    assert s3.find("ckpts/resumed") == []
+
+
+def test_an_object_rewritten_with_the_same_size_changes_the_source_stamps(s3_endpoint: str, s3: Any) -> None:
+    """A source in object storage: its listing's version (ETag, ...) is in the fingerprint, not the size
+    alone."""
+    pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
+    from ckptconv.publish.resume import object_stamps
+    from ckptconv.remote.urls import filesystem, url_path, use_options
+
+    root = url_path("s3://ckpts/stamped")
+    assert root is not None
+    s3.pipe_file("ckpts/stamped/__0_0.distcp", b"abc")
+    use_options(s3_options(s3_endpoint))
+    try:
+        before = object_stamps(root)
+        s3.pipe_file("ckpts/stamped/__0_0.distcp", b"abd")
+        filesystem(root).invalidate_cache()
+        after = object_stamps(root)
+    finally:
+        use_options({})
+    assert list(before) == list(after) == ["__0_0.distcp"] and before != after
+    assert before["__0_0.distcp"][0] == after["__0_0.distcp"][0] == "3"

@@ -249,9 +249,11 @@ def atomically(
         return frozenset()
 
     def finish_durably(staging: Path) -> T:
-        drop_records(staging)  # every file is written: OUT holds no records
         written = durable.tree(staging)[0] if fsync else set()  # the ranks' files, each fsynced already
         result = finish(staging)
+        # every file is written: OUT holds no records (removed after `finish`, so that their space is not
+        # what `finish` writes into: a disk too small for it fails on the file `finish` writes, as before)
+        drop_records(staging)
         if fsync:
             durable.seal(staging, written)  # what `finish` wrote, and the directories
         return result

@@ -435,6 +435,29 @@ def _pages(directory: Path, keep: Callable[[str], bool]) -> int:
     return sum(-(-p.stat().st_size // PAGE) for p in directory.iterdir() if keep(p.name))
 
 
+def _record_pages(ref: Path) -> int:
+    """The pages of the resume records a run writing `ref` again makes: one per safetensors file, and per
+    DCP data file its record as written, listing where each of its items lies (from `.metadata`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ckptconv.publish.records import record_bytes
+
+    pages = sum(1 for p in ref.glob("*.safetensors"))
+    if (ref / ".metadata").exists():
+        storage = FileSystemReader(str(ref)).read_metadata().storage_data
+        for data in ref.glob("*.distcp"):
+            items = sorted(
+                (info.offset, (i.fqn, tuple(i.offset or ()), i.index, info.offset, info.length))
+                for i, info in storage.items()
+                if info.relative_path == data.name
+            )
+            size = data.stat().st_size
+            ranges = [[0, size, 2**32 - 1]]
+            raw = record_bytes(("f" * 64,) * 3, data.name, size, ranges, [x for _, x in items])
+            pages += -(-len(raw) // PAGE)
+    return pages
+
+
 @pytest.fixture
 def small_disk() -> Iterator[Callable[[int], Path]]:
     """A factory of tmpfs mounts of N pages (root only; skipped elsewhere)."""
@@ -501,7 +524,9 @@ def test_disk_full_is_exit_2_naming_the_file(
     assert ckptconv(*args, str(ref), *extra, "-q", nproc=nproc).returncode == 0
     needed = sum(-(-p.stat().st_size // PAGE) for p in ref.iterdir() if p.name == failing)
     assert needed >= 3, f"{failing} is too small to make the test meaningful"
-    disk = small_disk(_pages(ref, fits) + 2)  # + the lock's page and one to spare
+    # + each written file's resume record and their directory (in the staging directory until it is
+    # published), the lock's page and one to spare
+    disk = small_disk(_pages(ref, fits) + _record_pages(ref) + 1 + 2)
     out = disk / "out"
     proc = ckptconv(*args, str(out), *extra, "-q", nproc=nproc)
     if nproc:

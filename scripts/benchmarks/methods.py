@@ -50,6 +50,14 @@ def two_nodes(*args: str) -> list[str]:
     return ["bash", "-c", both]
 
 
+# the read limit: every file of the source read once, as fast as `cat` reads it (hidden `.metadata` included)
+READ_ALL = 'find "$1" -type f -exec cat {} + > /dev/null'
+
+
+def read_all(ckpt: Path) -> list[str]:
+    return ["bash", "-c", READ_ALL, "_", str(ckpt)]
+
+
 def ckptconv_args(ckpt: Path, out: Path, flags: Flags) -> list[str]:
     return ["dcp-to-hf", str(ckpt), str(out), "--dtype", "bf16", "--quiet", "--overwrite", *flags]
 
@@ -74,6 +82,7 @@ class Method:
 
 METHODS: tuple[Method, ...] = (
     Method("cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
+    Method("cat", "cat (read limit)", 1, "io", lambda c, o, f: read_all(c)),
     Method("import_torch", "import torch", 1, "startup", lambda c, o, f: [PY, "-c", "import torch"]),
     Method(
         "torchrun_import",
@@ -149,6 +158,7 @@ METHODS: tuple[Method, ...] = (
 STARTUP = tuple(m for m in METHODS if m.kind == "startup")
 HF_TO_DCP_METHODS: tuple[Method, ...] = (
     Method("h_cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
+    Method("h_cat", "cat (read limit)", 1, "io", lambda c, o, f: read_all(c)),
     *STARTUP,
     Method(
         "h_ckptconv_1",
@@ -181,4 +191,5 @@ REFERENCE = {
     "hf-to-dcp": ("h_ckptconv_1", "h_cp"),
     "memory": ("ckptconv_1", "cp"),
 }  # (ckptconv 1 rank, cp)
+READ_LIMIT = {"dcp-to-hf": "cat", "hf-to-dcp": "h_cat"}  # reading the source once: `cat` of every file
 BY_KEY = {m.key: m for methods in DIRECTIONS.values() for m in methods}

@@ -149,6 +149,32 @@ def _dequant_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _scaling_table(results: list[dict[str, Any]]) -> list[str]:
+    """Scaling: per direction, size and rank count the median seconds, the speedup over the fewest ranks and
+    the peak RSS per rank; then the GPU rows (save_hf / load_hf against their baselines) and the notes."""
+    lines = [
+        "| direction | GB | ranks | seconds | speedup | peak RSS per rank (GiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        if r.get("part") == "cpu" and r.get("median_seconds"):
+            lines.append(
+                f"| {r['direction']} | {r['size_gb']:g} | {r['ranks']} | {r['median_seconds']:.2f} | "
+                f"{r['speedup']:.2f}x | {r['rss_rank_bytes'] / 2**30:.2f} |"
+            )
+    gpu = [r for r in results if r.get("part") == "gpu"]
+    if gpu:
+        head = "| on the GPU | method | ranks | GB | seconds | extra RSS per rank (GiB) | extra GPU (GiB) |"
+        lines += ["", head]
+        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        lines += [
+            f"| {r['op']} | {r['method']} | {r['nproc']} | {r['gb']:g} | {r['seconds']:.2f} | "
+            f"{r['extra_rss_rank_gib']:.2f} | {r['extra_gpu_gib']:.2f} |"
+            for r in gpu
+        ]
+    return [*lines, "", *(r["note"] for r in results if r.get("part") == "note")]
+
+
 # durable: (ckptconv, torch's path) pairs that both fsync, then neither (scripts/benchmarks/durable.py's keys)
 DURABLE_PAIRS = {
     "dcp-to-hf": (("ckptconv_1", "d_dcp_load_fsync"), ("d_nofsync_1", "dcp_load")),
@@ -269,7 +295,12 @@ def bar_chart(title: str, groups: Bars, unit: str = "s") -> str:
 
 BARS = {"convert": _convert_bars, "planning": _plan_bars}
 FIGURES = {"planning": _plan_figures, "lora-merge": _lora_figures, "convert": _convert_figures}
-TABLES = {"save-hf": _save_hf_table, "dequant": _dequant_table, "durable": _durable_table}
+TABLES = {
+    "save-hf": _save_hf_table,
+    "dequant": _dequant_table,
+    "durable": _durable_table,
+    "scaling": _scaling_table,
+}
 TITLES = {
     "planning": "Planning at scale",
     "lora-merge": "LoRA merge",
@@ -279,6 +310,7 @@ TITLES = {
     "save-hf": "save_hf in a training job",
     "dequant": "Dequantizing quantized releases",
     "durable": "Durable output: fsync against fsync, no fsync against no fsync",
+    "scaling": "Scaling with ranks, and save_hf / load_hf on GPUs",
 }
 
 

@@ -107,3 +107,38 @@ def test_planning_bars_by_scale(tmp_path: Path) -> None:
     texts = [t.text for t in svg.iter(f"{SVG}text")]
     assert {"torch unpickle", "ckptconv dry-run", "0.1x (92,352 chunks)", "1x (894,144 chunks)"} <= set(texts)
     assert {"4.55 s", "2.10 s", "13.17 s", "5.98 s"} <= set(texts)
+
+
+def test_scaling_and_durable_tables(tmp_path: Path) -> None:
+    cpu = [
+        {
+            "part": "cpu",
+            "direction": "dcp-to-hf",
+            "size_gb": 16.0,
+            "ranks": n,
+            "median_seconds": t,
+            "speedup": 40.0 / t,
+            "rss_rank_bytes": 2**29,
+            "error": None,
+        }
+        for n, t in ((1, 40.0), (8, 7.5))
+    ]
+    note = {"part": "note", "note": "no CUDA device: the GPU part (save_hf / load_hf) was skipped"}
+    (tmp_path / "scaling.json").write_text(json.dumps(envelope("scaling", [*cpu, note])))
+    durable = [
+        {**row("ckptconv_1", "ckptconv 1 rank", "warm", 3.84), "fsync": True},
+        {**row("d_nofsync_1", "ckptconv 1r --no-fsync", "warm", 3.81), "fsync": False},
+        {**row("dcp_load", "dcp.load+save_torch_sd", "warm", 12.31), "fsync": False},
+        {**row("d_dcp_load_fsync", "dcp.load+save_torch_sd+fsync", "warm", 11.24), "fsync": True},
+    ]
+    (tmp_path / "durable.json").write_text(json.dumps(envelope("durable", durable)))
+    markdown = hooks().benchmark_plots(tmp_path)
+    assert "| dcp-to-hf | 16 | 8 | 7.50 | 5.33x | 0.50 |" in markdown
+    assert note["note"] in markdown
+    rows = [line for line in markdown.splitlines() if line.startswith("| dcp-to-hf 1 GB dense")]
+    assert rows == [  # like with like only: fsync against fsync, no fsync against no fsync
+        "| dcp-to-hf 1 GB dense | yes, both | ckptconv 1 rank 3.84 s | dcp.load+save_torch_sd+fsync 11.24 s "
+        "| 0.34x | 0.00 / 0.00 |",
+        "| dcp-to-hf 1 GB dense | no, neither | ckptconv 1r --no-fsync 3.81 s "
+        "| dcp.load+save_torch_sd 12.31 s | 0.31x | 0.00 / 0.00 |",
+    ]

@@ -73,6 +73,7 @@ class Method:
     ranks: int
     kind: Kind
     argv: Callable[[Path, Path, Flags], list[str]]  # (input, output dir, ckptconv's flags) -> command line
+    fsync: bool | None = None  # its output fsynced before it ends (None: writes nothing, or only in part)
 
     @property
     def startup_key(self) -> str:
@@ -81,7 +82,7 @@ class Method:
 
 
 METHODS: tuple[Method, ...] = (
-    Method("cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
+    Method("cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)], fsync=False),
     Method("cat", "cat (read limit)", 1, "io", lambda c, o, f: read_all(c)),
     Method("import_torch", "import torch", 1, "startup", lambda c, o, f: [PY, "-c", "import torch"]),
     Method(
@@ -97,6 +98,7 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f)],
+        fsync=True,
     ),
     Method(
         "ckptconv_2_direct",
@@ -104,6 +106,7 @@ METHODS: tuple[Method, ...] = (
         NPROC,
         "convert",
         lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "direct"),
+        fsync=True,
     ),
     Method(
         "ckptconv_2_nodes",
@@ -111,6 +114,7 @@ METHODS: tuple[Method, ...] = (
         NPROC,
         "convert",
         lambda c, o, f: two_nodes("-m", "ckptconv", *ckptconv_args(c, o, f)),
+        fsync=True,
     ),
     Method(
         "ckptconv_2_gather",
@@ -118,6 +122,7 @@ METHODS: tuple[Method, ...] = (
         NPROC,
         "convert",
         lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather"),
+        fsync=True,
     ),
     Method(
         "format_utils",
@@ -125,6 +130,7 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, BASELINE, "format_utils", str(c), str(o)],
+        fsync=False,
     ),
     Method(
         "hf_writer",
@@ -139,6 +145,7 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, BASELINE, "dcp_load", str(c), str(o)],
+        fsync=False,
     ),
     Method(
         "ckptconv_fp8",
@@ -146,6 +153,7 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f), "--quantize", "fp8"],
+        fsync=True,
     ),
     Method(
         "dcp_load_fp8",
@@ -153,11 +161,12 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, BASELINE, "dcp_load_fp8", str(c), str(o)],
+        fsync=False,
     ),
 )
 STARTUP = tuple(m for m in METHODS if m.kind == "startup")
 HF_TO_DCP_METHODS: tuple[Method, ...] = (
-    Method("h_cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
+    Method("h_cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)], fsync=False),
     Method("h_cat", "cat (read limit)", 1, "io", lambda c, o, f: read_all(c)),
     *STARTUP,
     Method(
@@ -166,6 +175,7 @@ HF_TO_DCP_METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, "-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite", *f],
+        fsync=True,
     ),
     Method(
         "h_ckptconv_2",
@@ -173,6 +183,7 @@ HF_TO_DCP_METHODS: tuple[Method, ...] = (
         NPROC,
         "convert",
         lambda c, o, f: torchrun("-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite", *f),
+        fsync=True,
     ),
     Method(
         "h_load_save",
@@ -180,6 +191,7 @@ HF_TO_DCP_METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, BASELINE, "load_file_dcp_save", str(c), str(o)],
+        fsync=True,
     ),
 )
 DIRECTIONS: dict[str, tuple[Method, ...]] = {

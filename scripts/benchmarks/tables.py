@@ -82,7 +82,10 @@ COLUMNS = (
     ("vs ckptconv 1r", ">"),
     ("beyond start-up / cp", ">"),
 )
-LIMIT_COLUMNS = (*COLUMNS, ("x read limit", ">"))  # convert's: each row against `cat` of the source
+# convert's: each row against `cat` of the source, and whether its output is fsynced (- : writes nothing, or
+# fsyncs only part: torch's HF writer fsyncs its sharded files, not the consolidated ones)
+LIMIT_COLUMNS = (*COLUMNS, ("x read limit", ">"), ("fsync", "<"))
+FSYNC_CELL = {True: "yes", False: "no", None: "-"}
 
 
 def failed_row(head: list[str], columns: Sequence[Any]) -> list[str]:
@@ -115,7 +118,7 @@ def table_rows(reports: Sequence[SizeReport], limit: bool = False) -> list[list[
                     f"{r.rss_sum / GIB:.2f}",
                     _fmt(rep.vs_ckptconv(m.key), ".2f", "x"),
                     _fmt(rep.beyond_startup_over_cp(m.key), ".2f"),
-                    *([_fmt(rep.vs_read_limit(m.key), ".2f", "x")] if limit else []),
+                    *([_fmt(rep.vs_read_limit(m.key), ".2f", "x"), FSYNC_CELL[m.fsync]] if limit else []),
                 ]
             )
     return rows
@@ -147,6 +150,7 @@ def result_rows(reports: Sequence[SizeReport]) -> list[dict[str, Any]]:
                     "gb_per_s": rep.ckpt_bytes / 1e9 / r.seconds if ok and m.kind != "startup" else None,
                     "rss_rank_bytes": r.rss_rank if ok else None,
                     "rss_sum_bytes": r.rss_sum if ok else None,
+                    "fsync": m.fsync,
                     "cache": r.cache if ok else rep.cache,
                     **({"not_cold": r.not_cold} if r.not_cold else {}),
                     **({"vs_read_limit": rep.vs_read_limit(m.key)} if limit in rep.results else {}),
@@ -204,7 +208,8 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
             fu, dl = rep.seconds("format_utils"), rep.seconds("dcp_load")
             lines.append(
                 f"dcp-to-hf @{size}: ckptconv 1 rank is {_faster(t1, fu)} than format_utils+save_file, "
-                f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict"
+                f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict (ckptconv fsyncs its output, these "
+                "baselines do not: `scripts/bench.py durable` compares like with like)"
             )
             lines.append(
                 f"dcp-to-hf @{size}: ckptconv {NPROC} ranks (direct) is {_faster(t2, fu)} than "

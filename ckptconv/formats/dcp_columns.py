@@ -96,6 +96,7 @@ class Columns:
         self.take_chunks()
         for row in range(len(self.fqns), len(self.index_states)):
             self.index_row(row)
+        self.index_states.clear()  # emptied dicts, a million of them: the memo let go of them with the load
 
     def locations(self) -> dict[Any, dict[Any, int]]:
         """{fqn: {offsets (None for a non-tensor item): storage row}}, keyed by the index rows' own tuples."""

@@ -65,8 +65,8 @@ class Columns:
         """Rows of the chunk states built since the last tensor, in C when each is a dict with both fields;
         the states are cleared (the memo keeps them to the end of the load: emptied, they hold nothing)."""
         states = self.chunk_states
-        try:
-            if set(map(type, states)) - {dict}:
+        try:  # a state built twice (a memo reference) is refused as the first BUILD's clearing made it do
+            if set(map(type, states)) - {dict} or len(set(map(id, states))) != len(states):
                 raise KeyError
             offsets, sizes = list(map(_OFFSETS, states)), list(map(_SIZES, states))
         except KeyError:  # one of them is not: record by record, to refuse the first that is wrong

@@ -322,3 +322,30 @@ def test_streams_off_torchs_layout_read_or_are_refused_the_same(
     fast_error = _refusal(ckpt, monkeypatch, slow=False)
     assert fast_error == _refusal(ckpt, monkeypatch, slow=True)
     assert needle in fast_error and str(ckpt / ".metadata") in fast_error
+
+
+class _SharedChunkState(pickle.Pickler):
+    """Pickles the first two chunk records of `chunks` with one state dict (the second a memo reference)."""
+
+    def __init__(self, buffer: io.BytesIO, chunks: list[Any]) -> None:
+        super().__init__(buffer, protocol=4)
+        self.targets, self.shared = {id(c) for c in chunks[:2]}, dict(vars(chunks[0]))
+
+    def reducer_override(self, obj: Any) -> Any:
+        if id(obj) in self.targets:
+            return copyreg.__newobj__, (ChunkStorageMetadata,), self.shared
+        return NotImplemented
+
+
+def test_a_chunk_state_built_twice_is_refused(tmp_path: Path) -> None:
+    """Taken in bulk, a state built for two records would give two rows; it is refused as when each state
+    was cleared at its record's BUILD (the second then had no fields)."""
+    ckpt = _random_metadata(tmp_path / "ckpt", 5, "torch", fixed=True)
+    buffer = io.BytesIO()
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    _SharedChunkState(buffer, metadata.state_dict_metadata["model.layers.1.w"].chunks).dump(metadata)
+    (ckpt / ".metadata").write_bytes(buffer.getvalue())
+    with pytest.raises(CkptconvError) as e:
+        open_dcp(ckpt)
+    assert "not a readable DCP metadata file (KeyError: 'offsets')" in str(e.value)
+    assert str(ckpt / ".metadata") in str(e.value)

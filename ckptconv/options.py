@@ -141,6 +141,8 @@ class OutputOptions:
     """Re-read the staged output and compare it with the source before publishing OUT."""
     fsync: bool = True
     """Fsync OUT's files and directories before publishing it (False: `--no-fsync`, scratch work)."""
+    resume: bool = False
+    """Keep the files an interrupted run completed in the staging directory and write only the rest."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

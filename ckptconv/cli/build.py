@@ -40,6 +40,7 @@ def _output(flags: Mapping[str, Any]) -> OutputOptions:
         dry_run=flags["dry_run"],
         verify=flags["verify"],
         fsync=not flags["no_fsync"],
+        resume=flags["resume"],
     )
 
 

@@ -128,6 +128,14 @@ NoFsyncOpt = Annotated[
         "loss soon after may leave it with empty or short files).",
     ),
 ]
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Keep the files an interrupted run of the same conversion completed (checked against their "
+        "records) and write only the rest; refused when the source or options changed since.",
+    ),
+]
 DryRunOpt = Annotated[
     bool, typer.Option("--dry-run", help="Print the plan (files, keys, dtypes, bytes, ranks).")
 ]

@@ -95,6 +95,7 @@ def show_dcp_to_hf(
         **summary,
         "hub": result.hub,
         "reference": result.reference,
+        "resumed": result.resumed,
     }
     lines = [
         f"wrote {out}: {len(result.plan.files)} file(s), {summary['num_tensors']} tensors, "

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 from ckptconv.formats.files import write_failed
 
@@ -107,18 +108,23 @@ def seal(root: Path, synced: Iterable[Path]) -> None:
 class Syncer:
     """Closes this rank's finished output files, each fsynced first (when `fsync`) on a thread of its own,
     so that the next file is written meanwhile. `wait()` waits for them all and raises the first error;
-    leaving the `with` block waits too (an error then is raised only if none is already on its way)."""
+    leaving the `with` block waits too (an error then is raised only if none is already on its way).
+    `after(path)`, when given, runs once a file is on the device and closed (on the same thread): what may
+    only be said of a durable file (a resume record) is said there."""
 
-    def __init__(self, fsync: bool, threads: int = 1) -> None:
+    def __init__(self, fsync: bool, threads: int = 1, after: Callable[[Any], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ckptconv-fsync") if fsync else None
         self._pending: list[Future[None]] = []
+        self._after = after
 
     def close(self, fd: int, path: object) -> None:
         """Close `fd` (the file `path`, fully written by this rank), after its fsync."""
         if self._pool is None:
             _close(fd, path)
+            if self._after is not None:
+                self._after(path)
             return
-        self._pending.append(self._pool.submit(_sync_and_close, fd, path))
+        self._pending.append(self._pool.submit(_sync_and_close, fd, path, self._after))
 
     def wait(self) -> None:
         pending, self._pending = self._pending, []
@@ -146,11 +152,13 @@ class Syncer:
                 self._pool.shutdown(wait=True)
 
 
-def _sync_and_close(fd: int, path: object) -> None:
+def _sync_and_close(fd: int, path: object, after: Callable[[Any], None] | None = None) -> None:
     try:
         sync_fd(fd, path)
     finally:
         _close(fd, path)
+    if after is not None:
+        after(path)
 
 
 def _close(fd: int, path: object) -> None:

@@ -25,6 +25,7 @@ from ckptconv.job.world import World
 from ckptconv.publish import outlock
 from ckptconv.publish.outdir import absolute, atomically
 from ckptconv.publish.remote_out import RemoteTarget
+from ckptconv.publish.resume import Resume
 from ckptconv.publish.target import LocalFiles, Target, quiet
 from ckptconv.remote.urls import UrlPath, identity, location, url_path
 
@@ -86,9 +87,10 @@ class Output(LocalFiles):
         layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
         say: Callable[[str], None] = quiet,
         fsync: bool = True,
+        resume: Resume | None = None,
     ) -> T | None:
         """Collective: `outdir.atomically` (`last` and `layout` are object storage's)."""
-        return atomically(world, self, write, finish, check, say, fsync)
+        return atomically(world, self, write, finish, check, say, fsync, resume)
 
     @property
     def local_path(self) -> Path | None:

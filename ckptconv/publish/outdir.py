@@ -22,8 +22,9 @@ from ckptconv.errors import CkptconvError
 from ckptconv.formats import durable
 from ckptconv.formats.files import write_failed
 from ckptconv.formats.names import OLD_SUFFIX, PARTIAL_SUFFIX
-from ckptconv.job.world import World, everyone, on_main
+from ckptconv.job.world import World, collective_failure, everyone, on_main
 from ckptconv.publish import outlock
+from ckptconv.publish.resume import Resume, drop_records
 
 T = TypeVar("T")
 
@@ -211,18 +212,25 @@ def atomically(
     check: Callable[[Path], None] | None = None,
     say: Callable[[str], None] = lambda message: None,
     fsync: bool = True,
+    resume: Resume | None = None,
 ) -> T | None:
     """Collective: rank 0 locks OUT, checks it again and makes the staging directory; every rank `write`s
     into it, rank 0 `finish`es it (index, stash, copied files), every rank `check`s it (verify), then rank 0
-    renames it into place and lets the lock go. On any rank's failure (an interrupt too) or a failed check,
-    rank 0 removes the staging directory and every rank raises: OUT is either the complete, checked result
-    or untouched. With `fsync`, `write` fsyncs each file it writes before it returns (so before the ranks
-    agree it is done), rank 0 fsyncs what `finish` wrote and every directory of the staging tree after it,
-    and OUT's parent after the rename: after this returns, the result survives a power loss."""
-    lock: outlock.OutLock | None = None
+    renames it into place and lets the lock go. On any rank's failure or a failed check, rank 0 removes the
+    staging directory and every rank raises: OUT is either the complete, checked result or untouched. With
+    `fsync`, `write` fsyncs each file it writes before it returns (so before the ranks agree it is done),
+    rank 0 fsyncs what `finish` wrote and every directory of the staging tree after it, and OUT's parent
+    after the rename: after this returns, the result survives a power loss.
 
-    def begin() -> None:
-        nonlocal lock
+    `resume` (the writers record each file they finish): an interrupt (a signal, or a rank that died under
+    it) keeps the staging directory when its records say some files are complete, for a later `--resume`;
+    with `resume.asked`, rank 0 keeps the complete files of an earlier run's staging directory instead of
+    making an empty one, and every rank learns which (`resume.kept`)."""
+    lock: outlock.OutLock | None = None
+    refused = False  # --resume refused the staging directory: it is left as it is
+
+    def begin() -> frozenset[str]:
+        nonlocal lock, refused
         durable.make_dirs(out.path.parent, fsync)
         with outlock.signals_held():  # an interrupt comes after `lock` is set, so it is let go
             lock = outlock.take(out.path)
@@ -231,9 +239,17 @@ def atomically(
             say(note)
         recover(out.path)
         out.check()  # again, now that no other run can change OUT
+        if resume is not None and resume.asked:
+            refused = True
+            kept = resume.keep(staging_dir(out.path), fsync)
+            refused = False
+            if kept:
+                return kept
         prepare(out.path)
+        return frozenset()
 
     def finish_durably(staging: Path) -> T:
+        drop_records(staging)  # every file is written: OUT holds no records
         written = durable.tree(staging)[0] if fsync else set()  # the ranks' files, each fsynced already
         result = finish(staging)
         if fsync:
@@ -242,17 +258,35 @@ def atomically(
 
     staging = staging_dir(out.path)
     try:
-        on_main(world, begin)
+        kept = on_main(world, begin)
+        if resume is not None and resume.asked:
+            resume.kept = frozenset(world.broadcast_object(kept))
         everyone(world, writing(write), staging)
         result = on_main(world, writing(finish_durably), staging)
         if check is not None:
             check(staging)  # collective, agrees by itself
         on_main(world, publish, staging, out.path, fsync)
         return world.all_gather_object(result)[0]
-    except BaseException:
-        if lock is not None:
+    except BaseException as e:
+        if lock is not None and not refused and not _kept(e, resume, staging):
             discard(out.path)
         raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _kept(error: BaseException, resume: Resume | None, staging: Path) -> bool:
+    """Rank 0, on a failure: whether the staging directory stays for a `--resume` (the run was interrupted,
+    by a signal or a rank killed, and its records say some files are complete; the line says so)."""
+    died = collective_failure(error, 0, 0) is not None
+    if resume is None or not (isinstance(error, KeyboardInterrupt) or died):
+        return False
+    complete = resume.complete(staging)
+    if not complete:
+        return False
+    resume.warn(
+        f"kept {staging} ({complete} complete file{'s' if complete != 1 else ''} recorded so far): rerun "
+        "with --resume to write only the rest (without it, the run starts over and removes it)"
+    )
+    return True

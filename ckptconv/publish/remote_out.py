@@ -52,6 +52,7 @@ from ckptconv.remote.urls import UrlPath, filesystem, redact, url_path
 
 if TYPE_CHECKING:
     from ckptconv.plan.types import Granularity, OutFile, Write
+    from ckptconv.publish.resume import Resume
 
 T = TypeVar("T")
 SINGLE_FILE = "model.safetensors"
@@ -151,8 +152,10 @@ class RemoteTarget:
         layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
         say: Callable[[str], None] = quiet,
         fsync: bool = True,
+        resume: Resume | None = None,
     ) -> T | None:
-        """Collective: `publish` below (`say` and `fsync` are a local OUT's)."""
+        """Collective: `publish` below (`say`, `fsync` and `resume` are a local OUT's: --resume is refused
+        for object storage before this)."""
         return publish(world, self, last, write, finish, check, layout)
 
     @property

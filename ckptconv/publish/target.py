@@ -35,6 +35,7 @@ from ckptconv.job.world import World
 
 if TYPE_CHECKING:
     from ckptconv.plan.types import Granularity, OutFile, Write
+    from ckptconv.publish.resume import Resume
 
 T = TypeVar("T")
 
@@ -80,11 +81,13 @@ class Target(Sinks, Protocol):
         layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
         say: Callable[[str], None] = quiet,
         fsync: bool = True,
+        resume: Resume | None = None,
     ) -> T | None:
         """Collective: write, finish, check and publish OUT (step 3 of the module docstring); rank 0's
         `finish` result, on every rank. `last`: the file that makes OUT complete in object storage (the
         index, `.metadata` or the one data file); `layout`: the plan's (files, writes), for S3's parts;
-        `say` and `fsync`: a local OUT's (the lock's notes; fsync all that is published)."""
+        `say`, `fsync` and `resume`: a local OUT's (the lock's notes; fsync all that is published; the
+        records of a resumable run, `publish.resume`: object storage refuses --resume before this)."""
 
     @property
     def local_path(self) -> Path | None:

@@ -34,7 +34,7 @@ from ckptconv.publish import hub_push, outcheck, remote_out
 from ckptconv.publish.copy_from import check_copy
 from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
-from ckptconv.run.hf_staging import Planned, Staging
+from ckptconv.run.hf_staging import Planned, Staging, resume_state
 from ckptconv.run.steps import config_file, return_freed_memory
 from ckptconv.source import locate as sources
 from ckptconv.source.early import Early
@@ -56,6 +56,7 @@ class Result:
     ranks: list[RankBytes] = field(default_factory=list)  # what each rank read and wrote
     hub: dict[str, Any] | None = None  # --push-to-hub: where the result went (hub_push.push)
     reference: dict[str, Any] | None = None  # what the plan was compared with, and how it differed
+    resumed: list[str] | None = None  # --resume: the files kept from the interrupted run (None: no --resume)
 
 
 def dcp_to_hf(
@@ -114,7 +115,19 @@ def check_inputs(
     ]
     if options.output.dry_run:
         return None
-    return outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, options.push is not None)
+    pushed = options.push is not None
+    target = outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, pushed)
+    refuse_remote_resume(target, out, options.output.resume)
+    return target
+
+
+def refuse_remote_resume(target: Target, out: Path, resume: bool) -> None:
+    """--resume keeps files in a local staging directory: an OUT in object storage is refused by name."""
+    if resume and target.local_path is None:
+        raise CkptconvError(
+            f"--resume: OUT {out} is in object storage, where a run cannot be resumed yet; leave --resume "
+            "out (the run then writes every file)"
+        )
 
 
 def make_plan(
@@ -208,7 +221,8 @@ def publish(
     granularity = target.granularity(options.write_granularity, bool(options.quantize))
     for note in target.notes(world.size, granularity):
         ui.info(note)
-    staged = Staging(world, ui, job, options, target)
+    resume = resume_state(world, ui, job, options) if target.local_path is not None else None
+    staged = Staging(world, ui, job, options, target, resume)
     # the object completed last: model.safetensors (or an adapter's one file), else the index
     last = INDEX_FILE if plan.sharded or not plan.files else plan.files[0].name
     with gcpause.paused():  # the plan's records are not walked again and again while the bytes move
@@ -221,10 +235,12 @@ def publish(
             layout=(plan.files, plan.writes),
             say=ui.warn,
             fsync=options.output.fsync,
+            resume=resume,
         )
     result.copied, result.config_edits = copied or [], staged.config_edits
     result.ranks = world.all_gather_object(staged.mine)
     result.written = True
+    result.resumed = sorted(resume.kept) if resume is not None and resume.asked else None
     if options.push is not None:
         assert target.local_path is not None  # a URL OUT with --push-to-hub was refused
         result.hub = on_main(world, hub_push.push, options.push, target.local_path)

@@ -3,7 +3,7 @@ and check on every rank, finish on rank 0."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,11 @@ from ckptconv.job.ui import Ui
 from ckptconv.job.world import World
 from ckptconv.mapping import CONFIG_FILE
 from ckptconv.options import DcpToHfOptions
+from ckptconv.plan.coverage import file_size, plan_digest, rank_ranges
 from ckptconv.plan.follow import config_dtype
 from ckptconv.plan.types import HfSavePlan, RankBytes
 from ckptconv.publish.copy_from import copy_non_weights
+from ckptconv.publish.resume import Resume, file_stamp, options_digest, stamps_digest
 from ckptconv.publish.target import Target
 from ckptconv.run import sides
 from ckptconv.run.steps import check_output
@@ -40,17 +42,31 @@ class Staging:
     """The steps run on the staging directory before it is published: `write` and `check` on every rank,
     `finish` on rank 0; what they read and changed is kept for the result."""
 
-    def __init__(self, world: World, ui: Ui, job: Planned, options: DcpToHfOptions, target: Target) -> None:
+    def __init__(
+        self,
+        world: World,
+        ui: Ui,
+        job: Planned,
+        options: DcpToHfOptions,
+        target: Target,
+        resume: Resume | None = None,
+    ) -> None:
         self.world, self.ui, self.job, self.options, self.target = world, ui, job, options, target
+        self.resume = resume  # the records of the files written (`--resume`); None: none kept
         self.pieces: list[RowPiece] = []  # the chunks' pieces this rank read (some rows of a chunk)
         self.mine = RankBytes(world.rank, 0, 0)
         self.config_edits: list[str] = []
 
     def write(self, staging: Path) -> None:
-        """This rank's share of the shards."""
-        o = self.options
+        """This rank's share of the shards, but of the files `--resume` kept (neither read nor written)."""
+        o, plan, record = self.options, self.job.plan, None
+        if self.resume is not None:
+            kept = self.resume.kept
+            plan = replace(plan, writes=tuple(w for w in plan.writes if w.file.name not in kept))
+            ranges = rank_ranges(plan, self.world.rank)
+            record = self.resume.recorder(staging, self.world.rank, self.world.size, ranges).done
         read, self.mine = write_shards(
-            self.job.plan,
+            plan,
             self.job.ckpt,
             staging,
             self.world,
@@ -59,6 +75,7 @@ class Staging:
             o.read_path,
             o.output.fsync,
             self.target,
+            record,
         )
         self.pieces.extend(read)
 
@@ -110,3 +127,18 @@ class Staging:
             target = config_dtype(plan, o.dtype.target(), o.dtype.defaulted, bool(o.quantize))
             self.config_edits = follow_config(staging / CONFIG_FILE, plan, target)
         return copied
+
+
+# what changes how a dcp-to-hf run writes, not what: left out of its fingerprint
+OUTPUT_ONLY = ("output", "bucket_size", "read_path", "write_granularity", "push", "wording")
+
+
+def resume_state(world: World, ui: Ui, job: Planned, options: DcpToHfOptions) -> Resume:
+    """The records a dcp-to-hf run writes and `--resume` checks: the fingerprint is the source's stamps
+    (`.metadata` and every data file), the options that change what is written, and each file's name,
+    header and size (the same at any number of ranks: a run may resume at another)."""
+    ckpt, plan = job.ckpt, job.plan
+    source = stamps_digest(ckpt.stamps, file_stamp(ckpt.path / ".metadata"))
+    fingerprint = (source, options_digest(options, OUTPUT_ONLY), plan_digest(plan.files))
+    sizes = {f.name: file_size(f) for f in plan.files}
+    return Resume(fingerprint, sizes, options.output.resume, info=ui.info, warn=ui.warn)

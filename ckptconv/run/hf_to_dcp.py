@@ -195,6 +195,8 @@ def publish(
     """Write, check (with --verify) and finish the staging directory, and publish it as OUT."""
     for note in target.notes(world.size):
         ui.info(note)
+    if options.output.resume:
+        ui.info("--resume: hf-to-dcp keeps no files of an interrupted run yet; writing every file")
     staged = Staging(world, ui, job, options, target)
     check = staged.check if options.output.verify else None
     with gcpause.paused():  # `.metadata` completes a DCP checkpoint: it is published last

@@ -16,7 +16,7 @@ from ckptconv.job.ui import Ui
 from ckptconv.job.world import World
 from ckptconv.plan.types import DcpOutTensor, DcpSavePlan, RankBytes
 from ckptconv.publish.target import Sinks
-from ckptconv.stream.compose import source_rows, target_rows
+from ckptconv.stream.compose import expect_elsewhere, source_rows, target_rows
 
 
 def save_dcp(
@@ -52,6 +52,7 @@ def save_dcp(
         if hi > lo:
             for stored, a, b in source_rows(t, lo, hi):
                 reader.expect(stored, a, b)
+    expect_elsewhere(reader, plan, world.rank)  # and the other ranks' rows: never fetched here
     mine = plan.nbytes_of(world.rank)
     with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
         try:

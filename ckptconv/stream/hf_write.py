@@ -5,7 +5,7 @@ config.json made to follow what was written."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -44,10 +44,12 @@ def write_shards(
     read_path: ReadPath,
     fsync: bool,
     target: Sinks,
+    record: Callable[[object], None] | None = None,
 ) -> tuple[list[RowPiece], RankBytes]:
     """This rank's writes into `staging`, each file fsynced once this rank has written it (unless not
     `fsync`); returns the chunks' pieces it read (some rows of a chunk) and the bytes it read and wrote.
-    `target`: where the files go (`publish.target`)."""
+    `target`: where the files go (`publish.target`); `record(path)`: called once a file is on the device
+    (`--resume`'s record of it)."""
     with DcpReader(ckpt, cache_bytes=bucket) as reader:
         if read_path == "gather":
             items = gather_tensors(plan, world, direct_rows(reader), bucket)
@@ -55,7 +57,7 @@ def write_shards(
         else:
             pool = BufferPool.for_bucket(bucket)
             items = direct_tensors(plan, world, reader, bucket, pool)
-        written = write_files(plan, items, staging, world, ui, pool, fsync, target=target)
+        written = write_files(plan, items, staging, world, ui, pool, fsync, target=target, record=record)
         return reader.pieces(), RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
 
 
@@ -69,12 +71,14 @@ def write_files(
     fsync: bool = True,
     *,
     target: Sinks,
+    record: Callable[[object], None] | None = None,
 ) -> int:
     """Write this rank's byte ranges of the plan's files (`plan.writes_of`) from `items` (its writes with
     their data, in order, as unshard yields them), each in place; returns the bytes written. Tensors made
     in `pool` go back to it once written. With `fsync`, each file is fsynced as soon as this rank's writes to
     it are done, on a thread of its own while the next file is written, and all before this returns.
-    `target`: the files' sinks (`publish.target`)."""
+    `target`: the files' sinks (`publish.target`); `record(path)`: called (on the fsync thread) once a file
+    this rank finished is on the device and closed."""
     sinks = target
     mine = plan.writes_of(world.rank)
     files = len({w.file.name for w in mine})
@@ -82,7 +86,7 @@ def write_files(
     written = done = 0
     with (
         ui.bytes_progress(f"writing {files} of {len(plan.files)} files", nbytes) as progress,
-        Syncer(fsync) as syncer,
+        Syncer(fsync, after=record) as syncer,
     ):
         writer: SafetensorsWriter | None = None
         try:

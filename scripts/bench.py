@@ -12,6 +12,7 @@ usage (from the repository root):
   .venv/bin/python scripts/bench.py save-hf --gb 1 --runs 3
   .venv/bin/python scripts/bench.py durable --shapes dense --sizes 1 --runs 1
   .venv/bin/python scripts/bench.py dequant --gb 1 --runs 3
+  .venv/bin/python scripts/bench.py scaling --sizes 0.05 --ranks 1,2    # scripts/scaling.sh: 16 GB, 1-8 ranks
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from benchmarks import convert, dequant, durable, lora, memory, plan, s3, save_hf
+from benchmarks import convert, dequant, durable, lora, memory, plan, s3, save_hf, scaling
 
 BENCHMARKS = {
     "convert": convert,
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "s3": s3,
     "save-hf": save_hf,
     "dequant": dequant,
+    "scaling": scaling,
 }
 
 

@@ -8,11 +8,16 @@
   envelope is `write_results` of scripts/benchmarks/runner.py): for the conversions, throughput and peak RSS
   per rank against checkpoint size, per direction and shape; for planning and the LoRA merge, time and peak
   memory against size; one line per method, ckptconv's and each baseline's; save_hf's runs as a table.
+  And bar charts drawn here as SVG (`bar_chart`, no plotting library): seconds per method with the page cache
+  warm and cold side by side, for each size a conversions file has cold rows of (`scripts/bench.py convert
+  --cold`), and planning's seconds by scale, torch's own unpickling against ckptconv's dry run.
 """
 
 from __future__ import annotations
 
 import json
+from html import escape
+from pathlib import Path
 from typing import Any
 
 
@@ -28,11 +33,11 @@ def on_page_markdown(markdown: str, **kwargs: Any) -> str:
     return markdown
 
 
-def benchmark_plots() -> str:
-    from pathlib import Path
-
+def benchmark_plots(folder: Path | None = None) -> str:
+    """The plots and tables of every results file in `folder` (default docs/benchmarks), as markdown."""
+    folder = folder or Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
     out = []
-    for path in sorted((Path(__file__).resolve().parent.parent / "docs" / "benchmarks").glob("*.json")):
+    for path in sorted(folder.glob("*.json")):
         doc = json.loads(path.read_text())
         name = doc["benchmark"]
         machine, versions = doc["machine"], doc["versions"]
@@ -48,6 +53,8 @@ def benchmark_plots() -> str:
         for heading, xlabel, panels in FIGURES[name](doc["results"]) if name in FIGURES else []:
             out += [f"#### {heading}", ""] if heading else []
             out += [_svg(xlabel, panels), ""]
+        for heading, chart in BARS[name](doc["results"]) if name in BARS else []:
+            out += [f"#### {heading}", "", chart, ""]
         out += [*TABLES[name](doc["results"]), ""] if name in TABLES else []
     return "\n".join(out)
 
@@ -90,10 +97,13 @@ def _convert_figures(results: list[dict[str, Any]]) -> list[Figure]:
     """Conversions, per direction and shape: throughput (checkpoint GB / median s; `cp -r` included, the
     start-up floors left out) and peak RSS per rank (the conversions) against the checkpoint's size."""
     figures = []
+    results = [r for r in results if r.get("cache", "warm") == "warm"]  # the cold rows: bar charts
     for case in dict.fromkeys((r["direction"], r["shape"]) for r in results):
         rows = sorted(
             (r for r in results if (r["direction"], r["shape"]) == case), key=lambda r: r["size_gb"]
         )
+        if len({r["size_gb"] for r in rows}) < 2:
+            continue  # one size: nothing to draw against size (its bars are below)
         speed: Lines = {}
         peak: Lines = {}
         for r in rows:
@@ -139,8 +149,158 @@ def _dequant_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _scaling_table(results: list[dict[str, Any]]) -> list[str]:
+    """Scaling: per direction, size and rank count the median seconds, the speedup over the fewest ranks and
+    the peak RSS per rank; then the GPU rows (save_hf / load_hf against their baselines) and the notes."""
+    lines = [
+        "| direction | GB | ranks | seconds | speedup | peak RSS per rank (GiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        if r.get("part") == "cpu" and r.get("median_seconds"):
+            lines.append(
+                f"| {r['direction']} | {r['size_gb']:g} | {r['ranks']} | {r['median_seconds']:.2f} | "
+                f"{r['speedup']:.2f}x | {r['rss_rank_bytes'] / 2**30:.2f} |"
+            )
+    gpu = [r for r in results if r.get("part") == "gpu"]
+    if gpu:
+        head = "| on the GPU | method | ranks | GB | seconds | extra RSS per rank (GiB) | extra GPU (GiB) |"
+        lines += ["", head]
+        lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        lines += [
+            f"| {r['op']} | {r['method']} | {r['nproc']} | {r['gb']:g} | {r['seconds']:.2f} | "
+            f"{r['extra_rss_rank_gib']:.2f} | {r['extra_gpu_gib']:.2f} |"
+            for r in gpu
+        ]
+    return [*lines, "", *(r["note"] for r in results if r.get("part") == "note")]
+
+
+# durable: (ckptconv, torch's path) pairs that both fsync, then neither (scripts/benchmarks/durable.py's keys)
+DURABLE_PAIRS = {
+    "dcp-to-hf": (("ckptconv_1", "d_dcp_load_fsync"), ("d_nofsync_1", "dcp_load")),
+    "hf-to-dcp": (("h_ckptconv_1", "h_load_save"), ("h_nofsync_1", "h_load_save_nofsync")),
+}
+
+
+def _durable_table(results: list[dict[str, Any]]) -> list[str]:
+    """What fsync costs, like for like: ckptconv against torch's path with both fsyncing their output, then
+    with neither (each row's `fsync` says which); median seconds, the ratio, peak RSS per rank."""
+    lines = [
+        "| direction, size | fsync | ckptconv | torch's path | ckptconv / torch | peak RSS per rank (GiB) |",
+        "| --- | --- | --- | --- | ---: | ---: |",
+    ]
+    for case in dict.fromkeys((r["direction"], r["shape"], r["size_gb"]) for r in results):
+        by = {r["method"]: r for r in results if (r["direction"], r["shape"], r["size_gb"]) == case}
+        for ours, theirs in DURABLE_PAIRS.get(case[0], ()):
+            a, b = by.get(ours), by.get(theirs)
+            if a is None or b is None or not a["median_seconds"] or not b["median_seconds"]:
+                continue
+            if a.get("fsync") is None or a.get("fsync") != b.get("fsync"):
+                continue  # never a row that fsyncs against one that does not
+            t, u = a["median_seconds"], b["median_seconds"]
+            lines.append(
+                f"| {case[0]} {case[2]:g} GB {case[1]} | {'yes, both' if a['fsync'] else 'no, neither'} | "
+                f"{a['label']} {t:.2f} s | {b['label']} {u:.2f} s | {t / u:.2f}x | "
+                f"{a['rss_rank_bytes'] / 2**30:.2f} / {b['rss_rank_bytes'] / 2**30:.2f} |"
+            )
+    return lines
+
+
+Bars = list[tuple[str, dict[str, float]]]  # (group label, series -> value), drawn top to bottom
+
+
+def _convert_bars(results: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """For each direction, shape and size with cold rows: seconds per method, warm and cold side by side."""
+    charts = []
+    cases = dict.fromkeys(
+        (r["direction"], r["shape"], r["size_gb"]) for r in results if r.get("cache") == "cold"
+    )
+    for direction, shape, size in cases:
+        groups: dict[str, dict[str, float]] = {}
+        for r in results:
+            if (r["direction"], r["shape"], r["size_gb"]) == (direction, shape, size) and r["median_seconds"]:
+                groups.setdefault(r["label"], {})[r.get("cache", "warm")] = r["median_seconds"]
+        title = f"{direction}, {shape}, {size:g} GB: median seconds per method, page cache warm and cold"
+        charts.append(
+            (f"{direction}, {shape}, {size:g} GB: warm and cold", bar_chart(title, list(groups.items())))
+        )
+    return charts
+
+
+def _plan_bars(results: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Planning: seconds by scale, torch's own unpickling of `.metadata` against ckptconv's dry run."""
+    keys = ("torch unpickle", "ckptconv dry-run")
+    groups = [
+        (
+            f"{r['scale']:g}x ({r['chunks']:,} chunks)",
+            {k: r["rows"][k]["seconds"] for k in keys if k in r["rows"]},
+        )
+        for r in results
+        if "chunks" in r
+    ]
+    if not groups:
+        return []
+    title = "Planning: seconds by scale, torch's own unpickling of .metadata against ckptconv's dry run"
+    return [("Planning: torch's unpickling against the dry run", bar_chart(title, groups))]
+
+
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")  # one per series, in the order they first appear
+LABEL_W, BAR_W, VALUE_W, BAR_H, GAP = 230, 380, 70, 12, 10  # pixels
+
+
+def bar_chart(title: str, groups: Bars, unit: str = "s") -> str:
+    """A horizontal bar chart as inline SVG: for each group (a method, a scale) one bar per series (warm,
+    cold), each labelled with its value, on one scale from 0. Accessible: `role="img"`, a `<title>` and a
+    `<desc>` that lists every value, a `<title>` on each bar; every label is text."""
+    series = list(dict.fromkeys(k for _, values in groups for k in values))
+    top = max((v for _, values in groups for v in values.values()), default=1.0) or 1.0
+    legend_h = 22
+    height = legend_h + sum(len(values) * (BAR_H + 2) + GAP for _, values in groups) + 4
+    width = LABEL_W + BAR_W + VALUE_W
+    ident = "bars-" + "".join(c if c.isalnum() else "-" for c in title.lower())[:60]
+    desc = "; ".join(
+        f"{label}: " + ", ".join(f"{k} {v:.2f} {unit}" for k, v in values.items()) for label, values in groups
+    )
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" role="img" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" aria-labelledby="{ident}-t {ident}-d" font-family="sans-serif" '
+        'font-size="11">',
+        f'<title id="{ident}-t">{escape(title)}</title>',
+        f'<desc id="{ident}-d">{escape(desc)}</desc>',
+    ]
+    for i, name in enumerate(series):
+        x = LABEL_W + i * 110
+        parts.append(f'<rect x="{x}" y="4" width="10" height="10" fill="{COLORS[i % len(COLORS)]}"/>')
+        parts.append(f'<text x="{x + 14}" y="13">{escape(name)}</text>')
+    y = legend_h
+    for label, values in groups:
+        block = len(values) * (BAR_H + 2)
+        parts.append(
+            f'<text x="{LABEL_W - 6}" y="{y + block / 2 + 4:.1f}" text-anchor="end">{escape(label)}</text>'
+        )
+        for name, value in values.items():
+            w = max(1.0, BAR_W * value / top)
+            color = COLORS[series.index(name) % len(COLORS)]
+            tip = escape(f"{label}, {name}: {value:.2f} {unit}")
+            parts.append(
+                f'<rect x="{LABEL_W}" y="{y}" width="{w:.1f}" height="{BAR_H}" fill="{color}">'
+                f"<title>{tip}</title></rect>"
+            )
+            parts.append(f'<text x="{LABEL_W + w + 4:.1f}" y="{y + BAR_H - 2}">{value:.2f} {unit}</text>')
+            y += BAR_H + 2
+        y += GAP
+    parts.append("</svg>")
+    return f'<figure class="ckptconv-bars">{"".join(parts)}</figure>'
+
+
+BARS = {"convert": _convert_bars, "planning": _plan_bars}
 FIGURES = {"planning": _plan_figures, "lora-merge": _lora_figures, "convert": _convert_figures}
-TABLES = {"save-hf": _save_hf_table, "dequant": _dequant_table}
+TABLES = {
+    "save-hf": _save_hf_table,
+    "dequant": _dequant_table,
+    "durable": _durable_table,
+    "scaling": _scaling_table,
+}
 TITLES = {
     "planning": "Planning at scale",
     "lora-merge": "LoRA merge",
@@ -149,6 +309,8 @@ TITLES = {
     "s3": "Object storage",
     "save-hf": "save_hf in a training job",
     "dequant": "Dequantizing quantized releases",
+    "durable": "Durable output: fsync against fsync, no fsync against no fsync",
+    "scaling": "Scaling with ranks, and save_hf / load_hf on GPUs",
 }
 
 

@@ -4,11 +4,14 @@ At 1 TB a `.metadata` holds about a million chunks, each a `ChunkStorageMetadata
 `MetadataIndex -> _StorageInfo` entry of the storage index. Loaded as objects, even plain stand-ins, each is
 an instance, a dict and tuples, and pickle's memo keeps every one of them alive to the end of the load: about
 1.9 KB a chunk. Here those three classes load into one *sink* each instead. NEWOBJ gives the sink itself (no
-instance is made), BUILD hands it the record's state, whose fields it appends to columns (ints into arrays)
-before clearing it (the memo then keeps an empty dict). A tensor's chunk list holds its sink N times, and the
-`TensorStorageMetadata` built right after that list takes the last N chunk rows. The storage index's keys and
-values alternate in the stream (key, value, key, value), so each `_StorageInfo` row is paired with the index
-row built just before it.
+instance is made), BUILD hands it the record's state, whose fields go into columns (ints into arrays), and
+the state is cleared (the memo then keeps an empty dict). A chunk's or an index record's BUILD is a C call
+(`list.append` of its state: no Python frame for a million of them); the `TensorStorageMetadata` built right
+after a chunk list holding the sink N times takes the N chunk states built since the last tensor, in one
+pass, and each `_StorageInfo` takes the index state built just before it: the storage index's keys and
+values alternate in the stream (key, value, key, value). A state stays uncleared only until then; a stream
+editing it in between (a memo reference, then SETITEMS) sets the values it could have written in the first
+place, and every value is checked after the load as before.
 
     chunk rows    offsets[i], sizes[i]            one per ChunkStorageMetadata (a tensor's rows: its `rows`)
     index rows    fqns[j], index_offsets[j]       one per MetadataIndex (offset None: a non-tensor item)
@@ -32,6 +35,7 @@ from __future__ import annotations
 import pickle
 from array import array
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 from ckptconv.errors import CkptconvError
@@ -54,6 +58,45 @@ class Columns:
         self.transforms: dict[int, Any] = {}  # storage row -> its transform descriptors, where it has any
         self.paired = -1  # the last index row given a storage row
         self.taken = 0  # chunk rows taken by tensors so far
+        self.chunk_states: list[Any] = []  # the states of the chunk records built since the last tensor
+        self.index_states: list[Any] = []  # the states of every index record built (rows: those made)
+
+    def take_chunks(self) -> None:
+        """Rows of the chunk states built since the last tensor, in C when each is a dict with both fields;
+        the states are cleared (the memo keeps them to the end of the load: emptied, they hold nothing)."""
+        states = self.chunk_states
+        try:  # a state built twice (a memo reference) is refused as the first BUILD's clearing made it do
+            if set(map(type, states)) - {dict} or len(set(map(id, states))) != len(states):
+                raise KeyError
+            offsets, sizes = list(map(_OFFSETS, states)), list(map(_SIZES, states))
+        except KeyError:  # one of them is not: record by record, to refuse the first that is wrong
+            for state in states:
+                state = state if type(state) is dict else _state(state)
+                self.offsets.append(state["offsets"])
+                self.sizes.append(state["sizes"])
+                state.clear()
+        else:
+            self.offsets += offsets
+            self.sizes += sizes
+            list(map(dict.clear, states))
+        states.clear()
+
+    def index_row(self, row: int) -> None:
+        """The row of index record `row` (the next one without a row)."""
+        state = self.index_states[row]
+        if type(state) is not dict:
+            state = _state(state)
+        self.fqns.append(state["fqn"])
+        self.index_offsets.append(state.get("offset"))
+        state.clear()
+
+    def finish(self) -> None:
+        """Rows of the records nothing took (Megatron-Core's plans, after the index): nothing reads them,
+        but each is refused as it was read if it is malformed."""
+        self.take_chunks()
+        for row in range(len(self.fqns), len(self.index_states)):
+            self.index_row(row)
+        self.index_states.clear()  # emptied dicts, a million of them: the memo let go of them with the load
 
     def locations(self) -> dict[Any, dict[Any, int]]:
         """{fqn: {offsets (None for a non-tensor item): storage row}}, keyed by the index rows' own tuples."""
@@ -65,52 +108,46 @@ class Columns:
 
 
 _state = sp.record_state  # a BUILD state as one dict of a few fields (the (dict, slots) pair merged)
+_OFFSETS, _SIZES = itemgetter("offsets"), itemgetter("sizes")
 
 
 class _ChunkSink:
-    def __init__(self, columns: Columns) -> None:
-        self.offsets, self.sizes = columns.offsets.append, columns.sizes.append
+    """A chunk record's BUILD appends its state to `chunk_states` (a C call: no Python frame per chunk); the
+    tensor built right after its chunk list turns them into rows, all at once (`Columns.take_chunks`)."""
 
-    def __setstate__(self, state: Any) -> None:
-        if type(state) is not dict:
-            state = _state(state)
-        self.offsets(state["offsets"])
-        self.sizes(state["sizes"])
-        state.clear()
+    def __init__(self, columns: Columns) -> None:
+        self.__setstate__ = columns.chunk_states.append
 
 
 class _IndexSink:
-    def __init__(self, columns: Columns) -> None:
-        self.fqns, self.offsets = columns.fqns.append, columns.index_offsets.append
+    """An index record's BUILD appends its state to `index_states` (a C call); the storage record paired
+    with it makes its row (`Columns.index_row`)."""
 
-    def __setstate__(self, state: Any) -> None:
-        if type(state) is not dict:
-            state = _state(state)
-        self.fqns(state["fqn"])
-        self.offsets(state.get("offset"))
-        state.clear()
+    def __init__(self, columns: Columns) -> None:
+        self.__setstate__ = columns.index_states.append
 
 
 class _StorageSink:
     def __init__(self, columns: Columns) -> None:
-        self.columns, self.fqns = columns, columns.fqns
+        self.columns, self.built = columns, columns.index_states
         self.key, self.paths = columns.key.append, columns.paths.append
         self.starts, self.lengths = columns.starts.append, columns.lengths.append
-        self.opened = -1  # the index rows there were when the record being loaded was made (NEWOBJ)
+        self.opened = -1  # the index records built when the record being loaded was made (NEWOBJ)
 
     def open(self, cls: type) -> _StorageSink:
         """NEWOBJ of a `_StorageInfo`."""
-        self.opened = len(self.fqns)
+        self.opened = len(self.built)
         return self
 
     def __setstate__(self, state: Any) -> None:
         if type(state) is not dict:
             state = _state(state)
         c = self.columns
-        row = len(self.fqns) - 1
+        row = len(self.built) - 1
         if row != c.paired + 1 or self.opened != row + 1:  # its key: the index record just before it
             raise pickle.UnpicklingError("a storage entry without an index key of its own just before it")
         c.paired = row
+        c.index_row(row)
         self.key(row)
         self.paths(state["relative_path"])
         self.starts(state["offset"])
@@ -163,8 +200,9 @@ def _tensor_class(columns: Columns, chunk: _ChunkSink) -> type:
             chunks = state.pop("chunks", None)
             if type(chunks) is not list or chunks.count(chunk) != len(chunks):
                 raise pickle.UnpicklingError("a tensor's chunk list holds something else than chunks")
-            if len(columns.offsets) - columns.taken != len(chunks):
+            if len(columns.chunk_states) != len(chunks):
                 raise pickle.UnpicklingError("a tensor's chunk list reuses chunk records")
+            columns.take_chunks()
             self.rows = range(columns.taken, len(columns.offsets))
             columns.taken = len(columns.offsets)
             chunks.clear()
@@ -206,6 +244,7 @@ def load_dcp_metadata(data: bytes | sp.Readable, where: str) -> tuple[sp.Metadat
     hooks = allowed(columns)
     try:
         metadata = sp.MetadataUnpickler(data, hooks, Budget(where)).load()
+        columns.finish()
     except (OSError, CkptconvError):
         raise  # reading the file failed (the caller names the path and the cause), or a limit was reached
     except sp.Refused as e:

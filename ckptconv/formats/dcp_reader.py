@@ -148,6 +148,18 @@ class DcpReader:
             row_bytes = chunk.numel * spec.dtype.itemsize // rows
             self._remote.expect(chunk.file, where + r0 * row_bytes, (r1 - r0) * row_bytes)
 
+    def elsewhere(self, spec: TensorSpec, chunk: ChunkSpec, r0: int, r1: int) -> None:
+        """Another rank reads rows [r0, r1) of `chunk`: from object storage, no request of this reader reads
+        across them (`RemoteFiles.elsewhere`): the rows' bytes where the data lies in place at the record's
+        start, else the whole record (where rows lie inside a torch.save record is not read for this)."""
+        if self._remote is None or not chunk.numel:
+            return
+        start, length = chunk.byte_offset, chunk.byte_length
+        if chunk.fmt == "torch_entry" and not self.ckpt.transforms:
+            row_bytes = chunk.numel * spec.dtype.itemsize // (chunk.sizes[0] if chunk.sizes else 1)
+            start, length = start + r0 * row_bytes, (r1 - r0) * row_bytes
+        self._remote.elsewhere(chunk.file, start, length)
+
     def fetched(self) -> tuple[int, int]:
         """(bytes fetched, requests) from object storage; (0, 0) on a file system."""
         remote = self._remote

@@ -260,11 +260,14 @@ class RowReader:
     def expect(self, t: StoredTensor, lo: int, hi: int) -> None:
         """This reader will read rows [lo, hi) of `t` soon: from object storage, neighbouring expected rows
         are then fetched together (`RemoteFiles.expect`); on a file system, nothing to do."""
-        if not isinstance(t.file, UrlPath) or hi <= lo:
-            return
-        row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
-        start = t.data_offset + (lo * row_bytes if t.shape else 0)
-        self._files(t.file).expect(t.file.name, start, (hi - lo) * row_bytes if t.shape else t.nbytes)
+        if isinstance(t.file, UrlPath) and hi > lo:
+            self._files(t.file).expect(t.file.name, *_row_range(t, lo, hi))
+
+    def elsewhere(self, t: StoredTensor, lo: int, hi: int) -> None:
+        """Another rank reads rows [lo, hi) of `t`: from object storage, no request of this reader reads
+        across them (`RemoteFiles.elsewhere`); on a file system, nothing to do."""
+        if isinstance(t.file, UrlPath) and hi > lo:
+            self._files(t.file).elsewhere(t.file.name, *_row_range(t, lo, hi))
 
     def _files(self, file: UrlPath) -> RemoteFiles:
         with self._lock:
@@ -285,3 +288,9 @@ class RowReader:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
             os.close(fd)
+
+
+def _row_range(t: StoredTensor, lo: int, hi: int) -> tuple[int, int]:
+    """(offset, length) of rows [lo, hi) of `t` in its file (a 0-d `t`: its bytes)."""
+    row_bytes = t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
+    return t.data_offset + (lo * row_bytes if t.shape else 0), (hi - lo) * row_bytes if t.shape else t.nbytes

@@ -4,7 +4,10 @@ Call order: rank 0 lists the objects (`sizes`) and reads `.metadata` (`read`) wh
 every rank that reads chunks says which byte ranges it will read (`expect`, a record at a time, ahead of
 reading it) and reads them (`pread`). A read inside an expected range fetches, in one ranged GET, that range
 and its expected neighbours at most `coalesce_gap` bytes apart (up to `span_limit` bytes), then serves the
-reads that follow from the fetched span; any other read fetches exactly its bytes. A fetched span is dropped
+reads that follow from the fetched span; any other read fetches exactly its bytes. Under torchrun every rank
+also says which bytes the other ranks read (`elsewhere`, from the plan every rank holds: no collective), and
+a request never reads across a gap holding any of them, so no byte is fetched by a rank that does not read
+it (the ranks' requests overlap only on bytes several of them read). A fetched span is dropped
 once every expected byte in it has been read (so memory holds what is fetched and not yet read, as a local
 run holds its reads in flight), and spans are kept within `cache_bytes` anyway (the oldest go first).
 Nothing is written to local disk.
@@ -18,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ckptconv.errors import CkptconvError
-from ckptconv.remote.ranges import Range, merged, pieces, span_around, without
+from ckptconv.remote.ranges import Range, joined, merged, pieces, span_around, without
 from ckptconv.remote.urls import UrlPath, coalesce_gap, filesystem, redact
 
 _listings: dict[str, dict[str, int]] = {}  # URL -> its objects' sizes, listed once per process
@@ -41,6 +44,8 @@ class RemoteFiles:
         self.span_limit = max(cache_bytes // 8, 1 << 20)
         self._sizes = sizes
         self._expected: dict[str, list[Range]] = {}
+        self._elsewhere: dict[str, list[Range]] = {}  # bytes other ranks read (`joined`), never read across
+        self._elsewhere_new: dict[str, list[Range]] = {}  # announced since they were last joined
         self._spans: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._unread: dict[tuple[str, int], list[Range]] = {}  # a span's expected ranges not read yet
         self._cached = 0
@@ -92,6 +97,21 @@ class RemoteFiles:
         with self._lock:
             new = pieces(start, start + length, self.span_limit)
             self._expected[rel] = merged([*self._expected.get(rel, []), *new])
+
+    def elsewhere(self, rel: str, start: int, length: int) -> None:
+        """Another rank reads bytes [start, start + length) of `rel`: no request of this rank reads across a
+        gap holding any of them (this rank fetches them only where it reads them itself). Call it before the
+        reads it should shape (hf-to-dcp and dcp-to-hf announce every other rank's reads up front)."""
+        if length > 0:
+            with self._lock:
+                self._elsewhere_new.setdefault(rel, []).append((start, start + length))
+
+    def _others(self, rel: str) -> list[Range]:
+        """The bytes of `rel` other ranks read, sorted and joined (those announced since, joined in now)."""
+        new = self._elsewhere_new.pop(rel, None)
+        if new:
+            self._elsewhere[rel] = joined([*self._elsewhere.get(rel, []), *new])
+        return self._elsewhere.get(rel, [])
 
     def forgo(self, rel: str, start: int, end: int) -> None:
         """Bytes [start, end) of `rel`, expected, will not be read after all (the zip entries around a
@@ -179,7 +199,7 @@ class RemoteFiles:
         """The span one GET fetches for `want` and the expected ranges in it (they then leave the list), or
         None."""
         expected = self._expected.get(rel, [])
-        found = span_around(expected, want, self.coalesce_gap, self.span_limit)
+        found = span_around(expected, want, self.coalesce_gap, self.span_limit, self._others(rel))
         if found is None:
             return None
         lo, hi = found

@@ -18,8 +18,9 @@ from ckptconv.core.dtype_names import short_name
 from ckptconv.core.specs import StoredTensor
 from ckptconv.formats.safetensors_io import RowReader
 from ckptconv.mapping.parts import Part, src_rows
-from ckptconv.plan.types import DcpOutTensor
+from ckptconv.plan.types import DcpOutTensor, DcpSavePlan
 from ckptconv.quant.schemes import READ, described
+from ckptconv.remote.urls import UrlPath
 from ckptconv.stream.blocks import place, shifted
 
 SLAB_BYTES = 32 * 2**20  # source rows are read and placed this many bytes at a time
@@ -87,6 +88,20 @@ def expect_block(reader: RowReader, t: DcpOutTensor, offsets: Sequence[int], siz
     lo, hi = (offsets[0], offsets[0] + sizes[0]) if t.shape else (0, 1)
     for stored, a, b in source_rows(t, lo, hi):
         reader.expect(stored, a, b)
+
+
+def expect_elsewhere(reader: RowReader, plan: DcpSavePlan, rank: int) -> None:
+    """From object storage, tell `reader` the stored rows every rank but `rank` reads (`elsewhere`: the plan
+    says which, no collective), so that the requests of `rank`, coalesced across small gaps, never fetch
+    another rank's rows (on 2 ranks, a rank's rows of neighbouring tensors are the other's rows apart)."""
+    if not any(isinstance(stored.file, UrlPath) for t in plan.tensors for stored, _ in t.parts):
+        return
+    for t in plan.tensors:
+        for r in range(plan.world_size):
+            lo, hi = plan.rows_of(t, r)
+            if r != rank and hi > lo:
+                for stored, a, b in source_rows(t, lo, hi):
+                    reader.elsewhere(stored, a, b)
 
 
 def source_rows(t: DcpOutTensor, lo: int, hi: int) -> list[tuple[StoredTensor, int, int]]:

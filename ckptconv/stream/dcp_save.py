@@ -18,7 +18,7 @@ from ckptconv.plan.types import DcpOutTensor, DcpSavePlan, RankBytes
 from ckptconv.publish.records import Item
 from ckptconv.publish.resume import Resume
 from ckptconv.publish.target import Sinks
-from ckptconv.stream.compose import source_rows, target_rows
+from ckptconv.stream.compose import expect_elsewhere, source_rows, target_rows
 
 if TYPE_CHECKING:
     from ckptconv.formats.dcp_writer import Resumed
@@ -60,6 +60,7 @@ def save_dcp(
         if hi > lo:
             for stored, a, b in source_rows(t, lo, hi):
                 reader.expect(stored, a, b)
+    expect_elsewhere(reader, plan, world.rank)  # and the other ranks' rows: never fetched here
     mine = plan.nbytes_of(world.rank)
     with ui.bytes_progress(f"rank {world.rank} of {world.size}: saving DCP", mine) as progress:
         try:

@@ -346,6 +346,7 @@ def direct_tensors(
         pending.append((w, threads.submit(assemble, w.tensor, rows, reader, w.window, pool)))
         in_flight += w.nbytes
 
+    expect_elsewhere(reader, plan, world.rank)
     try:
         for w in plan.writes_of(world.rank):
             expect_rows(reader, w.tensor, w.window)
@@ -370,3 +371,14 @@ def expect_rows(reader: DcpReader, t: OutTensor, window: tuple[int, int] | None 
     if reader.remote:
         for spec, chunk, r0, r1 in needed_chunks(t, window):
             reader.expect(spec, chunk, r0, r1)
+
+
+def expect_elsewhere(reader: DcpReader, plan: HfSavePlan, rank: int) -> None:
+    """From object storage, tell `reader` the rows of chunks every other rank's writes read (the plan holds
+    every rank's writes: no collective), so that its requests, coalesced across small gaps, never fetch
+    bytes another rank fetches; on a file system, or alone, nothing to do."""
+    if reader.remote:
+        for w in plan.writes:
+            if w.rank != rank:
+                for spec, chunk, r0, r1 in needed_chunks(w.tensor, w.window):
+                    reader.elsewhere(spec, chunk, r0, r1)

@@ -9,6 +9,8 @@
   lora      `dcp-to-hf --lora merge` against PEFT's merge_and_unload + save_pretrained
   s3        dcp-to-hf from and to object storage (a local moto server) against get, convert, put
   save-hf   `ckptconv.save_hf` in a simulated FSDP2 training job against full_tensor + a rank-0 save
+  scaling   dcp-to-hf and hf-to-dcp at 1 to 8 ranks where the cores exist, save_hf / load_hf on GPUs
+            (scripts/scaling.sh on a machine with many cores and a GPU)
 
 The shared pieces: runner.py (each command a fresh subprocess under an RSS monitor of its process tree,
 several methods interleaved over `--runs`, the median; `--out FILE`, the results file with the machine, the

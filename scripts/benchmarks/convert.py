@@ -7,6 +7,7 @@ converts with `--mapping torchtitan-qwen3` (one HF tensor per expert) and the ba
 stacked tensors themselves (see workers/baseline.py):
 
   cp -r                    copying the checkpoint directory: the I/O floor
+  cat (read limit)         `cat` of every file of the checkpoint to /dev/null: reading the source once
   import torch             `python -c "import torch"`: interpreter + torch start-up, paid by any Python method
   torchrun import torch    the same under `torchrun --nproc-per-node 2`: the start-up floor of 2-rank runs
   ckptconv 1 rank          `python -m ckptconv dcp-to-hf CKPT OUT --dtype bf16 --quiet --overwrite`
@@ -25,6 +26,7 @@ and for hf-to-dcp, from an fp32 HF directory made once of the same DCP checkpoin
 `ckptconv dcp-to-hf --dtype keep --max-shard-size 2GB` (cached as WORKDIR/hf-SIZE):
 
   cp -r                    copying the HF directory
+  cat (read limit)         `cat` of every file of it to /dev/null
   import torch, torchrun import torch   as above
   ckptconv 1 rank          `python -m ckptconv hf-to-dcp HF OUT --quiet --overwrite`
   ckptconv 2r              the same under `torchrun --standalone --nproc-per-node 2`
@@ -43,6 +45,12 @@ included).
 RSS counts the pages a process has touched, including file pages it maps. The exact kernel high-water mark of
 the largest process (`wait4` ru_maxrss, agent included) is kept in bench.json.
 
+`--cold` drops the page cache before each run, outside the timed region (`sync; echo 3 >
+/proc/sys/vm/drop_caches`: root only), so every row, `cat` and `import torch` included, reads from the
+device: what a conversion of a checkpoint just copied from elsewhere, or written long ago, costs. "x read
+limit" is a row's median over `cat`'s (same source, same cache state). Where the cache cannot be dropped (not
+root), the rows run warm, and the report and the results file say they are NOT cold and why.
+
 The checkpoints are written once by a real FSDP2 job (2 ranks, gloo, CPU; workers/make_dcp.py) into the
 work directory and reused by later invocations. The page cache is warm: the checkpoint was just written and
 is read over and over, so the numbers measure the converters, not the disk. Outputs are deleted and `sync` is
@@ -56,22 +64,27 @@ usage (from the repository root):
   .venv/bin/python scripts/bench.py convert --quick          # 0.25 GB, dense and moe, 1 run: a smoke test
   .venv/bin/python scripts/bench.py convert --sizes 2 --runs 5 --workdir /tmp/bench
   .venv/bin/python scripts/bench.py convert --shapes dense --sizes 0.5,1,2,4 --runs 1 --out convert.json
-Writes WORKDIR/bench.md (the table in markdown) and WORKDIR/bench.json (every raw number); logs of the last
-run of each command are in WORKDIR/logs. Progress goes to stderr, the table to stdout. `--out FILE` writes
-the results file: one row per direction, shape, size and method (median seconds, GB/s, peak RSS per rank
-and summed, in bytes), with the machine, the versions and the date; docs/benchmarks/convert.json is the
-published one, plotted on the benchmarks page.
+  .venv/bin/python scripts/bench.py convert --shapes dense --sizes 1 --out c.json      # warm, then
+  .venv/bin/python scripts/bench.py convert --shapes dense --sizes 1 --cold --out c.json   # cold rows beside
+Writes WORKDIR/bench.md (bench-cold.md with --cold; the table in markdown) and WORKDIR/bench.json
+(bench-cold.json; every raw number); logs of the last run of each command are in WORKDIR/logs. Progress goes
+to stderr, the table to stdout. `--out FILE` writes the results file: one row per direction, shape, size,
+method and cache (median seconds, GB/s, peak RSS per rank and summed, in bytes, "cache": "warm" or "cold",
+the ratio to the read limit), with the machine, the versions and the date; the rows of other sizes, shapes
+or caches already in FILE are kept, so a warm and a cold run make one file. docs/benchmarks/convert*.json are
+the published ones, plotted on the benchmarks page.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from . import suite
 from .methods import BY_KEY, DIRECTIONS
 from .runner import command_line, options, write_results
-from .tables import COLUMNS, SECTION_TITLES, headlines, result_rows, table_rows
+from .tables import LIMIT_COLUMNS, SECTION_TITLES, headlines, result_rows, table_rows
 
 OPTIONS = options(None, default="3, or 1 with --quick")
 
@@ -84,6 +97,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="both",
         help="dcp-to-hf, hf-to-dcp, or both (the default)",
     )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before each run (`sync; echo 3 > /proc/sys/vm/drop_caches`, as root); "
+        "the report and the results file say so, or why the rows are not cold",
+    )
+
+
+def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """A results row's identity: rows of other sizes, shapes or caches already in `--out` are kept."""
+    return (row["direction"], row["shape"], row["size_gb"], row["method"], row.get("cache", "warm"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -97,9 +121,12 @@ def main(args: argparse.Namespace) -> int:
     for direction in names:
         mine = [r for r in reports if r.direction == direction]
         sections.append(
-            suite.Section(direction, SECTION_TITLES[direction], table_rows(mine), headlines(mine), COLUMNS)
+            suite.Section(
+                direction, SECTION_TITLES[direction], table_rows(mine, True), headlines(mine), LIMIT_COLUMNS
+            )
         )
-    code = suite.report(args, "bench", sections, reports, list(BY_KEY.values()), load)
+    name = "bench-cold" if args.cold else "bench"
+    code = suite.report(args, name, sections, reports, list(BY_KEY.values()), load)
     if args.out:
-        write_results(args.out, "convert", result_rows(reports), command_line())
+        write_results(args.out, "convert", result_rows(reports), command_line(), merge=row_key)
     return code

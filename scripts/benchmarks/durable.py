@@ -31,7 +31,10 @@ usage: .venv/bin/python scripts/bench.py durable --shapes dense --sizes 1 --runs
        .venv/bin/python scripts/bench.py durable --shapes dense --sizes 4,8 --runs 2 \
            --out docs/benchmarks/durable.json
 Writes WORKDIR/bench-durable.md and bench-durable.json (as convert's bench.md and bench.json); `--out FILE`
-the results file (one row per direction, shape, size and method).
+the results file (one row per direction, shape, size and method, each with "fsync": true when its output is
+fsynced before it ends, false when not, null for the start-up floors). Compare like with like: ckptconv
+(fsync) with the torch paths that fsync, `--no-fsync` with those that do not; the benchmarks page's table
+of this file pairs them so.
 """
 
 from __future__ import annotations
@@ -137,6 +140,25 @@ VERSUS = {
     "dcp-to-hf": ("ckptconv_1", "dcp_load", "d_dcp_load_fsync"),
     "hf-to-dcp": ("h_ckptconv_1", "h_load_save_nofsync", "h_load_save"),
 }
+# whether each method's output is fsynced (made durable) before it ends: every row of the results says so
+FSYNC = {
+    "cp": False,
+    "h_cp": False,
+    "d_cp_sync": True,
+    "h_cp_sync": True,
+    "ckptconv_1": True,
+    "h_ckptconv_1": True,
+    "ckptconv_2_direct": True,
+    "h_ckptconv_2": True,
+    "d_nofsync_1": False,
+    "h_nofsync_1": False,
+    "d_nofsync_2": False,
+    "h_nofsync_2": False,
+    "dcp_load": False,
+    "d_dcp_load_fsync": True,
+    "h_load_save": True,
+    "h_load_save_nofsync": False,
+}
 TITLES = {
     "dcp-to-hf": f"durable dcp-to-hf: fp32 DCP (FSDP2, {NPROC} ranks) -> bf16 safetensors, fsync or not",
     "hf-to-dcp": "durable hf-to-dcp: fp32 safetensors -> DCP, fsync or not",
@@ -187,5 +209,6 @@ def main(args: argparse.Namespace) -> int:
     methods = [m for d in names for m in DIRECTIONS[d]]
     code = suite.report(args, "bench-durable", sections, reports, methods, load)
     if args.out:
-        write_results(args.out, "durable", result_rows(reports), command_line())
+        rows = [{**r, "fsync": FSYNC.get(r["method"])} for r in result_rows(reports)]  # None: start-up rows
+        write_results(args.out, "durable", rows, command_line())
     return code

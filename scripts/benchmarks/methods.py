@@ -50,6 +50,14 @@ def two_nodes(*args: str) -> list[str]:
     return ["bash", "-c", both]
 
 
+# the read limit: every file of the source read once, as fast as `cat` reads it (hidden `.metadata` included)
+READ_ALL = 'find "$1" -type f -exec cat {} + > /dev/null'
+
+
+def read_all(ckpt: Path) -> list[str]:
+    return ["bash", "-c", READ_ALL, "_", str(ckpt)]
+
+
 def ckptconv_args(ckpt: Path, out: Path, flags: Flags) -> list[str]:
     return ["dcp-to-hf", str(ckpt), str(out), "--dtype", "bf16", "--quiet", "--overwrite", *flags]
 
@@ -65,6 +73,7 @@ class Method:
     ranks: int
     kind: Kind
     argv: Callable[[Path, Path, Flags], list[str]]  # (input, output dir, ckptconv's flags) -> command line
+    fsync: bool | None = None  # its output fsynced before it ends (None: writes nothing, or only in part)
 
     @property
     def startup_key(self) -> str:
@@ -73,7 +82,8 @@ class Method:
 
 
 METHODS: tuple[Method, ...] = (
-    Method("cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
+    Method("cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)], fsync=False),
+    Method("cat", "cat (read limit)", 1, "io", lambda c, o, f: read_all(c)),
     Method("import_torch", "import torch", 1, "startup", lambda c, o, f: [PY, "-c", "import torch"]),
     Method(
         "torchrun_import",
@@ -88,6 +98,7 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f)],
+        fsync=True,
     ),
     Method(
         "ckptconv_2_direct",
@@ -95,6 +106,7 @@ METHODS: tuple[Method, ...] = (
         NPROC,
         "convert",
         lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "direct"),
+        fsync=True,
     ),
     Method(
         "ckptconv_2_nodes",
@@ -102,6 +114,7 @@ METHODS: tuple[Method, ...] = (
         NPROC,
         "convert",
         lambda c, o, f: two_nodes("-m", "ckptconv", *ckptconv_args(c, o, f)),
+        fsync=True,
     ),
     Method(
         "ckptconv_2_gather",
@@ -109,6 +122,7 @@ METHODS: tuple[Method, ...] = (
         NPROC,
         "convert",
         lambda c, o, f: torchrun("-m", "ckptconv", *ckptconv_args(c, o, f), "--read", "gather"),
+        fsync=True,
     ),
     Method(
         "format_utils",
@@ -116,6 +130,7 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, BASELINE, "format_utils", str(c), str(o)],
+        fsync=False,
     ),
     Method(
         "hf_writer",
@@ -130,6 +145,7 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, BASELINE, "dcp_load", str(c), str(o)],
+        fsync=False,
     ),
     Method(
         "ckptconv_fp8",
@@ -137,6 +153,7 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, "-m", "ckptconv", *ckptconv_args(c, o, f), "--quantize", "fp8"],
+        fsync=True,
     ),
     Method(
         "dcp_load_fp8",
@@ -144,11 +161,13 @@ METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, BASELINE, "dcp_load_fp8", str(c), str(o)],
+        fsync=False,
     ),
 )
 STARTUP = tuple(m for m in METHODS if m.kind == "startup")
 HF_TO_DCP_METHODS: tuple[Method, ...] = (
-    Method("h_cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)]),
+    Method("h_cp", "cp -r", 1, "io", lambda c, o, f: ["cp", "-r", str(c), str(o)], fsync=False),
+    Method("h_cat", "cat (read limit)", 1, "io", lambda c, o, f: read_all(c)),
     *STARTUP,
     Method(
         "h_ckptconv_1",
@@ -156,6 +175,7 @@ HF_TO_DCP_METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, "-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite", *f],
+        fsync=True,
     ),
     Method(
         "h_ckptconv_2",
@@ -163,6 +183,7 @@ HF_TO_DCP_METHODS: tuple[Method, ...] = (
         NPROC,
         "convert",
         lambda c, o, f: torchrun("-m", "ckptconv", "hf-to-dcp", str(c), str(o), "--quiet", "--overwrite", *f),
+        fsync=True,
     ),
     Method(
         "h_load_save",
@@ -170,6 +191,7 @@ HF_TO_DCP_METHODS: tuple[Method, ...] = (
         1,
         "convert",
         lambda c, o, f: [PY, BASELINE, "load_file_dcp_save", str(c), str(o)],
+        fsync=True,
     ),
 )
 DIRECTIONS: dict[str, tuple[Method, ...]] = {
@@ -181,4 +203,5 @@ REFERENCE = {
     "hf-to-dcp": ("h_ckptconv_1", "h_cp"),
     "memory": ("ckptconv_1", "cp"),
 }  # (ckptconv 1 rank, cp)
+READ_LIMIT = {"dcp-to-hf": "cat", "hf-to-dcp": "h_cat"}  # reading the source once: `cat` of every file
 BY_KEY = {m.key: m for methods in DIRECTIONS.values() for m in methods}

@@ -13,14 +13,16 @@ the checkpoint's size on disk is the metadata's: planning reads no tensor data.
 
 Then it times, each in a fresh process (wall seconds and the kernel's peak RSS, `wait4`):
 
+  read limit         `cat .metadata > /dev/null`: reading the file (from the page cache once made)
   torch unpickle     `pickle.load` of `.metadata` with torch imported: what `dcp.load` pays on every rank
   ckptconv dry-run   `python -m ckptconv dcp-to-hf SRC OUT --dry-run --quiet --json`: the whole plan, 1 rank
   ckptconv inspect   `python -m ckptconv inspect SRC --json`
 
-then each rank's planning under torchrun on 2 ranks, from its first line (start-up included), and, in one
-more process, the plan at RANKS ranks under each `--write-granularity`: how many ranks write,
-and the least and most bytes a rank writes (the table in docs/benchmarks.md). Last, `hf-to-dcp --dry-run`
-of a synthetic HF model of HF_FILES safetensors files (real headers, sparse data; see `make_hf`).
+and prints the dry run's ratio to torch's unpickling and to the read limit; then each rank's planning under
+torchrun on 2 ranks, from its first line (start-up included), and, in one more process, the plan at RANKS
+ranks under each `--write-granularity`: how many ranks write, and the least and most bytes a rank writes
+(the table in docs/benchmarks.md). Last, `hf-to-dcp --dry-run` of a synthetic HF model of HF_FILES
+safetensors files (real headers, sparse data; see `make_hf`).
 """
 
 from __future__ import annotations
@@ -291,6 +293,16 @@ def _shared(root: Path, nproc: int) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _ratios(rows: dict[str, dict]) -> dict[str, float]:
+    """The dry run's wall time over torch's unpickling (below 1: faster) and over the read limit (the
+    time `cat` takes to read `.metadata`: what no decoder of the whole file can go below)."""
+    dry = rows["ckptconv dry-run"]["seconds"]
+    out = {"dry-run / read limit": round(dry / max(rows["read limit (cat .metadata)"]["seconds"], 0.01), 2)}
+    if "torch unpickle" in rows:
+        out["dry-run / torch unpickle"] = round(dry / max(rows["torch unpickle"]["seconds"], 0.01), 2)
+    return out
+
+
 OPTIONS = options(with_runs=False)  # each method is measured once per scale
 
 
@@ -320,6 +332,8 @@ def main(args: argparse.Namespace) -> int:
             flush=True,
         )
         rows = {}
+        metadata = str(root / ".metadata")
+        rows["read limit (cat .metadata)"] = _measure(["sh", "-c", 'cat "$1" > /dev/null', "sh", metadata])
         if not args.skip_torch:
             load = "import pickle,sys,torch.distributed.checkpoint;pickle.load(open(sys.argv[1],'rb'))"
             rows["torch unpickle"] = _measure([py, "-c", load, str(root / ".metadata")])
@@ -330,6 +344,9 @@ def main(args: argparse.Namespace) -> int:
         balance = json.loads(_measure([py, "-c", BALANCE, str(root), str(args.ranks)])["stdout"])
         for name, row in rows.items():
             print(f"  {name:28s} {row['seconds']:8.2f} s  {row['peak_gib']:7.3f} GiB", flush=True)
+        ratios = _ratios(rows)
+        for name, ratio in ratios.items():
+            print(f"  {name:28s} {ratio:8.2f} x", flush=True)
         shared = _shared(root, 2)
         for r in shared:
             print(
@@ -346,6 +363,7 @@ def main(args: argparse.Namespace) -> int:
             {
                 **info,
                 "rows": {k: {"seconds": v["seconds"], "peak_gib": v["peak_gib"]} for k, v in rows.items()},
+                "ratios": ratios,
                 "balance": balance,
                 "shared": shared,
             }

@@ -4,7 +4,8 @@
   largest process of its tree (a rank, not the launcher above it) and of the whole tree, sampled every
   POLL_SECONDS (`Sample`; `CommandFailed` when it exits non-zero).
 - `run_interleaved`: several methods' commands, each `runs` times, interleaved run by run (`Result`: the
-  samples, the median time, the peak RSS over the runs).
+  samples, the median time, the peak RSS over the runs); with `cold`, the page cache dropped before each run
+  (`drop_caches`), and each sample says whether it was.
 - `log` (progress to stderr), `remove`, `dir_bytes`.
 - `options`: the argparse parent every benchmark shares (`--runs`, `--out FILE`), and `write_results`: the
   results file `--out` writes: the benchmark's rows with the machine, the versions and the date, as JSON.
@@ -107,6 +108,7 @@ class Sample:
     rss_sum: int  # bytes: peak of the summed RSS of the process tree
     maxrss_kernel: int  # bytes: wait4 ru_maxrss, the largest process of the tree (launcher included)
     procs: int  # most processes seen at once in the tree
+    cold: bool = False  # the page cache was dropped just before this run
 
 
 class CommandFailed(RuntimeError):
@@ -148,6 +150,12 @@ class Result:
     method: str
     samples: list[Sample] = field(default_factory=list)
     error: str | None = None
+    not_cold: str | None = None  # asked for cold runs: why one was not (the page cache could not be dropped)
+
+    @property
+    def cache(self) -> str:
+        """The runs' page cache: "cold" when every run started with it dropped, else "warm"."""
+        return "cold" if self.samples and all(s.cold for s in self.samples) else "warm"
 
     @property
     def ok(self) -> bool:
@@ -196,12 +204,30 @@ def kept_commands(methods: dict[str, list[str]], workdir: Path, name: str) -> li
     ]
 
 
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_caches() -> str | None:
+    """`sync; echo 3 > /proc/sys/vm/drop_caches`: written-back pages, then the clean page cache, dentries and
+    inodes dropped, so the next run reads its input (and the interpreter's files) from the device. None, or
+    why it could not (not root, a read-only /proc in a container)."""
+    os.sync()
+    try:
+        with DROP_CACHES.open("w") as f:
+            f.write("3\n")
+    except OSError as e:
+        return f"could not drop the page cache: writing {DROP_CACHES}: {e.strerror or e} (needs root)"
+    return None
+
+
 def run_interleaved(
-    commands: Sequence[Command], runs: int, env: dict[str, str], tag: str
+    commands: Sequence[Command], runs: int, env: dict[str, str], tag: str, cold: bool = False
 ) -> dict[str, Result]:
     """Each command `runs` times, the methods interleaved run by run, every run a fresh process; outputs are
     removed and `sync` called between runs, outside the timed region, so no run pays for an earlier run's
-    write-back. A method whose run fails keeps its error and is not run again."""
+    write-back. With `cold`, the page cache is dropped there too (`drop_caches`); a run it could not be
+    dropped for is marked warm, with the reason in its Result's `not_cold`. A method whose run fails keeps
+    its error and is not run again."""
     results = {c.key: Result(c.key) for c in commands}
     for run in range(1, runs + 1):
         for c in commands:
@@ -212,8 +238,13 @@ def run_interleaved(
                 remove(c.out)
                 c.out.parent.mkdir(parents=True, exist_ok=True)
             os.sync()
+            why = drop_caches() if cold else None
+            if why is not None and r.not_cold is None:
+                r.not_cold = why
+                log(f"{tag} {c.label}: NOT cold: {why}")
             try:
                 s = run_measured(c.argv, c.log, env)
+                s.cold = cold and why is None
             except CommandFailed as e:
                 r.error = str(e)
                 log(f"{tag} run {run}/{runs} {c.label}: FAILED {e}")
@@ -223,7 +254,7 @@ def run_interleaved(
                     remove(c.out)
             r.samples.append(s)
             log(
-                f"{tag} run {run}/{runs} {c.label:<24} {s.seconds:7.2f} s  "
+                f"{tag} run {run}/{runs}{' cold' if s.cold else ''} {c.label:<24} {s.seconds:7.2f} s  "
                 f"RSS/rank {s.rss_rank / GIB:5.2f} GiB  sum {s.rss_sum / GIB:5.2f} GiB"
             )
     return results

@@ -36,6 +36,11 @@ NOTES = (
     "start-up median) / cp -r median, the start-up being `import torch` for one process and `torchrun\n"
     "import torch` for two ranks."
 )
+COLD_NOTES = (
+    "Cold page cache: before each run (outside the timed region) `sync; echo 3 > /proc/sys/vm/drop_caches`,\n"
+    "so each run reads its input, and Python and torch their files, from the device. 'x read limit' =\n"
+    "median / the median of `cat` of every source file, cold too (>1 is slower than reading the source once)."
+)
 
 
 def _sizes(text: str) -> list[float]:
@@ -106,7 +111,10 @@ def measure(
                 )
                 for m in methods
             ]
-            rep.results = run_interleaved(commands, args.runs, env, f"{direction} {rep.label}")
+            cold = getattr(args, "cold", False)
+            rep.results = run_interleaved(commands, args.runs, env, f"{direction} {rep.label}", cold)
+            rep.cache = "cold" if all(r.cache == "cold" for r in rep.results.values() if r.ok) else "warm"
+            rep.not_cold = next((r.not_cold for r in rep.results.values() if r.not_cold), None)
             reports.append(rep)
     remove(out)
     return reports
@@ -122,9 +130,10 @@ class Section:
 
 
 def title(args: argparse.Namespace) -> str:
+    cache = ", page cache dropped before each run" if getattr(args, "cold", False) else ""
     return (
         f"ckptconv benchmark: {args.runs} run(s) per method, sizes {', '.join(map(size_label, args.sizes))}, "
-        f"shapes {', '.join(args.shapes)}"
+        f"shapes {', '.join(args.shapes)}{cache}"
     )
 
 
@@ -165,7 +174,10 @@ def report(
         print()
         print("\n".join(s.headlines))
     print()
-    print(NOTES)
+    notes = COLD_NOTES if getattr(args, "cold", False) else NOTES
+    refused = sorted({r.not_cold for r in reports if r.not_cold})
+    notes += "".join(f"\nThese rows are NOT cold: {why}." for why in refused)
+    print(notes)
     print(load_line)
     print("checkpoints:\n" + "".join(f"  {s}\n" for s in shapes), end="")
 
@@ -177,7 +189,7 @@ def report(
             + "\n"
             for s in sections
         )
-        + f"{NOTES}\n\n{load_line}.\n\nCheckpoints:\n\n"
+        + f"{notes}\n\n{load_line}.\n\nCheckpoints:\n\n"
         + "".join(f"- {s}\n" for s in shapes)
     )
     doc = {
@@ -204,6 +216,8 @@ def _size_doc(r: SizeReport) -> dict[str, Any]:
         "direction": r.direction,
         "size_gb": r.size_gb,
         "shape_kind": r.kind,
+        "cache": r.cache,
+        "not_cold": r.not_cold,
         "checkpoint": str(r.ckpt),
         "checkpoint_bytes": r.ckpt_bytes,
         "checkpoint_files": describe_files(r.ckpt),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoints import size_label
-from .methods import BY_KEY, NPROC, REFERENCE, Method
+from .methods import BY_KEY, NPROC, READ_LIMIT, REFERENCE, Method
 from .runner import GIB, Result
 
 
@@ -29,10 +29,12 @@ class SizeReport:
     kind: str = "dense"  # the --shapes entry
     largest: int = 0  # bytes of the largest stored tensor (the memory direction)
     results: dict[str, Result] = field(default_factory=dict)
+    cache: str = "warm"  # "cold": every run started with the page cache dropped (`--cold`)
+    not_cold: str | None = None  # asked for cold runs: why they are not
 
     @property
     def label(self) -> str:
-        return case_label(self.size_gb, self.kind)
+        return case_label(self.size_gb, self.kind) + (" cold" if self.cache == "cold" else "")
 
     def method(self, key: str) -> Method:
         return next(m for m in self.methods if m.key == key)
@@ -45,6 +47,16 @@ class SizeReport:
         """This method's median time over ckptconv 1 rank's (>1: slower than ckptconv)."""
         t, ref = self.seconds(key), self.seconds(REFERENCE[self.direction][0])
         return t / ref if t is not None and ref else None
+
+    def vs_read_limit(self, key: str) -> float | None:
+        """This method's median time over the read limit's (`cat` of every source file; >1: slower), for
+        the conversions and `cp -r`; None where the direction has no read-limit row (durable, memory)."""
+        limit = READ_LIMIT.get(self.direction)
+        t = self.seconds(key)
+        ref = self.seconds(limit) if limit is not None and limit in self.results else None
+        if self.method(key).kind == "startup" or t is None or not ref:
+            return None
+        return t / ref
 
     def beyond_startup_over_cp(self, key: str) -> float | None:
         """(time - start-up time) / cp -r time, for the conversions."""
@@ -70,6 +82,10 @@ COLUMNS = (
     ("vs ckptconv 1r", ">"),
     ("beyond start-up / cp", ">"),
 )
+# convert's: each row against `cat` of the source, and whether its output is fsynced (- : writes nothing, or
+# fsyncs only part: torch's HF writer fsyncs its sharded files, not the consolidated ones)
+LIMIT_COLUMNS = (*COLUMNS, ("x read limit", ">"), ("fsync", "<"))
+FSYNC_CELL = {True: "yes", False: "no", None: "-"}
 
 
 def failed_row(head: list[str], columns: Sequence[Any]) -> list[str]:
@@ -81,14 +97,16 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
-def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
+def table_rows(reports: Sequence[SizeReport], limit: bool = False) -> list[list[str]]:
+    """The table's rows; with `limit`, each ends with the time over the read limit's (LIMIT_COLUMNS)."""
     rows = []
+    columns = LIMIT_COLUMNS if limit else COLUMNS
     for rep in reports:
         for m in rep.methods:
             r = rep.results[m.key]
             head = [rep.label, m.label, str(m.ranks)]
             if not r.ok:
-                rows.append(failed_row(head, COLUMNS))
+                rows.append(failed_row(head, columns))
                 continue
             gbps = rep.ckpt_bytes / 1e9 / r.seconds if m.kind != "startup" else None
             rows.append(
@@ -100,16 +118,20 @@ def table_rows(reports: Sequence[SizeReport]) -> list[list[str]]:
                     f"{r.rss_sum / GIB:.2f}",
                     _fmt(rep.vs_ckptconv(m.key), ".2f", "x"),
                     _fmt(rep.beyond_startup_over_cp(m.key), ".2f"),
+                    *([_fmt(rep.vs_read_limit(m.key), ".2f", "x"), FSYNC_CELL[m.fsync]] if limit else []),
                 ]
             )
     return rows
 
 
 def result_rows(reports: Sequence[SizeReport]) -> list[dict[str, Any]]:
-    """The results file's rows: one per (direction, shape, size, method). GB/s is the checkpoint's bytes
-    (1e9) over the median seconds (none for the start-up floors); RSS in bytes, the peak over the runs."""
+    """The results file's rows: one per (direction, shape, size, method, cache). GB/s is the checkpoint's
+    bytes (1e9) over the median seconds (none for the start-up floors); RSS in bytes, the peak over the runs;
+    `cache` "cold" when every run started with the page cache dropped, else "warm" (`not_cold`: why, when
+    cold runs were asked for); `vs_read_limit` the median over `cat`'s of the same source and cache."""
     out = []
     for rep in reports:
+        limit = READ_LIMIT.get(rep.direction)
         for m in rep.methods:
             r = rep.results[m.key]
             ok = r.ok
@@ -128,6 +150,10 @@ def result_rows(reports: Sequence[SizeReport]) -> list[dict[str, Any]]:
                     "gb_per_s": rep.ckpt_bytes / 1e9 / r.seconds if ok and m.kind != "startup" else None,
                     "rss_rank_bytes": r.rss_rank if ok else None,
                     "rss_sum_bytes": r.rss_sum if ok else None,
+                    "fsync": m.fsync,
+                    "cache": r.cache if ok else rep.cache,
+                    **({"not_cold": r.not_cold} if r.not_cold else {}),
+                    **({"vs_read_limit": rep.vs_read_limit(m.key)} if limit in rep.results else {}),
                     "error": r.error,
                 }
             )
@@ -182,7 +208,8 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
             fu, dl = rep.seconds("format_utils"), rep.seconds("dcp_load")
             lines.append(
                 f"dcp-to-hf @{size}: ckptconv 1 rank is {_faster(t1, fu)} than format_utils+save_file, "
-                f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict"
+                f"{_faster(t1, dl)} than dcp.load+save_torch_state_dict (ckptconv fsyncs its output, these "
+                "baselines do not: `scripts/bench.py durable` compares like with like)"
             )
             lines.append(
                 f"dcp-to-hf @{size}: ckptconv {NPROC} ranks (direct) is {_faster(t2, fu)} than "
@@ -193,6 +220,7 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
             keys = ("ckptconv_1", "ckptconv_2_direct", "ckptconv_2_gather")
         parts = [f"{BY_KEY[k].label} {_fmt(rep.beyond_startup_over_cp(k), '.1f')}" for k in keys]
         lines.append(f"{rep.direction} @{size}: time beyond start-up / cp -r = " + ", ".join(parts))
+        lines += _read_limit_line(rep, keys)
     for kind in dict.fromkeys(r.kind for r in reports):
         same = [r for r in reports if r.kind == kind]
         if len(same) < 2:
@@ -207,6 +235,20 @@ def headlines(reports: Sequence[SizeReport]) -> list[str]:
                     f"({BY_KEY[key].label}): {a.rss_rank / GIB:.2f} GiB vs {b.rss_rank / GIB:.2f} GiB"
                 )
     return lines
+
+
+def _read_limit_line(rep: SizeReport, keys: Sequence[str]) -> list[str]:
+    """ckptconv's throughput against the read limit's (`cat` of every source file), where it was measured."""
+    limit = rep.seconds(READ_LIMIT.get(rep.direction, ""))
+    if limit is None:
+        return []
+    gb = rep.ckpt_bytes / 1e9
+    parts = [
+        f"{BY_KEY[k].label} {gb / t:.2f} GB/s ({t / limit:.2f}x the time)"
+        for k in keys
+        if (t := rep.seconds(k)) is not None
+    ]
+    return [f"{rep.direction} @{rep.label}: read limit (cat) {gb / limit:.2f} GB/s; " + ", ".join(parts)]
 
 
 RSS_KEYS = {

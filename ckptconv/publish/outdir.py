@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,19 +74,44 @@ def recover(out: Path) -> None:
 
 
 def prepare(out: Path) -> Path:
-    """Rank 0, holding the lock: an empty staging directory for `out` (a stale one from a killed run is
-    removed)."""
+    """Rank 0, holding the lock: an empty staging directory for `out`, of mode 0700 while it is written (a
+    `--resume` trusts no other: `publish_mode` gives it the mode a new directory gets before it is published).
+    A stale one from a killed run is removed; a symlink in its place is removed itself, never its target."""
     staging = staging_dir(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        if staging.exists():
+        if staging.is_symlink() or (os.path.lexists(staging) and not staging.is_dir()):
+            staging.unlink()
+        elif staging.exists():
             shutil.rmtree(staging)
-        staging.mkdir()
+        staging.mkdir(mode=0o700)
+        os.chmod(staging, (os.lstat(staging).st_mode & stat.S_ISGID) | 0o700)  # whatever the umask
     except OSError as e:
         raise CkptconvError(
             f"{e.filename or staging}: cannot create ({e.strerror}); check permissions and free space"
         ) from None
     return staging
+
+
+def publish_mode(staging: Path) -> None:
+    """Rank 0: give the staging directory (0700 while written) the mode `mkdir` gives a new directory under
+    this process's umask (a set-group-ID bit it inherited kept), the mode OUT had before --resume."""
+    mode = stat.S_IMODE(os.lstat(staging).st_mode) & stat.S_ISGID
+    os.chmod(staging, mode | (0o777 & ~_umask()))
+
+
+def _umask() -> int:
+    """This process's umask (from /proc where it says, so no other thread sees it changed)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def publish(staging: Path, out: Path, fsync: bool = True) -> None:
@@ -254,6 +280,7 @@ def atomically(
         # every file is written: OUT holds no records (removed after `finish`, so that their space is not
         # what `finish` writes into: a disk too small for it fails on the file `finish` writes, as before)
         drop_records(staging)
+        publish_mode(staging)
         if fsync:
             durable.seal(staging, written)  # what `finish` wrote, and the directories
         return result

@@ -56,7 +56,7 @@ def parse_record(raw: bytes) -> Record | None:
         doc = json.loads(raw)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(doc, dict) or doc.get("version") != 1:
+    if not isinstance(doc, dict) or type(doc.get("version")) is not int or doc["version"] != 1:
         return None
     fp, name, size, ranges = doc.get("fingerprint"), doc.get("file"), doc.get("size"), doc.get("ranges")
     if not (isinstance(fp, dict) and all(isinstance(fp.get(k), str) and len(fp[k]) <= 128 for k in KINDS)):

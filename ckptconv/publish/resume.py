@@ -20,7 +20,8 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
+from itertools import pairwise
 from pathlib import Path
 
 from ckptconv.errors import CkptconvError
@@ -53,10 +54,11 @@ def digest(*parts: object) -> str:
 
 def options_digest(options: object, skip: Iterable[str]) -> str:
     """A digest of a dataclass of options, less the fields in `skip` (those that change how, not what, is
-    written: fsync, verify, resume, bucket sizes, ...)."""
+    written: fsync, verify, resume, bucket sizes, ...), and of what the files they name hold
+    (`inputs_digest`)."""
     left_out = set(skip)
     values = [(f.name, repr(getattr(options, f.name))) for f in fields(options) if f.repr]  # type: ignore[arg-type]
-    return digest(type(options).__name__, [v for v in values if v[0] not in left_out])
+    return digest(type(options).__name__, [v for v in values if v[0] not in left_out], inputs_digest(options))
 
 
 def stamps_digest(stamps: Mapping[str, object], *more: object) -> str:
@@ -88,13 +90,65 @@ def object_stamps(root: UrlPath) -> dict[str, tuple[str, ...]]:
     }
 
 
-def file_stamp(path: Path) -> tuple[int, int, int, int] | None:
-    """A local file's stamp (device, inode, size, mtime), or None where it cannot be read."""
+def file_stamp(path: Path) -> tuple[int, int, int, int, int] | None:
+    """A local file's stamp (device, inode, size, mtime, ctime: a write changes the ctime, which no user can
+    set back), or None where it cannot be read."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def local_stamps(root: Path, names: Iterable[str]) -> dict[str, object]:
+    """{name: its `file_stamp`} of the files `names` under a local `root` (nothing for one in object storage:
+    `object_stamps` gives those)."""
+    if isinstance(root, UrlPath):
+        return {}
+    return {name: file_stamp(root / name) for name in names}
+
+
+MAX_TREE = 10_000  # entries of a directory an option names that are stamped (sorted: the first ones)
+# str-valued options that may name a local file or directory (a mapping's TOML, a LoRA adapter)
+_PATH_STRS = frozenset({"mapping", "lora_adapter"})
+
+
+def inputs_digest(options: object) -> str:
+    """A digest of what the options' files hold: the `file_stamp` of every local file a Path-valued option
+    (or `--mapping`, `--lora-adapter`) names, and of a directory's regular files (recursively, the first
+    MAX_TREE entries, sorted): an edited --config, mapping TOML, --lora-config or --copy-from changes it."""
+    return digest(sorted(_option_paths(options, "")))
+
+
+def _option_paths(value: object, name: str) -> list[tuple[str, object]]:
+    """(option, stamps) of each local path the dataclass `value` names, recursively."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return [x for f in fields(value) for x in _option_paths(getattr(value, f.name), f"{name}.{f.name}")]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _option_paths(v, name)]
+    if isinstance(value, UrlPath):
+        return []
+    if isinstance(value, Path) or (isinstance(value, str) and name.rsplit(".", 1)[-1] in _PATH_STRS):
+        path = Path(value)
+        if path.is_dir():
+            return [(name, _tree_stamps(path))]
+        if os.path.lexists(path):
+            return [(name, file_stamp(path))]
+    return []
+
+
+def _tree_stamps(root: Path) -> list[tuple[str, object]]:
+    """(relative path, `file_stamp`) of a directory's files (a link's target's), recursively: the first
+    MAX_TREE entries in sorted order."""
+    out: list[tuple[str, object]] = []
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            if len(out) >= MAX_TREE:
+                return out
+            path = Path(folder) / f
+            out.append((str(path.relative_to(root)), file_stamp(path)))
+    return out
 
 
 class Resume:
@@ -138,8 +192,8 @@ class Resume:
     def keep(self, staging: Path, fsync: bool) -> frozenset[str]:
         """Rank 0, holding the lock, with --resume: the complete files of the earlier run's `staging` (every
         other entry removed), or nothing when there is no staging directory to resume (a note says so).
-        Records made for another fingerprint: one line, exit 2."""
-        if not staging.is_dir():
+        Records made for another fingerprint, or a staging path this user did not make: one line, exit 2."""
+        if not check_staging(staging):
             self.info(f"--resume: no staging directory {staging} from an earlier run; writing every file")
             return frozenset()
         by_file: dict[str, list[Record]] = {}
@@ -237,7 +291,10 @@ def _trusted(path: Path, records: list[Record]) -> bool:
     """Whether the file `path` is what `records` say: a regular file of the planned size, every byte of it
     covered by a record, every recorded range with its CRC-32."""
     size = records[0].size
-    if not covers(((lo, hi) for r in records for lo, hi, _ in r.ranges), size):
+    ranges = sorted((lo, hi) for r in records for lo, hi, _ in r.ranges)
+    if any(lo < prev_hi for (_, prev_hi), (lo, _) in pairwise(ranges)):
+        return False  # overlapping ranges are not a writer's (and would cost more CRC work than the file)
+    if not covers(ranges, size):
         return False
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -247,11 +304,39 @@ def _trusted(path: Path, records: list[Record]) -> bool:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             return False
+        if st.st_nlink != 1 or st.st_uid != os.geteuid():  # a hard link's other name could change it after
+            return False
         return all(range_crc(fd, lo, hi) == crc for r in records for lo, hi, crc in r.ranges)
     except OSError:
         return False
     finally:
         os.close(fd)
+
+
+def check_staging(staging: Path) -> bool:
+    """Rank 0, before `--resume` reads, keeps or removes anything in `staging`: whether there is one (False:
+    nothing there); a symlink, a non-directory, a directory owned by another user or writable by group or
+    others (what this user's runs make: a directory of mode 0700) is refused, one line, exit 2."""
+    try:
+        st = os.lstat(staging)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise CkptconvError(f"{staging}: cannot read ({e.strerror}); rerun without --resume") from None
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = "a symlink"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "not a directory"
+    elif st.st_uid != os.geteuid():
+        why = f"owned by uid {st.st_uid}"
+    elif st.st_mode & 0o022:
+        why = "writable by others"
+    if why is not None:
+        raise CkptconvError(
+            f"{staging}: not a directory this user made ({why}); remove it, or rerun without --resume"
+        )
+    return True
 
 
 def _clear(staging: Path, kept: frozenset[str]) -> None:

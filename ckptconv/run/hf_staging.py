@@ -20,7 +20,14 @@ from ckptconv.plan.coverage import file_size, plan_digest, rank_ranges
 from ckptconv.plan.follow import config_dtype
 from ckptconv.plan.types import HfSavePlan, RankBytes
 from ckptconv.publish.copy_from import copy_non_weights
-from ckptconv.publish.resume import Resume, file_stamp, object_stamps, options_digest, stamps_digest
+from ckptconv.publish.resume import (
+    Resume,
+    file_stamp,
+    local_stamps,
+    object_stamps,
+    options_digest,
+    stamps_digest,
+)
 from ckptconv.publish.target import Target
 from ckptconv.remote.urls import UrlPath
 from ckptconv.run import sides
@@ -140,7 +147,9 @@ def resume_state(world: World, ui: Ui, job: Planned, options: DcpToHfOptions) ->
     the options that change what is written, and each file's name, header and size (the same at any number
     of ranks: a run may resume at another)."""
     ckpt, plan = job.ckpt, job.plan
-    more: list[object] = [file_stamp(ckpt.path / ".metadata")]
+    # the stamps .metadata's reader took, and the ctimes it did not (a file rewritten in place with its size
+    # and mtime set back still has a new ctime)
+    more: list[object] = [file_stamp(ckpt.path / ".metadata"), local_stamps(ckpt.path, sorted(ckpt.stamps))]
     root = ckpt.path
     if isinstance(root, UrlPath):  # its stamps hold sizes only: the listing's versions (ETag, ...) too
         more.append(everyone(world, from_main, world, lambda: object_stamps(root)))

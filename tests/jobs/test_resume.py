@@ -7,8 +7,10 @@ object storage with --resume: one line."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -235,3 +237,108 @@ def test_an_object_rewritten_with_the_same_size_changes_the_source_stamps(s3_end
         use_options({})
     assert list(before) == list(after) == ["__0_0.distcp"] and before != after
     assert before["__0_0.distcp"][0] == after["__0_0.distcp"][0] == "3"
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The CLI in this process: (exit code, stderr)."""
+    from ckptconv.cli.app import main
+
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+def _mapped_source(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A tiny 2-layer DCP, a mapping TOML naming its keys and the config.json it reads its layers from."""
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(7)
+    state = {"model": {f"layers.{i}.attention.wq.weight": torch.randn(64, 64, generator=g) for i in range(2)}}
+    src = tmp_path / "src"
+    dcp.save(state, checkpoint_id=str(src), no_dist=True)
+    toml = tmp_path / "map.toml"
+    toml.write_text(
+        '[mapping]\nname = "mine"\n[mapping.ranges]\nlayer = "num_hidden_layers"\n[[rule]]\n'
+        'runtime = "layers.{layer}.attention.wq.weight"\n'
+        'hf = "model.layers.{layer}.self_attn.q_proj.weight"\n'
+    )
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 2}))
+    return src, toml, config
+
+
+def _edit_in_place(path: Path, old: str, new: str) -> None:
+    """Rewrite `path` with `old` replaced by `new` (the same length), its size and mtime set back."""
+    st = path.stat()
+    text = path.read_text()
+    assert len(old) == len(new) and old in text
+    path.write_text(text.replace(old, new))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_an_option_file_edited_with_its_size_and_mtime_set_back_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run stopped (Ctrl-C) once a file is recorded; the mapping TOML, then --config, then a source data
+    file, each written in place with its size and mtime set back: --resume refuses it with one line, naming
+    what changed."""
+    from ckptconv.publish.resume import Recorder
+
+    src, toml, config = _mapped_source(tmp_path)
+    out = tmp_path / "out"
+    args = ("dcp-to-hf", str(src), str(out), "--mapping", str(toml), "--config", str(config))
+    args += ("--max-shard-size", "20KB", "--no-fsync")
+    done = Recorder.done
+
+    def stop(self: Recorder, *a: Any, **k: Any) -> None:
+        done(self, *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Recorder, "done", stop)
+    code, err = _main(capsys, *args)
+    monkeypatch.undo()
+    assert code != 0 and staging_dir(out).is_dir() and list((staging_dir(out) / RECORDS).iterdir()), err
+    _edit_in_place(toml, "q_proj", "k_proj")
+    code, err = _main(capsys, *args, "--resume")
+    assert_one_line(code, err, "--resume: the options changed")
+    _edit_in_place(toml, "k_proj", "q_proj")
+    _edit_in_place(config, "2", "2")  # the same bytes written again: the ctime alone tells
+    code, err = _main(capsys, *args, "--resume")
+    assert_one_line(code, err, "--resume: the options changed")
+    data = src / "__0_0.distcp"  # the source's data file, written again as it was: its ctime tells
+    st = data.stat()
+    data.write_bytes(data.read_bytes())
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, err = _main(capsys, *args, "--resume")
+    assert_one_line(code, err, "--resume: the source changed")
+    assert not out.exists() and staging_dir(out).is_dir()
+
+
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_symlinked_staging_is_refused_by_resume_and_unlinked_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`.OUT.ckptconv-partial` a symlink to another directory: --resume refuses it with one line, touching
+    neither; without --resume the link itself is removed (its target kept whole), OUT a new directory."""
+    src, toml, config = _mapped_source(tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "x").write_text("mine")
+    out = tmp_path / "out"
+    staging_dir(out).symlink_to(victim)
+    args = ("dcp-to-hf", str(src), str(out), "--mapping", str(toml), "--config", str(config), "--no-fsync")
+    code, err = _main(capsys, *args, "--resume")
+    assert_one_line(code, err, str(staging_dir(out)), "not a directory this user made (a symlink)")
+    assert staging_dir(out).is_symlink() and [p.name for p in victim.iterdir()] == ["x"] and not out.exists()
+    code, err = _main(capsys, *args)
+    assert code == 0, err
+    assert not os.path.lexists(staging_dir(out)) and [p.name for p in victim.iterdir()] == ["x"]
+    assert (victim / "x").read_text() == "mine" and out.is_dir() and not out.is_symlink()
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask  # what it was before staging was made 0700

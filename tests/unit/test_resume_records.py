@@ -92,6 +92,8 @@ def _doc(**changes: object) -> bytes:
         b"not json",
         b"[1, 2]",
         _doc(version=2),
+        _doc(version=True),  # a bool is not the version 1
+        _doc(version=1.0),
         _doc(file="../x"),
         _doc(file=""),
         _doc(size=-1),
@@ -196,3 +198,117 @@ def test_the_writers_crcs_from_memory_are_the_files_ranges_crcs(tmp_path: Path) 
     assert range_crcs([(0, len(data) - 1)], writer.crcs) is None  # a piece past the range
     assert range_crcs([(0, len(data)), (len(data), len(data) + 4)], writer.crcs) is None  # a gap
     assert range_crcs([(0, 8)], [(0, 4, 1), (2, 6, 2)]) is None  # an overlap
+
+
+def _one_file(tmp_path: Path, data: bytes = b"x" * 1000) -> tuple[Path, bytes]:
+    """A staging directory holding `a.safetensors` and its record (one range, the whole file)."""
+    import zlib
+
+    staging = tmp_path / "staging"
+    staging.mkdir(exist_ok=True)
+    (staging / "a.safetensors").write_bytes(data)
+    write_record(staging, FP, "a.safetensors", len(data), [[0, len(data), zlib.crc32(data)]], 0, 1)
+    return staging, data
+
+
+@pytest.mark.parametrize("what", ["symlink", "file", "uid", "group", "others"])
+def test_a_staging_path_this_user_did_not_make_is_refused_and_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    """--resume lstat()s the staging path before it reads, keeps or removes anything: a symlink, a file, a
+    directory of another user or writable by group or others: one line, nothing inside or outside touched."""
+    import os
+
+    import ckptconv.publish.resume as resume_module
+
+    real, data = _one_file(tmp_path)
+    (real / "stray").write_text("s")
+    staging, why = real, {"group": "writable by others", "others": "writable by others"}.get(what, "")
+    if what == "symlink":
+        staging, why = tmp_path / "link", "a symlink"
+        staging.symlink_to(real)
+    elif what == "file":
+        staging, why = tmp_path / "file", "not a directory"
+        staging.write_text("f")
+    elif what == "uid":
+        monkeypatch.setattr(resume_module.os, "geteuid", lambda: os.getuid() + 1)
+        why = f"owned by uid {os.getuid()}"
+    else:
+        real.chmod(0o775 if what == "group" else 0o757)
+    before = sorted(p.name for p in real.iterdir())
+    with pytest.raises(CkptconvError, match=rf"not a directory this user made \({why}\); remove it, or"):
+        Resume(FP, {"a.safetensors": len(data)}, True).keep(staging, fsync=False)
+    assert sorted(p.name for p in real.iterdir()) == before and (real / "stray").exists()
+
+
+def test_a_kept_file_that_is_a_hard_link_is_not_trusted(tmp_path: Path) -> None:
+    """A kept file with another name (st_nlink 2): that name could change the release; written again."""
+    import os
+
+    staging, data = _one_file(tmp_path)
+    os.link(staging / "a.safetensors", tmp_path / "outside")
+    assert Resume(FP, {"a.safetensors": len(data)}, True).keep(staging, fsync=False) == frozenset()
+    assert not (staging / "a.safetensors").exists() and (tmp_path / "outside").read_bytes() == data
+
+
+def test_overlapping_ranges_are_not_trusted(tmp_path: Path) -> None:
+    """Records whose ranges overlap (across records or within one) are not a writer's: the file is written
+    again (so the CRC work of a resume is at most the file's size)."""
+    import zlib
+
+    staging, data = _one_file(tmp_path)
+    crc = zlib.crc32
+    write_record(staging, FP, "a.safetensors", 1000, [[500, 1000, crc(data[500:])]], 1, 2)
+    assert Resume(FP, {"a.safetensors": 1000}, True).keep(staging, fsync=False) == frozenset()
+    staging, data = _one_file(tmp_path)
+    within = [[0, 600, crc(data[:600])], [500, 1000, crc(data[500:])]]
+    write_record(staging, FP, "a.safetensors", 1000, within, 0, 1)
+    assert Resume(FP, {"a.safetensors": 1000}, True).keep(staging, fsync=False) == frozenset()
+
+
+def test_prepare_removes_a_symlinked_or_file_staging_path_itself(tmp_path: Path) -> None:
+    """Without --resume a stale staging path is removed: a symlink itself (never its target), a file; the new
+    staging directory is 0700 while it is written."""
+    import os
+    import stat
+
+    from ckptconv.publish.outdir import prepare, staging_dir
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "x").write_text("mine")
+    out = tmp_path / "out"
+    staging_dir(out).symlink_to(victim)
+    staging = prepare(out)
+    assert staging.is_dir() and not staging.is_symlink() and list(staging.iterdir()) == []
+    assert stat.S_IMODE(os.lstat(staging).st_mode) == 0o700 and (victim / "x").read_text() == "mine"
+    staging.rmdir()
+    staging.write_text("f")
+    assert prepare(out).is_dir()
+
+
+def test_options_digest_changes_with_what_the_option_files_hold(tmp_path: Path) -> None:
+    """A file a Path-valued option names (--config, --lora-config, a --copy-from directory's config.json) or a
+    mapping TOML, rewritten with its size and mtime set back: another options digest."""
+    import os
+
+    from ckptconv.lora.select import LoraRequest
+    from ckptconv.options import MappingOptions
+
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "sub").mkdir()
+    files = [tmp_path / n for n in ("map.toml", "config.json", "lora.json", "copy/config.json", "copy/sub/t")]
+    for f in files:
+        f.write_text("abc")
+    options = DcpToHfOptions(
+        mapping=MappingOptions(mapping=str(files[0]), config=files[1]),
+        lora=LoraRequest(mode="adapter", config=files[2]),
+        copy_from=tmp_path / "copy",
+    )
+    seen = {options_digest(options, OUTPUT_ONLY)}
+    for f in files:
+        st = f.stat()
+        f.write_text("abd")
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+        seen.add(options_digest(options, OUTPUT_ONLY))
+    assert len(seen) == len(files) + 1

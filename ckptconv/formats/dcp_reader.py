@@ -8,7 +8,6 @@ checked by `check_pieces` from the pieces' CRC-32s, gathered from every rank tha
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import struct
@@ -24,6 +23,7 @@ from ckptconv.core.crc32 import crc32
 from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, NonTensorItem, StoredTensor, TensorSpec
 from ckptconv.errors import CkptconvError
 from ckptconv.formats import dcp_transforms as zt
+from ckptconv.formats.byte_views import Window, byte_view
 from ckptconv.formats.dcp_pieces import RowPiece, crc_error
 from ckptconv.formats.files import check_unchanged, open_regular, pread_exact, read_error
 from ckptconv.formats.hf import MAX_HEADER_BYTES, header_tensors, parse_header
@@ -35,19 +35,6 @@ from ckptconv.remote.files import RemoteFiles
 from ckptconv.remote.urls import UrlPath
 
 _CLOSE_WAIT = 60.0  # seconds close() waits for reads in flight before closing their files anyway
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor as a writable memoryview (bf16, bool and 0-d included).
-
-    Built with ctypes rather than `.numpy()`, which would pin the storage's size for good (and so keep
-    `write_dcp` from releasing a chunk once it is written). Valid while `tensor` is alive.
-    """
-    assert tensor.is_contiguous() and tensor.device.type == "cpu"
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 class DcpReader:
@@ -262,7 +249,7 @@ class DcpReader:
         return self._locate_in_zip(spec, chunk, nbytes)
 
     def _locate_in_zip(self, spec: TensorSpec, chunk: ChunkSpec, nbytes: int) -> int | None:
-        window = _Window(self, chunk.file, chunk.byte_offset, chunk.byte_length)
+        window = Window(self.pread, chunk.file, chunk.byte_offset, chunk.byte_length)
         found = self._in_record(
             spec,
             chunk,
@@ -405,31 +392,3 @@ class DcpReader:
 
 def _from(raw: bytes) -> zt.Reader:
     return lambda at, n: raw[at : at + n]
-
-
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of bytes [start, start+length) of a checkpoint file."""
-
-    def __init__(self, reader: DcpReader, rel: str, start: int, length: int) -> None:
-        self.reader, self.rel, self.start, self.length, self.pos = reader, rel, start, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self.length - self.pos))
-        if n:
-            self.reader.pread(self.rel, self.start + self.pos, memoryview(buffer).cast("B")[:n])
-            self.pos += n
-        return n

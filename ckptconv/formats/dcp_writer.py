@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from ckptconv.core.crc32 import crc32
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp_reader import byte_view
+from ckptconv.formats.byte_views import byte_view
 from ckptconv.formats.sinks import ObjectStore
 from ckptconv.formats.torch_record import fast_path, write_tensor_record
 from ckptconv.job.env import env_int

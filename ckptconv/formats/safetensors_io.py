@@ -30,7 +30,7 @@ from ckptconv.core.crc32 import crc32
 from ckptconv.core.dtypes import st_name
 from ckptconv.core.specs import StoredTensor
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.dcp_reader import byte_view
+from ckptconv.formats.byte_views import byte_view
 from ckptconv.formats.dequant import quantized_block
 from ckptconv.formats.durable import Syncer, sync_fd
 from ckptconv.formats.files import check_unchanged, open_regular, pread_exact

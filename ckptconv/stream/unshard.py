@@ -23,8 +23,9 @@ import torch
 from ckptconv.core.crc32 import crc32
 from ckptconv.core.layout import Box, intersect
 from ckptconv.core.specs import ChunkSpec, DcpCheckpoint, TensorSpec
+from ckptconv.formats.byte_views import byte_view
 from ckptconv.formats.dcp_pieces import RowPiece, check_pieces
-from ckptconv.formats.dcp_reader import DcpReader, byte_view
+from ckptconv.formats.dcp_reader import DcpReader
 from ckptconv.job.world import World, on_main
 from ckptconv.lora.merge import ReadFn, check_finite, delta_box, merge_rows
 from ckptconv.mapping.parts import src_rows

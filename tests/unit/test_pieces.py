@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptconv.formats import safetensors_io
-from ckptconv.formats.dcp_reader import byte_view
+from ckptconv.formats.byte_views import byte_view
 from ckptconv.formats.pieces import PIECE_BYTES, write_pieces
 from ckptconv.formats.safetensors_io import Entry, SafetensorsWriter
 from ckptconv.formats.torch_record import write_tensor_record

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptconv.formats import dcp_writer
-from ckptconv.formats.dcp_reader import byte_view
+from ckptconv.formats.byte_views import byte_view
 from ckptconv.formats.torch_record import data_pkl, write_tensor_record
 
 DTYPES = [

@@ -38,8 +38,8 @@ from ckptconv.publish.records import (
     read_records,
     write_record,
 )
-from ckptconv.remote.files import remote_error
-from ckptconv.remote.urls import UrlPath, filesystem
+from ckptconv.remote.files import RemoteFiles
+from ckptconv.remote.urls import UrlPath
 
 
 def digest(*parts: object) -> str:
@@ -66,28 +66,11 @@ def stamps_digest(stamps: Mapping[str, object], *more: object) -> str:
     return digest(sorted((str(k), repr(v)) for k, v in stamps.items()), *more)
 
 
-# what an object store's listing says of an object's version (S3, GCS, Azure), beside its size
-_VERSION_KEYS: tuple[str, ...] = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash")
-_VERSION_KEYS += ("LastModified", "last_modified", "updated")
-
-
 def object_stamps(root: UrlPath) -> dict[str, tuple[str, ...]]:
     """{name under root: its size and version (ETag, version id, last modified: what the listing gives)} of
-    the objects under `root`, from one listing: an object rewritten with the same size gets a new stamp."""
-    fs = filesystem(root)
-    try:
-        found = fs.find(root.key, detail=True)
-    except Exception as e:
-        raise remote_error(root, e) from None
-    prefix = root.key.rstrip("/") + "/"
-    return {
-        path.removeprefix(prefix): (
-            str(info.get("size")),
-            *(f"{k}={info[k]}" for k in _VERSION_KEYS if k in info),
-        )
-        for path, info in found.items()
-        if info.get("type", "file") == "file"
-    }
+    the objects under `root`, from the listing the source was opened with (no second one): an object
+    rewritten with the same size gets a new stamp."""
+    return RemoteFiles(root).versions()
 
 
 def file_stamp(path: Path) -> tuple[int, int, int, int, int] | None:

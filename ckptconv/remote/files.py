@@ -25,6 +25,10 @@ from ckptconv.remote.ranges import Range, joined, merged, pieces, span_around, w
 from ckptconv.remote.urls import UrlPath, coalesce_gap, filesystem, redact
 
 _listings: dict[str, dict[str, int]] = {}  # URL -> its objects' sizes, listed once per process
+_versions: dict[str, dict[str, tuple[str, ...]]] = {}  # URL -> size and version of each object
+# what an object store's listing says of an object's version (S3, GCS, Azure), beside its size
+VERSION_KEYS: tuple[str, ...] = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash")
+VERSION_KEYS += ("LastModified", "last_modified", "updated")
 
 
 class RemoteFiles:
@@ -64,13 +68,29 @@ class RemoteFiles:
                 found = self.fs.find(self.root.key, detail=True)
             except Exception as e:
                 raise remote_error(self.root, e) from None
-            self._sizes = {
-                path.removeprefix(prefix): int(info.get("size") or 0)
+            files = {
+                path.removeprefix(prefix): info
                 for path, info in found.items()
                 if path.startswith(prefix) and info.get("type", "file") == "file"
             }
+            self._sizes = {name: int(info.get("size") or 0) for name, info in files.items()}
             _listings[str(self.root)] = self._sizes
+            _versions[str(self.root)] = {
+                name: (str(info.get("size")), *(f"{k}={info[k]}" for k in VERSION_KEYS if k in info))
+                for name, info in files.items()
+            }
         return self._sizes
+
+    def versions(self) -> dict[str, tuple[str, ...]]:
+        """{name under root: its size and version (ETag, version id, last modified: what the listing gave)},
+        from the listing `sizes` made (listed now if it was not)."""
+        found = _versions.get(str(self.root))
+        if found is None:
+            _listings.pop(str(self.root), None)
+            self._sizes = None
+            self.sizes()
+            found = _versions[str(self.root)]
+        return found
 
     def exists(self, rel: str) -> bool:
         return rel in self.sizes()
@@ -239,6 +259,7 @@ def denied(e: BaseException) -> bool:
 def forget(url: UrlPath) -> None:
     """Drop what this process knows of the objects under `url` (before listing them afresh)."""
     _listings.pop(str(url), None)
+    _versions.pop(str(url), None)
     fs = filesystem(url)
     if hasattr(fs, "invalidate_cache"):
         fs.invalidate_cache(url.key)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_dcp_columns import _torchs  # torch's own unpickling of .metadata, as rows
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -77,22 +78,6 @@ def _same(fast: DcpCheckpoint, slow: DcpCheckpoint) -> None:
     """Every field equal, and of the same types (a `repr` tells 1 from True and 1.0)."""
     assert fast == slow
     assert repr(fast) == repr(slow)
-
-
-def _torchs(ckpt: Path) -> dict[str, list[tuple[Any, ...]]]:
-    """{fqn: [(offsets, sizes, file, start, length)]} as torch's own unpickling reads `.metadata`."""
-    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
-    found = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            rows = []
-            for chunk in entry.chunks:
-                info = metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
-                rows.append(
-                    (tuple(chunk.offsets), tuple(chunk.sizes), info.relative_path, info.offset, info.length)
-                )
-            found[fqn] = rows
-    return found
 
 
 def _ours(ckpt: DcpCheckpoint) -> dict[str, list[tuple[Any, ...]]]:

@@ -83,7 +83,7 @@ class SafetensorsWriter:
         """`sink`: where the bytes go instead of the local file `path` (object storage); `crc`: keep the
         CRC-32 of what is written (`crcs`), computed from the bytes in memory, not read back."""
         self.path = path
-        self.bytes_written = 0
+        self.bytes_written = 0  # bytes taken (see `bytes_sent`)
         # (offset, length, CRC-32) of each run of bytes written, a write that continues the last run
         # extending it (zlib's CRC-32 continues a running one): one piece where writes come in order
         self.crcs: list[tuple[int, int, int]] | None = [] if crc else None
@@ -139,6 +139,11 @@ class SafetensorsWriter:
 
     def _error(self, e: OSError) -> CkptconvError:
         return CkptconvError(f"{self.path}: cannot write ({e.strerror}); check free space and permissions")
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes that went to the file or the sink: those an interrupted run sent already left out."""
+        return self.bytes_written - (self._stream.skipped if self._stream is not None else 0)
 
     def close(self, syncer: Syncer | None = None) -> None:
         """Done writing: the file is closed by `syncer` (fsynced there first, while the caller writes on, or

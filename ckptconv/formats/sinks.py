@@ -10,6 +10,9 @@ from typing import Protocol
 class PositionedSink(Protocol):
     """One output file taken in pieces at byte offsets, as `SafetensorsWriter` writes them."""
 
+    skipped: int
+    """Bytes written but not sent: parts an interrupted run sent already (`--resume` in object storage)."""
+
     def write_at(self, offset: int, data: memoryview) -> None:
         """`data` at byte `offset` of the file (a rank's writes to one file come in order)."""
 

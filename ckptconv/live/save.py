@@ -51,7 +51,7 @@ from ckptconv.plan.outs import mapped_tensors
 from ckptconv.plan.schedule import Holding, ShardStep, plan_rounds
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import Granularity, HfSavePlan
-from ckptconv.publish import outcheck, remote_out
+from ckptconv.publish import outcheck, remote_target
 from ckptconv.publish.copy_from import copy_non_weights
 from ckptconv.remote import urls
 from ckptconv.source.hub_reference import hub_repo
@@ -286,6 +286,8 @@ def save_hf(
         )
         live = _live_checkpoint(holding, paths)
 
+        granularity = remote_target.granularity(out, options.write_granularity, quant is not None)
+
         def planned(keys: KeyMapping | None, experts: str | None) -> HfSavePlan:
             return plan_dcp_to_hf(
                 live,
@@ -295,7 +297,7 @@ def save_hf(
                 mapping=keys,
                 config=model_config,
                 quantize=quant,
-                write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),
+                write_granularity=granularity,
                 lora=options.lora,
                 base=base,
                 split_as_base=following.by_files,

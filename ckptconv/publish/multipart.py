@@ -18,6 +18,7 @@ from ckptconv.publish.parts import Piece
 from ckptconv.remote.urls import UrlPath, filesystem
 
 Tags = dict[str, list[tuple[int, str]]]  # {file name: [(part number, ETag)]}
+META = "ckptconv-fingerprint"  # the user metadata key of a resumable run's fingerprint (remote_resume)
 
 
 def supported(url: UrlPath) -> bool:
@@ -31,14 +32,16 @@ def _call(url: UrlPath, method: str, **kwargs: Any) -> Any:
     return fs.call_s3(method, Bucket=bucket, Key=key, **kwargs)
 
 
-def start(url: UrlPath, names: list[str], ids: dict[str, str]) -> dict[str, str]:
+def start(url: UrlPath, names: list[str], ids: dict[str, str], tag: str | None = None) -> dict[str, str]:
     """Rank 0: a multipart upload for each file, each recorded in `ids` {name: upload id} as it is started
     (a signal cannot fall between the two); a copy of `ids`. Those started before a failure are aborted
-    and forgotten before it is raised."""
+    and forgotten before it is raised. `tag`: the run's fingerprint, in each object's user metadata
+    (remote_resume)."""
+    meta = {"Metadata": {META: tag}} if tag is not None else {}
     try:
         for name in names:
             with deferred():
-                ids[name] = _call(url / name, "create_multipart_upload")["UploadId"]
+                ids[name] = _call(url / name, "create_multipart_upload", **meta)["UploadId"]
     except BaseException:
         abort_all(url, ids)
         ids.clear()
@@ -88,9 +91,13 @@ def abort_all(url: UrlPath, ids: dict[str, str]) -> list[str]:
 class PartStream:
     """This rank's piece of one file: bytes written at their offsets, each part sent once it is whole."""
 
-    def __init__(self, url: UrlPath, upload_id: str, piece: Piece, tags: Tags) -> None:
+    def __init__(
+        self, url: UrlPath, upload_id: str, piece: Piece, tags: Tags, kept: dict[int, str] | None = None
+    ) -> None:
         self.url, self.upload_id, self.piece = url, upload_id, piece
         self.written = 0
+        self.kept = kept or {}  # {part number: ETag}: sent by an interrupted run (--resume), not again
+        self.skipped = 0  # bytes of those parts
         self._tags = tags.setdefault(piece.file, [])
         self._open: dict[int, tuple[bytearray, list[int]]] = {}  # part -> (its bytes, [bytes written])
 
@@ -114,6 +121,11 @@ class PartStream:
     def _send(self, number: int, buf: bytearray) -> None:
         from ckptconv.publish.confirm import write_error
 
+        if number in self.kept:
+            del self._open[number]
+            self._tags.append((number, self.kept[number]))
+            self.skipped += len(buf)
+            return
         try:
             reply = _call(
                 self.url, "upload_part", UploadId=self.upload_id, PartNumber=number, Body=bytes(buf)

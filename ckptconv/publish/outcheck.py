@@ -24,7 +24,7 @@ from ckptconv.formats.names import OLD_SUFFIX, PARTIAL_SUFFIX, not_a_checkpoint
 from ckptconv.job.world import World
 from ckptconv.publish import outlock
 from ckptconv.publish.outdir import absolute, atomically
-from ckptconv.publish.remote_out import RemoteTarget
+from ckptconv.publish.remote_target import RemoteTarget
 from ckptconv.publish.resume import Resume
 from ckptconv.publish.target import LocalFiles, Target, quiet
 from ckptconv.remote.urls import UrlPath, identity, location, url_path
@@ -261,9 +261,10 @@ def hf_target(
     inputs: Inputs,
     push: bool,
     flag: str = "--overwrite",
+    resume: bool = False,
 ) -> Target:
-    """Where a conversion writes: a checked local OUT, or a prefix in object storage (checked on rank 0),
-    where --push-to-hub is refused by name."""
+    """Where a conversion writes: a checked local OUT, or a prefix in object storage (checked on rank 0;
+    `resume`: what an interrupted run left there passes), where --push-to-hub is refused by name."""
     out = location(out, "OUT")
     url = url_path(out)
     if url is None:
@@ -275,7 +276,7 @@ def hf_target(
         )
     for label, path in located(inputs):
         _url_not_input(url, label, path)
-    remote = RemoteTarget(url, overwrite)
+    remote = RemoteTarget(url, overwrite, resume)
     if main:
         remote.check()
     return remote

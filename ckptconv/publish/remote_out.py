@@ -29,29 +29,26 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from ckptconv.errors import CkptconvError
-from ckptconv.formats.names import not_a_checkpoint
-from ckptconv.formats.sinks import ObjectStore, PositionedSink
 from ckptconv.job.signals import deferred
-from ckptconv.job.world import World, everyone, from_main, on_main
+from ckptconv.job.world import World, collective_failure, everyone, from_main, on_main
 from ckptconv.publish import multipart
+from ckptconv.publish import remote_resume as rr
 from ckptconv.publish.confirm import confirm, write_error
 from ckptconv.publish.parts import Piece, plan_pieces
 from ckptconv.publish.remote_lock import NAME as LOCK_NAME
 from ckptconv.publish.remote_lock import RemoteLock
-from ckptconv.publish.remote_lock import peek as peek_lock
 from ckptconv.publish.remote_lock import take as take_lock
 from ckptconv.publish.target import quiet
 from ckptconv.publish.upload import Ledger, Stream
 from ckptconv.remote.files import RemoteFiles, forget
-from ckptconv.remote.urls import UrlPath, filesystem, redact, url_path
+from ckptconv.remote.urls import UrlPath, filesystem
 
 if TYPE_CHECKING:
-    from ckptconv.plan.types import Granularity, OutFile, Write
+    from ckptconv.plan.types import OutFile, Write
     from ckptconv.publish.resume import Resume
 
 T = TypeVar("T")
@@ -60,121 +57,6 @@ INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_FILE = "adapter_model.safetensors"  # --lora adapter's one file
 # what makes an OUT look complete, in that order
 COMPLETING = (INDEX_FILE, ".metadata", SINGLE_FILE, ADAPTER_FILE)
-
-
-@dataclass(frozen=True)
-class RemoteTarget:
-    """An OUT prefix in object storage (a `publish.target.Target`), written in place and completed last."""
-
-    url: UrlPath
-    """OUT."""
-    overwrite: bool
-    """--overwrite: a previous result there is replaced."""
-
-    def check(self) -> None:
-        """Rank 0: refuse an OUT prefix holding anything but a previous result (or one without
-        --overwrite)."""
-        self._checked()
-
-    def _checked(self) -> list[str]:
-        """`check()`; the names of the objects there."""
-        filesystem(self.url)  # a missing extra is named with OUT, not with its lock
-        peek_lock(self.url)
-        names = sorted(listing(self.url))
-        # an object under a deeper prefix counts as a subdirectory would
-        entries = {
-            (n.split("/")[0], n.split("/")[0] + ("/" if "/" in n else ""), "/" not in n) for n in names
-        }
-        foreign = not_a_checkpoint(sorted(entries))
-        if foreign:
-            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-            raise CkptconvError(
-                f"{self.url}: holds {shown}, not a checkpoint (--overwrite replaces only a previous result); "
-                "choose an empty or new prefix, or remove them yourself"
-            )
-        if names and not self.overwrite:
-            raise CkptconvError(f"{self.url}: exists and is not empty; pass --overwrite to replace it")
-        return names
-
-    def clear(self) -> bool:
-        """Rank 0, before writing: with --overwrite, the previous result's completing object goes first,
-        then the rest of it; whether there was one."""
-        names = self._checked()
-        fs = filesystem(self.url)
-        first = [n for n in COMPLETING if n in names]
-        for group in (first, [n for n in names if n not in first]):
-            if group:
-                try:
-                    fs.rm([f"{self.url.key}/{n}" for n in group])
-                except Exception as e:
-                    raise CkptconvError(
-                        redact(f"{self.url}: cannot remove the previous result ({type(e).__name__}: {e})")
-                    ) from None
-        forget(self.url)
-        return bool(names)
-
-    def granularity(self, asked: Granularity, quantize: bool) -> Granularity:
-        """In S3 "parts" (tensor-level, every piece a multipart upload's parts) unless asked for "file" or
-        quantizing (a weight's scale lies apart from it); one rank a file in other stores."""
-        return "parts" if asked == "tensor" and not quantize and multipart.supported(self.url) else "file"
-
-    def notes(self, world_size: int, granularity: Granularity | None = None) -> list[str]:
-        """That each file goes up whole from one rank, when several ranks write by file."""
-        if world_size > 1 and granularity == "file":
-            return [f"{self.url}: each file is uploaded whole by one rank (--write-granularity file)"]
-        return []
-
-    def sink(self, path: Path) -> PositionedSink | None:
-        return stream(self._under(path))
-
-    def store(self) -> ObjectStore | None:
-        return self
-
-    def whole(self, path: Path) -> Stream:
-        """`ObjectStore`'s: the upload of all of `path` (under OUT) by this rank."""
-        return whole(self._under(path))
-
-    def local_dir(self) -> Path:
-        """`ObjectStore`'s: the run's local temporary directory."""
-        return local_dir()
-
-    def written(self, staging: Path, files: str) -> int:
-        return bytes_written()  # a rank's streams are its data files
-
-    def publish(
-        self,
-        world: World,
-        write: Callable[[Path], object],
-        finish: Callable[[Path], T],
-        check: Callable[[Path], None] | None = None,
-        *,
-        last: str,
-        layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
-        say: Callable[[str], None] = quiet,
-        fsync: bool = True,
-        resume: Resume | None = None,
-    ) -> T | None:
-        """Collective: `publish` below (`say`, `fsync` and `resume` are a local OUT's: --resume is refused
-        for object storage before this)."""
-        return publish(world, self, last, write, finish, check, layout)
-
-    @property
-    def local_path(self) -> Path | None:
-        return None
-
-    def names(self) -> list[str]:
-        return sorted(listing(self.url))
-
-    def _under(self, path: Path) -> UrlPath:
-        """`path`, a file written under OUT, as the URL it is."""
-        return self.url / path.relative_to(self.url)
-
-
-def granularity(out: str | Path, asked: Granularity, quantize: bool) -> Granularity:
-    """The write granularity for OUT: as asked on a file system, else `RemoteTarget.granularity` (what a
-    plan made before OUT's target takes)."""
-    url = url_path(out)
-    return asked if url is None else RemoteTarget(url, False).granularity(asked, quantize)
 
 
 def listing(url: UrlPath) -> dict[str, int]:
@@ -198,6 +80,10 @@ class _Run(Ledger):
         self.sizes: dict[str, tuple[int, int]] = {}  # rank 0: {file: (its bytes, its parts)}
         self.tags: multipart.Tags = {}  # this rank's parts sent
         self.last_tags: list[tuple[int, str]] | None = None  # rank 0: the completing file's, once gathered
+        self.resumable = False  # an interrupt leaves what was sent for a --resume (remote_resume)
+        self.dropped = False  # the record removed: the result is complete
+        self.reused: set[str] = set()  # --resume: the uploads an interrupted run started, gone on with
+        self.kept_parts: dict[str, dict[int, str]] = {}  # --resume: {file: {part: ETag}} not sent again
 
 
 _run = _Run()
@@ -206,7 +92,8 @@ _run = _Run()
 def stream(url: UrlPath) -> Stream | multipart.PartStream:
     """The upload of `url` (SafetensorsWriter's sink for a URL path): this rank's piece of it, or all."""
     if url.name in _run.pieces:
-        part = multipart.PartStream(url, _run.uploads[url.name], _run.pieces[url.name], _run.tags)
+        kept = _run.kept_parts.get(url.name, {})
+        part = multipart.PartStream(url, _run.uploads[url.name], _run.pieces[url.name], _run.tags, kept)
         _run.open.append(part)
         return part
     return whole(url)
@@ -223,53 +110,100 @@ def whole(url: UrlPath) -> Stream:
 
 def publish(
     world: World,
-    target: RemoteTarget,
+    url: UrlPath,
+    clear: Callable[[], bool],
     completing: str,
     write: Callable[[Path], object],
     finish: Callable[[Path], T],
     check: Callable[[Path], None] | None = None,
     layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
+    resume: Resume | None = None,
+    say: Callable[[str], None] = quiet,
 ) -> T | None:
-    """Collective: rank 0 clears OUT (--overwrite), every rank streams its data files (in S3, with the
+    """Collective: rank 0 `clear`s OUT `url` (--overwrite), every rank streams its data files (in S3, with the
     plan's `layout` (files, writes): its pieces of them, as parts), every rank `check`s (the CRC-32s of
     chunks read in pieces, --verify reading the written objects back), rank 0 `finish`es into a local
     temporary directory (index, stash, copied files) and uploads those files, the `completing` object last
     (an index or `.metadata` made in that directory, or a held upload). A one-file result and a DCP are
     checked once complete (they cannot be read before). On any failure, each rank removes what this run
-    wrote."""
+    wrote; but with `resume` in S3 by parts (remote_resume), an interrupt (a signal, a rank killed) leaves
+    it for a `--resume`, which keeps what checks out of it."""
     global _run
     _run = _Run()
     _run.completing = completing
     cleared = False
     held: list[RemoteLock] = []
+    resumable = resume is not None and layout is not None and multipart.supported(url)
     try:
         with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
             _run.local = Path(tmp)
-            on_main(world, lambda: _take(target.url, held))
-            cleared = bool(on_main(world, target.clear))
-            if layout is not None and multipart.supported(target.url):
-                everyone(world, _start_parts, world, target.url, *layout)
-            everyone(world, write, target.url)
+            on_main(world, lambda: _take(url, held))
+            kept = None
+            if resumable and resume is not None and resume.asked and layout is not None:
+                kept = everyone(world, from_main, world, lambda: _resumed(url, resume, layout, world.size))
+                resume.kept = kept.whole if kept is not None else frozenset()
+            if kept is None:
+                cleared = bool(on_main(world, clear))
+            if layout is not None and multipart.supported(url):
+                fingerprint = resume.fingerprint if resumable and resume is not None else None
+                everyone(world, _start_parts, world, url, *layout, kept, fingerprint)
+                _run.resumable = resumable
+            everyone(world, write, url)
             if _run.uploads:
-                on_main(world, _complete_parts, target.url, world.all_gather_object(_run.tags))
+                on_main(world, _complete_parts, url, world.all_gather_object(_run.tags))
             late = completing != INDEX_FILE  # the one data file or `.metadata`: read back once complete
             if check is not None and not late:
-                _check(check, target.url)
+                _check(check, url)
             result = on_main(world, finish, Path(tmp))
-            on_main(world, _upload_small, target.url, Path(tmp))
-            everyone(world, _complete, target.url, Path(tmp))
+            on_main(world, _upload_small, url, Path(tmp))
+            everyone(world, _complete, url, Path(tmp))
+            if _run.resumable:
+                on_main(world, _drop_record, url)
             if check is not None and late:
-                _check(check, target.url)
+                _check(check, url)
         return world.all_gather_object(result)[0]
     except BaseException as e:
+        if _run.resumable and resume is not None and _interrupted(e) and not _run.dropped:
+            left = _leave_for_resume()
+            if left:
+                resume.warn(f"could not remove {left[0]} (the run did not finish): remove it yourself")
+            if world.is_main:
+                resume.warn(
+                    f"kept what the run sent so far under {url} (no {completing}: not a complete "
+                    "result): rerun with --resume to send only the rest, or with --overwrite to start over"
+                )
+            raise
         left = _remove_ours()
         if isinstance(e, CkptconvError) and (left or cleared):
-            raise CkptconvError(_aftermath(str(e), target, left, cleared)) from None
+            raise CkptconvError(_aftermath(str(e), url, left, cleared)) from None
         raise
     finally:
         _run.local = None
         for lock in held:
             lock.release()
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether the run was interrupted (a signal, or a rank that died under it) rather than failed."""
+    return isinstance(error, KeyboardInterrupt) or collective_failure(error, 0, 0) is not None
+
+
+def _resumed(
+    url: UrlPath, resume: Resume, layout: tuple[Sequence[OutFile], Sequence[Write]], ranks: int
+) -> rr.Kept | None:
+    """Rank 0, holding the lock, with --resume: what it keeps of the interrupted run under OUT, or None
+    where there is no record of one (OUT is then checked as without --resume; a note says so)."""
+    record = rr.read_record(url)
+    if record is None:
+        resume.info(f"--resume: no record of an interrupted run under {url}; writing every file")
+        return None
+    names = sorted(listing(url))
+    kept = rr.resumed(url, record, resume.fingerprint, ranks, *layout, names, _run.completing)
+    resume.info(
+        f"--resume: {len(kept.whole)} of {len(layout[0])} files kept whole and {kept.count()} parts of "
+        f"{len(kept.uploads)} uploads from the interrupted run under {url}; sending the rest"
+    )
+    return kept
 
 
 def _take(url: UrlPath, held: list[RemoteLock]) -> None:
@@ -282,11 +216,35 @@ def _check(check: Callable[[Path], None], url: UrlPath) -> None:
     check(url)
 
 
-def _start_parts(world: World, url: UrlPath, files: Sequence[OutFile], writes: Sequence[Write]) -> None:
-    """Every rank: the uploads rank 0 starts, and this rank's pieces."""
-    pieces = plan_pieces(files, writes)
+def _start_parts(
+    world: World,
+    url: UrlPath,
+    files: Sequence[OutFile],
+    writes: Sequence[Write],
+    kept: rr.Kept | None,
+    fingerprint: tuple[str, str, str] | None,
+) -> None:
+    """Every rank: the uploads rank 0 starts (those `kept` goes on with are not started again; the files
+    it keeps whole have none), and this rank's pieces. With a `fingerprint` (a run that can be resumed):
+    each upload carries it, and rank 0 records the run under OUT before any part is sent."""
+    kept = kept or rr.Kept()
+    pieces = [p for p in plan_pieces(files, writes) if p.file not in kept.whole]
     _run.out = url
-    _run.uploads = from_main(world, lambda: multipart.start(url, [f.name for f in files], _run.owned))
+    _run.reused = set(kept.uploads)
+    _run.kept_parts = kept.parts
+
+    def start() -> dict[str, str]:
+        _run.owned.update(kept.uploads)
+        todo = [f.name for f in files if f.name not in kept.whole and f.name not in kept.uploads]
+        tag = rr.tag(fingerprint) if fingerprint is not None else None
+        ids = multipart.start(url, todo, _run.owned, tag)
+        if fingerprint is not None:
+            rr.put_record(url, fingerprint, world.size, ids)
+            if not kept.uploads:  # a new record: a failure removes it with the rest
+                _run.completed.append(url / rr.RECORD)
+        return ids
+
+    _run.uploads = from_main(world, start)
     _run.pieces = {p.file: p for p in pieces if p.rank == world.rank}
     _run.sizes = multipart.totals(pieces)
 
@@ -325,7 +283,7 @@ def local_dir() -> Path:
 
 def bytes_written() -> int:
     """What this rank has streamed in the current run."""
-    return sum(s.written for s in _run.open)
+    return sum(s.written - s.skipped for s in _run.open)  # parts kept by --resume are not sent
 
 
 def _upload_small(url: UrlPath, tmp: Path) -> None:
@@ -366,7 +324,8 @@ def _remove_ours() -> list[str]:
             s.discard()
     left = list(_run.left)
     if _run.owned and _run.out is not None:  # rank 0 started the uploads: it aborts those not completed
-        left += multipart.abort_all(_run.out, _run.owned)
+        # (but an interrupted run's, gone on with by --resume: left as they were, with their parts)
+        left += multipart.abort_all(_run.out, {n: u for n, u in _run.owned.items() if n not in _run.reused})
     if _run.completed:
         fs = filesystem(_run.completed[0])
         for url in _run.completed:
@@ -380,10 +339,35 @@ def _remove_ours() -> list[str]:
     return left
 
 
-def _aftermath(message: str, target: RemoteTarget, left: list[str], cleared: bool) -> str:
+def _drop_record(url: UrlPath) -> None:
+    """Rank 0, once the completing object is there: the record goes (a kill in between leaves both: a
+    complete result, which --resume then says it does not resume)."""
+    rr.drop_record(url)
+    _run.completed[:] = [u for u in _run.completed if u.name != rr.RECORD]
+    _run.dropped = True
+
+
+def _leave_for_resume() -> list[str]:
+    """On an interrupt before the record went: this rank's parts in memory dropped; what was sent,
+    completed or recorded stays, but the completing object, where this run completed it (OUT does not
+    look complete: the run did not finish). What could not be removed."""
+    for s in _run.open:
+        if s.url not in _run.completed:
+            s.discard()
+    for url in [u for u in _run.completed if u.name == _run.completing]:
+        try:
+            filesystem(url).rm_file(url.key)
+        except FileNotFoundError:
+            pass
+        except Exception:
+            return [str(url)]
+    return []
+
+
+def _aftermath(message: str, url: UrlPath, left: list[str], cleared: bool) -> str:
     if left:
         message += f"; could not remove {', '.join(left[:5])}" + (" and more" if len(left) > 5 else "")
         message += " (remove them yourself)"
     if cleared:
-        message += f"; {target.url} no longer holds the previous result (--overwrite removed it)"
+        message += f"; {url} no longer holds the previous result (--overwrite removed it)"
     return message

@@ -1,5 +1,6 @@
 """The `Target` a conversion writes to, a local directory (`outcheck.Output`) or a prefix in object storage
-(`remote_out.RemoteTarget`): each answers how it is written and how it is published, so no caller asks which.
+(`remote_target.RemoteTarget`): each answers how it is written and how it is published, so no caller asks
+which.
 
 Call order (every call collective unless a rank is named; under torchrun the same arguments on every rank):
 

@@ -30,6 +30,8 @@ class Stream:
     """One object written front to back as a multipart upload. `close()` completes it, unless it is the
     completing object of the run, which `commit()` completes last."""
 
+    skipped = 0  # bytes written but not sent (`PartStream`'s parts kept by --resume): none here
+
     def __init__(self, url: UrlPath, hold: bool, ledger: Ledger) -> None:
         self.url, self.hold, self.pos, self.ledger = url, hold, 0, ledger
         try:

@@ -30,7 +30,7 @@ from ckptconv.plan.follow import follow_experts, reference_dtypes
 from ckptconv.plan.megatron_tp import saved_tp, with_tp
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import HfSavePlan, RankBytes
-from ckptconv.publish import hub_push, outcheck, remote_out
+from ckptconv.publish import hub_push, outcheck, remote_target
 from ckptconv.publish.copy_from import check_copy
 from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
@@ -116,17 +116,26 @@ def check_inputs(
     if options.output.dry_run:
         return None
     pushed = options.push is not None
-    target = outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, pushed)
-    refuse_remote_resume(target, out, options.output.resume)
+    resume = options.output.resume
+    target = outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, pushed, resume=resume)
+    if options.output.resume and target.local_path is None:
+        granularity = target.granularity(options.write_granularity, bool(options.quantize))
+        if granularity != "parts":
+            raise CkptconvError(
+                f"--resume: OUT {out} is in object storage, where this run cannot be resumed: only one into "
+                "S3 written by parts (--write-granularity tensor, no --quantize) can; leave --resume out "
+                "(the run then writes every file)"
+            )
     return target
 
 
 def refuse_remote_resume(target: Target, out: Path, resume: bool) -> None:
-    """--resume keeps files in a local staging directory: an OUT in object storage is refused by name."""
+    """hf-to-dcp's --resume keeps files in a local staging directory: an OUT in object storage is refused by
+    name."""
     if resume and target.local_path is None:
         raise CkptconvError(
-            f"--resume: OUT {out} is in object storage, where a run cannot be resumed yet; leave --resume "
-            "out (the run then writes every file)"
+            f"--resume: OUT {out} is in object storage, where an hf-to-dcp run cannot be resumed yet; leave "
+            "--resume out (the run then writes every file)"
         )
 
 
@@ -180,7 +189,7 @@ def make_plan(
             keep_trainer_state=options.keep_trainer_state,
             file_split=ckpt.file_split if options.keep_file_split else None,
             quantize=quant,
-            write_granularity=remote_out.granularity(out, options.write_granularity, quant is not None),
+            write_granularity=remote_target.granularity(out, options.write_granularity, quant is not None),
             lora=options.lora,
             base=base,
             split_as_base=options.file_split == "reference",
@@ -221,7 +230,7 @@ def publish(
     granularity = target.granularity(options.write_granularity, bool(options.quantize))
     for note in target.notes(world.size, granularity):
         ui.info(note)
-    resume = resume_state(world, ui, job, options) if target.local_path is not None else None
+    resume = resume_state(world, ui, job, options) if granularity == "parts" or target.local_path else None
     staged = Staging(world, ui, job, options, target, resume)
     # the object completed last: model.safetensors (or an adapter's one file), else the index
     last = INDEX_FILE if plan.sharded or not plan.files else plan.files[0].name

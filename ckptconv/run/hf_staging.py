@@ -71,8 +71,9 @@ class Staging:
         if self.resume is not None:
             kept = self.resume.kept
             plan = replace(plan, writes=tuple(w for w in plan.writes if w.file.name not in kept))
-            ranges = rank_ranges(plan, self.world.rank)
-            record = self.resume.recorder(staging, self.world.rank, self.world.size, ranges).done
+            if not isinstance(staging, UrlPath):  # in object storage the uploads are the records
+                ranges = rank_ranges(plan, self.world.rank)
+                record = self.resume.recorder(staging, self.world.rank, self.world.size, ranges).done
         read, self.mine = write_shards(
             plan,
             self.job.ckpt,

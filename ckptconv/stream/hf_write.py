@@ -101,7 +101,7 @@ def write_files(
                         finished, writer = writer, None  # its file is the syncer's to close now
                         crcs[str(finished.path)] = finished.crcs
                         finished.close(syncer)
-                        written += finished.bytes_written
+                        written += finished.bytes_sent
                     entries = [Entry(x.hf_key, x.dtype, x.file_shape) for x in w.file.tensors]
                     # a rank's writes to a file are one run, so the write with the header opens it
                     path = staging / w.file.name
@@ -121,7 +121,7 @@ def write_files(
                 finished, writer = writer, None
                 crcs[str(finished.path)] = finished.crcs
                 finished.close(syncer)
-                written += finished.bytes_written
+                written += finished.bytes_sent
             syncer.wait()  # every file this rank wrote is on the device before it says it is done
         except BaseException:
             if writer is not None:

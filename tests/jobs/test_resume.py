@@ -2,7 +2,7 @@
 recorded a file, then resumed at 2 ranks and at 1: the output is byte-identical to an uninterrupted run's and
 the resumed run reads and writes less; a changed source or --dtype is refused with one line, a corrupted kept
 file is written again. hf-to-dcp the same, resumed at 2 ranks only (another number: one line); an OUT in
-object storage with --resume: one line."""
+object storage with --resume, where it cannot resume: one line."""
 
 from __future__ import annotations
 
@@ -198,21 +198,27 @@ def test_hf_to_dcp_resumes_at_the_same_number_of_ranks(tmp_path: Path) -> None:
 def test_resume_into_object_storage_is_refused_by_name(
     tmp_path: Path, s3_endpoint: str, s3: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """OUT in object storage with --resume: one line naming it, for both directions; nothing written."""
+    """OUT in object storage with --resume where a run cannot be resumed (hf-to-dcp; dcp-to-hf writing by
+    file): one line naming it; nothing written. (dcp-to-hf by parts: tests/object_storage.)"""
     pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
     from ckptconv.cli.app import main
 
     src = _save(tmp_path / "src", 4)
     hf = _hf_source(tmp_path / "hf")
     options = json.dumps(s3_options(s3_endpoint))
-    for command, source in (("dcp-to-hf", src), ("hf-to-dcp", hf)):
+    for command, source, more in (
+        ("dcp-to-hf", src, ["--write-granularity", "file"]),
+        ("dcp-to-hf", src, ["--quantize", "fp8"]),
+        ("hf-to-dcp", hf, []),
+    ):
         try:
-            main([command, str(source), "s3://ckpts/resumed", "--resume", "--storage-options", options])
+            argv = [command, str(source), "s3://ckpts/resumed", "--resume", *more]
+            main([*argv, "--storage-options", options])
             code = 0
         except SystemExit as exc:
             code = int(exc.code or 0)
         err = capsys.readouterr().err
-        assert_one_line(code, err, "--resume: OUT s3://ckpts/resumed is in object storage")
+        assert_one_line(code, err, "--resume: OUT s3://ckpts/resumed is in object storage", "be resumed")
     s3.invalidate_cache()
     assert s3.find("ckpts/resumed") == []
 

@@ -1,6 +1,7 @@
 """One writer per OUT prefix in object storage (moto's S3 server): the lock object beside OUT, taken with
 S3's create-only put, refused to a second run, taken over from a dead run of this host, and never left by a
-finished, failed or interrupted run."""
+finished, failed or interrupted run. An interrupted run keeps what it sent for --resume (without its
+completing object), and the resume publishes what an uninterrupted run does."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 from conftest import s3_options, start
 from test_bad_input import assert_one_line
 from test_object_storage_out import _in_process, _objects, _uploads_in_progress
+
+from ckptconv.publish.remote_resume import RECORD
 
 s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
 
@@ -89,7 +92,9 @@ def test_two_runs_at_once_one_writes(
     third.send_signal(signal.SIGTERM)
     _, err = third.communicate(timeout=60)
     assert third.returncode == 143, err
-    assert not s3.exists("ckpts/.busy.ckptconv-lock") and _uploads_in_progress(s3) == []
+    # no lock; what it sent is kept for --resume (remote_resume), with no completing object
+    assert not s3.exists("ckpts/.busy.ckptconv-lock") and "rerun with --resume" in err, err
+    assert s3.exists(f"ckpts/busy/{RECORD}") and "model.safetensors" not in _objects(s3, "busy")
 
 
 @pytest.mark.parametrize(
@@ -115,7 +120,8 @@ def test_a_signal_while_a_store_call_is_in_flight_leaves_nothing(
 ) -> None:
     """SIGTERM arriving while a call that makes something (an upload started or completed, an object put)
     is on its way: fsspec's I/O thread still lands the call after the main thread is interrupted, so the run
-    waits for it and removes what it made. Exit 143; no object, upload or lock left."""
+    waits for it. Exit 143, no lock left; before any upload started, nothing; after, what was sent stays
+    for --resume, which then publishes what an uninterrupted run does."""
     from fsspec.asyn import sync_wrapper
 
     from ckptconv.job import signals
@@ -133,12 +139,29 @@ def test_a_signal_while_a_store_call_is_in_flight_leaves_nothing(
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", late)
     monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", sync_wrapper(late))
     monkeypatch.setattr(signals, "_received", [])
-    key = f"cut-{method}-{shards}"
+    key = f"cut-{method}-{target.strip('/.').split('.')[0].rstrip('-')}-{shards}"
     code, err = _in_process(
         capsys, s3_endpoint, "dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/{key}", "--max-shard-size", shards
     )
     assert sent == [method] and code == 143, err
     time.sleep(1)  # anything still on its way has landed
-    uploads = [u["Key"] for u in _uploads_in_progress(s3) if u["Key"].startswith(f"{key}/")]
-    assert _objects(s3, key) == {} and uploads == [], err
     assert not s3.exists(f"ckpts/.{key}.ckptconv-lock")
+    uploads = [u["Key"] for u in _uploads_in_progress(s3) if u["Key"].startswith(f"{key}/")]
+    if method in ("put_object", "complete_multipart_upload") and "lock" not in target:
+        # uploads started: what was sent stays for --resume, but no completing object; the resume
+        # publishes the bytes of a run never interrupted and leaves no upload
+        assert "rerun with --resume" in err and s3.exists(f"ckpts/{key}/{RECORD}"), err
+        assert not {"model.safetensors", "model.safetensors.index.json"} & set(_objects(s3, key))
+        argv = ("dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/{key}", "--max-shard-size", shards)
+        monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", real)
+        monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", sync_wrapper(real))
+        code, err = _in_process(capsys, s3_endpoint, *argv, "--resume")
+        assert code == 0, err
+        whole = f"whole-{key}"
+        again = ("dcp-to-hf", str(fsdp2_ckpt), f"s3://ckpts/{whole}", "--max-shard-size", shards)
+        assert _in_process(capsys, s3_endpoint, *again)[0] == 0
+        assert _objects(s3, key) == _objects(s3, whole) and not s3.exists(f"ckpts/{key}/{RECORD}")
+        uploads = [u["Key"] for u in _uploads_in_progress(s3) if u["Key"].startswith(f"{key}/")]
+        assert uploads == []
+        return
+    assert _objects(s3, key) == {} and uploads == [], err

@@ -1,17 +1,19 @@
 """`python -m ckptconv ARGS` whose ranks each pause after recording their first finished file (`--resume`'s
-record): each makes the file $PAUSE_DIR/RANK and waits (on the fsync thread, the main one writing on; in
-hf-to-dcp on the writer thread, the others writing on) until it is removed, so a test can interrupt or kill
-the run at a known point: some files recorded, some not."""
+record), or, into S3, after sending their first part: each makes the file $PAUSE_DIR/RANK and waits (on the
+fsync thread, the main one writing on; in hf-to-dcp on the writer thread, the others writing on; in S3 on
+the main thread) until it is removed, so a test can interrupt or kill the run at a known point: some files
+recorded (parts sent), some not."""
 
 import os
 import sys
 import time
 from pathlib import Path
 
-from ckptconv.publish import resume
+from ckptconv.publish import multipart, resume
 
 _done = resume.Recorder.done
 _whole = resume.Resume.record_whole
+_send = multipart.PartStream._send
 _paused: list[int] = []
 
 
@@ -22,6 +24,11 @@ def paused_done(self: resume.Recorder, path: object, pieces: object = None) -> N
 
 def paused_whole(self: resume.Resume, *args: object) -> None:
     _whole(self, *args)  # type: ignore[arg-type]
+    _pause()
+
+
+def paused_send(self: multipart.PartStream, number: int, buf: bytearray) -> None:
+    _send(self, number, buf)
     _pause()
 
 
@@ -38,6 +45,7 @@ def _pause() -> None:
 
 resume.Recorder.done = paused_done  # type: ignore[method-assign]
 resume.Resume.record_whole = paused_whole  # type: ignore[method-assign]
+multipart.PartStream._send = paused_send  # type: ignore[method-assign]
 from ckptconv.cli.app import run  # noqa: E402
 
 sys.argv[0] = "ckptconv"

@@ -1,0 +1,234 @@
+"""`--resume` for an OUT in S3: what an interrupted run left under OUT/, and the check that keeps it.
+
+In S3 every output file is one multipart upload that every rank sends parts of (remote_out, "parts"
+granularity); nothing is staged, so what a resume keeps lies in OUT itself, never complete before the run's
+completing object:
+
+  OUT/.ckptconv-resume.json   the record: the run's fingerprint, its number of ranks and {file: upload id},
+                              put by rank 0 once it started the uploads (before any part is sent) and
+                              removed just before the completing object is put;
+  OUT/model-0000N-...         an object completed by the run, with the fingerprint in its user metadata
+                              (`x-amz-meta-ckptconv-fingerprint`, given when its upload was started);
+  the uploads in progress     the parts each rank sent, which S3 keeps until the upload is completed or
+                              aborted (ListParts gives each part's size and ETag).
+
+A signal or a killed rank leaves all of it (one line says so); any other failure removes what the run wrote,
+as before. `--resume` (rank 0, holding OUT's lock) reads the record as an input (bounded, type-checked:
+one that is not is not trusted), refuses one made for another fingerprint, and keeps an object only when
+its size is the planned one and its metadata carries this run's fingerprint, and a part only when its
+upload is the record's, the run has the record's number of ranks (parts are cut by ranks) and its size is
+the planned part's. Every other upload of the record is aborted and its file written again. A part kept is
+not sent again (its ranks still compute its bytes: a piece is read as a whole); an object kept is neither
+read nor written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptconv.errors import CkptconvError
+from ckptconv.job.signals import deferred
+from ckptconv.publish.multipart import META, abort_all, totals
+from ckptconv.publish.parts import MAX_PARTS, plan_pieces
+from ckptconv.publish.resume import digest
+from ckptconv.remote.urls import UrlPath, filesystem, redact
+
+if TYPE_CHECKING:
+    from ckptconv.plan.types import OutFile, Write
+
+RECORD = ".ckptconv-resume.json"
+MAX_RECORD_BYTES = 1 << 20
+MAX_UPLOADS = 100_000
+
+
+@dataclass
+class Kept:
+    """What `--resume` keeps of an interrupted run under OUT."""
+
+    whole: frozenset[str] = frozenset()
+    """The objects complete with this run's fingerprint and planned size: neither read nor written."""
+    uploads: dict[str, str] = field(default_factory=dict)
+    """{file: upload id}: the uploads in progress this run goes on with."""
+    parts: dict[str, dict[int, str]] = field(default_factory=dict)
+    """{file: {part number: ETag}}: the parts of those uploads not sent again."""
+
+    def count(self) -> int:
+        return sum(len(p) for p in self.parts.values())
+
+
+def tag(fingerprint: Iterable[str]) -> str:
+    """The fingerprint as one value of user metadata."""
+    return digest(*fingerprint)
+
+
+def put_record(url: UrlPath, fingerprint: tuple[str, ...], ranks: int, uploads: Mapping[str, str]) -> None:
+    """Rank 0, once the uploads are started: the record of this run under OUT."""
+    body = {"fingerprint": list(fingerprint), "ranks": ranks, "uploads": dict(uploads)}
+    try:
+        with deferred():
+            filesystem(url).pipe_file((url / RECORD).key, json.dumps(body, sort_keys=True).encode())
+    except Exception as e:
+        raise CkptconvError(redact(f"{url / RECORD}: cannot write ({type(e).__name__}: {e})")) from None
+
+
+def drop_record(url: UrlPath) -> None:
+    """Rank 0, before the completing object: the record goes (a complete OUT never holds one)."""
+    try:
+        with deferred():
+            filesystem(url).rm_file((url / RECORD).key)
+    except FileNotFoundError:
+        pass
+    except Exception as e:
+        raise CkptconvError(redact(f"{url / RECORD}: cannot remove ({type(e).__name__}: {e})")) from None
+
+
+def read_record(url: UrlPath) -> dict[str, Any] | None:
+    """The record under OUT, or None where there is none or it is not one (not trusted: nothing is kept).
+    Read as an input: at most MAX_RECORD_BYTES, JSON of checked types."""
+    fs = filesystem(url)
+    try:
+        with fs.open((url / RECORD).key, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except Exception as e:
+        raise CkptconvError(redact(f"{url / RECORD}: cannot read ({type(e).__name__}: {e})")) from None
+    if len(raw) > MAX_RECORD_BYTES:
+        return None
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    fingerprint, ranks, uploads = record.get("fingerprint"), record.get("ranks"), record.get("uploads")
+    if not (isinstance(fingerprint, list) and all(isinstance(x, str) for x in fingerprint)):
+        return None
+    if not (isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0):
+        return None
+    if not (isinstance(uploads, dict) and len(uploads) <= MAX_UPLOADS):
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in uploads.items()):
+        return None
+    return {"fingerprint": tuple(fingerprint), "ranks": ranks, "uploads": uploads}
+
+
+def resumed(
+    url: UrlPath,
+    record: Mapping[str, Any],
+    fingerprint: tuple[str, ...],
+    ranks: int,
+    files: Sequence[OutFile],
+    writes: Sequence[Write],
+    names: Sequence[str],
+    completing: str,
+) -> Kept:
+    """Rank 0, holding the lock: what this run (`fingerprint`, `ranks`, its `files` and `writes`) keeps of
+    the interrupted run `record` describes, OUT holding `names`; the record's other uploads aborted. OUT
+    complete, or holding data this run does not write: one line, exit 2, nothing changed."""
+    if completing in names:
+        raise CkptconvError(
+            f"{url}: --resume: holds a complete result ({completing}); nothing to resume (--overwrite "
+            "replaces it)"
+        )
+    planned = {f.name for f in files}
+    foreign = [n for n in names if (n.endswith(".safetensors") and n not in planned) or "/" in n]
+    if foreign:
+        raise CkptconvError(
+            f"{url}: --resume: holds {', '.join(foreign[:5])}, which this run does not write; rerun with "
+            "--overwrite to start over"
+        )
+    pieces = plan_pieces(files, writes)
+    part_sizes: dict[str, dict[int, int]] = {}
+    for p in pieces:
+        part_sizes.setdefault(p.file, {}).update((p.first_part + i, n) for i, n in enumerate(p.part_sizes()))
+    sizes = {name: size for name, (size, _) in totals(pieces).items()}
+    kept = keep(url, record, fingerprint, ranks, sizes, part_sizes, names)
+    left = abort_all(url, stale_uploads(record, kept))
+    if left:
+        raise CkptconvError(f"{url}: --resume: cannot abort {', '.join(left[:5])}; abort them yourself")
+    return kept
+
+
+def keep(
+    url: UrlPath,
+    record: Mapping[str, Any],
+    fingerprint: tuple[str, ...],
+    ranks: int,
+    sizes: Mapping[str, int],
+    part_sizes: Mapping[str, Mapping[int, int]],
+    names: Iterable[str],
+) -> Kept:
+    """Rank 0, holding the lock: what of the interrupted run `record` describes this run keeps (`sizes`:
+    {file: planned bytes}; `part_sizes`: {file: {part number: planned bytes}} at this run's ranks; `names`:
+    the objects under OUT). A record of another fingerprint: one line, exit 2, nothing changed."""
+    if tuple(record["fingerprint"]) != tuple(fingerprint):
+        kinds = ("the source", "the options", "the plan")
+        changed = [k for k, a, b in zip(kinds, fingerprint, record["fingerprint"], strict=False) if a != b]
+        raise CkptconvError(
+            f"{url}: --resume: {changed[0] if changed else 'the run'} changed since the interrupted run "
+            "wrote there; rerun with --overwrite instead of --resume to start over"
+        )
+    present = set(names)
+    whole = frozenset(n for n in sizes if n in present and _complete(url / n, sizes[n], tag(fingerprint)))
+    kept = Kept(whole=whole)
+    for name, upload_id in record["uploads"].items():
+        if name in whole or name not in sizes or record["ranks"] != ranks:
+            continue
+        parts = _parts(url / name, upload_id)
+        if parts is None:
+            continue  # completed, aborted or expired: written again
+        planned = part_sizes.get(name, {})
+        kept.uploads[name] = upload_id
+        kept.parts[name] = {n: etag for n, (size, etag) in parts.items() if planned.get(n) == size}
+    return kept
+
+
+def stale_uploads(record: Mapping[str, Any] | None, kept: Kept | None) -> dict[str, str]:
+    """The record's uploads a run does not go on with: {file: upload id}, for rank 0 to abort."""
+    if record is None:
+        return {}
+    going_on = kept.uploads if kept is not None else {}
+    return {n: u for n, u in record["uploads"].items() if going_on.get(n) != u}
+
+
+def _complete(url: UrlPath, size: int, fingerprint_tag: str) -> bool:
+    """Whether the object `url` is this run's: its planned size, and this fingerprint in its metadata."""
+    fs = filesystem(url)
+    bucket, key, _ = fs.split_path(url.key)
+    try:
+        head = fs.call_s3("head_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return False
+    except Exception as e:
+        raise CkptconvError(redact(f"{url}: cannot read ({type(e).__name__}: {e})")) from None
+    return head.get("ContentLength") == size and head.get("Metadata", {}).get(META) == fingerprint_tag
+
+
+def _parts(url: UrlPath, upload_id: str) -> dict[int, tuple[int, str]] | None:
+    """{part number: (size, ETag)} of the upload in progress `upload_id` of `url`, or None where it is not
+    in progress any more."""
+    fs = filesystem(url)
+    bucket, key, _ = fs.split_path(url.key)
+    found: dict[int, tuple[int, str]] = {}
+    marker = 0
+    while True:
+        try:
+            reply = fs.call_s3(
+                "list_parts", Bucket=bucket, Key=key, UploadId=upload_id, PartNumberMarker=marker
+            )
+        except FileNotFoundError:
+            return None  # S3's NoSuchUpload
+        except Exception as e:
+            cause = f"{type(e).__name__}: {e}"
+            raise CkptconvError(redact(f"{url}: cannot list its upload's parts ({cause})")) from None
+        for part in reply.get("Parts", []):
+            number, size, etag = part.get("PartNumber"), part.get("Size"), part.get("ETag")
+            if isinstance(number, int) and 1 <= number <= MAX_PARTS and isinstance(size, int):
+                found[number] = (size, str(etag))
+        if not reply.get("IsTruncated") or len(found) >= MAX_PARTS:
+            return found
+        marker = int(reply.get("NextPartNumberMarker", 0))

@@ -1,0 +1,210 @@
+"""`--resume` into S3 (moto's server): a dcp-to-hf run interrupted after its first part leaves its uploads,
+their parts and its record under OUT and says so; a plain rerun is refused with one line naming --resume;
+changed options are refused; `--resume` keeps the part and the objects already there (sends fewer bytes)
+and publishes exactly the local conversion's bytes, with no upload left in progress and no record;
+`--overwrite` over an interrupted run aborts its uploads. On 2 ranks (slow): rank 1 SIGKILLed once each
+rank sent a part, resumed at 2 ranks and, from a second interrupted run, at 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from conftest import SUPPORT, _env, ckptconv, random_dcp, s3_options, tree_sha256
+from test_bad_input import assert_one_line
+
+from ckptconv.cli.app import main
+from ckptconv.publish import multipart
+from ckptconv.publish.remote_resume import RECORD
+
+s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
+
+ARGS = ("--max-shard-size", "30MB")
+WORKER = SUPPORT / "workers" / "paused_cli.py"
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 fp32 tensors of 47 MiB: 3 bf16 files of 23 MiB, one part each on one rank, cut between 2 ranks."""
+    return random_dcp(tmp_path_factory.mktemp("resume-s3") / "ckpt", 3, seed=7)
+
+
+@pytest.fixture(scope="module")
+def local(src: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("resume-local") / "out"
+    assert ckptconv("dcp-to-hf", str(src), str(out), *ARGS, "-q").returncode == 0
+    return tree_sha256(out)
+
+
+def _objects(s3: Any, key: str) -> dict[str, str]:
+    import hashlib
+
+    s3.invalidate_cache()
+    return {
+        p.rsplit("/", 1)[1]: hashlib.sha256(s3.cat_file(p)).hexdigest()
+        for p in s3.find(f"ckpts/{key}")
+        if not p.rsplit("/", 1)[1].startswith(".")
+    }
+
+
+def _uploads(s3: Any, key: str) -> list[Any]:
+    reply = s3.call_s3("list_multipart_uploads", Bucket="ckpts", Prefix=f"{key}/")
+    return reply.get("Uploads", [])
+
+
+def _run(capsys: pytest.CaptureFixture[str], endpoint: str, *argv: str) -> tuple[int, str, str]:
+    try:
+        main([*argv, "--storage-options", json.dumps(s3_options(endpoint))])
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _interrupted_after_one_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next run is interrupted (as by Ctrl-C) when it is about to send its second part."""
+    send = multipart.PartStream._send
+    sent: list[int] = []
+
+    def once(self: multipart.PartStream, number: int, buf: bytearray) -> None:
+        if sent:
+            raise KeyboardInterrupt
+        send(self, number, buf)
+        sent.append(number)
+
+    monkeypatch.setattr(multipart.PartStream, "_send", once)
+
+
+def test_an_interrupted_run_resumes_in_s3_to_the_local_bytes(
+    src: Path,
+    local: dict[str, str],
+    s3_endpoint: str,
+    s3: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = "s3://ckpts/resumed"
+    with monkeypatch.context() as m:
+        _interrupted_after_one_part(m)
+        code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS)
+    assert code != 0 and "rerun with --resume to send only the rest" in err, err
+    s3.invalidate_cache()
+    assert s3.exists(f"ckpts/resumed/{RECORD}")
+    assert not s3.exists("ckpts/resumed/model.safetensors.index.json")
+    uploads = _uploads(s3, "resumed")
+    assert len(uploads) == 3  # one per file, the first with its part
+    sent = [s3.call_s3("list_parts", Bucket="ckpts", Key=u["Key"], UploadId=u["UploadId"]) for u in uploads]
+    assert sum(len(p.get("Parts", [])) for p in sent) == 1
+
+    # without --resume: one line naming it, nothing changed
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS)
+    assert_one_line(code, err, url, "interrupted run", "--resume", "--overwrite")
+    # another --dtype: the options changed; nothing changed
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume", "--dtype", "fp16")
+    assert_one_line(code, err, url, "the options changed", "--overwrite")
+    assert len(_uploads(s3, "resumed")) == 3
+
+    full = 3 * 3000 * 4096 * 2
+    code, out, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    written = sum(r["bytes_written"] for r in report["ranks"])
+    assert written < full - (20 << 20)  # the part kept was not sent again
+    assert _objects(s3, "resumed") == local
+    assert _uploads(s3, "resumed") == [] and not s3.exists(f"ckpts/resumed/{RECORD}")
+
+    # a complete result: --resume has nothing to resume (one line), and leaves it as it is
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
+    assert_one_line(code, err, url, "nothing to resume", "--overwrite")
+    assert _objects(s3, "resumed") == local
+
+
+def test_overwrite_over_an_interrupted_run_aborts_its_uploads(
+    src: Path,
+    local: dict[str, str],
+    s3_endpoint: str,
+    s3: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = "s3://ckpts/restarted"
+    with monkeypatch.context() as m:
+        _interrupted_after_one_part(m)
+        code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS)
+    assert code != 0 and len(_uploads(s3, "restarted")) == 3
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--overwrite")
+    assert code == 0, err
+    assert _objects(s3, "restarted") == local and _uploads(s3, "restarted") == []
+    assert not s3.exists(f"ckpts/restarted/{RECORD}")
+
+
+def test_resume_is_refused_where_a_run_cannot_be_resumed(
+    src: Path, s3_endpoint: str, s3: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--write-granularity file (each file one rank's upload, completed as it ends) cannot be resumed:
+    one line naming what can, nothing written."""
+    url = "s3://ckpts/by-file"
+    argv = ("dcp-to-hf", str(src), url, "--resume", "--write-granularity", "file")
+    code, _, err = _run(capsys, s3_endpoint, *argv)
+    assert_one_line(code, err, "--resume", url, "--write-granularity tensor")
+    s3.invalidate_cache()
+    assert s3.find("ckpts/by-file") == []
+
+
+def _killed(src: Path, url: str, endpoint: str, pause: Path, how: str) -> subprocess.CompletedProcess[str]:
+    """A 2-rank run into S3 of `paused_cli`, stopped (`how`: "kill" rank 1, "term" torchrun) once each rank
+    has sent a part."""
+    pause.mkdir()
+    options = json.dumps(s3_options(endpoint))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
+    argv = [*cmd, "dcp-to-hf", str(src), url, *ARGS, "--storage-options", options]
+    env = {**_env(), "PAUSE_DIR": str(pause), "CKPTCONV_TIMEOUT_S": "30"}
+    pipe = subprocess.PIPE
+    agent = subprocess.Popen(argv, stdout=pipe, stderr=pipe, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not ((pause / "0").exists() and (pause / "1").exists()):
+        assert agent.poll() is None, agent.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    if how == "kill":
+        workers = sorted(psutil.Process(agent.pid).children(), key=lambda p: p.create_time())
+        os.kill(workers[1].pid, signal.SIGKILL)
+    else:
+        agent.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    for flag in pause.iterdir():
+        flag.unlink()
+    stdout, stderr = agent.communicate(timeout=120)
+    assert agent.returncode != 0
+    return subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_resumes_in_s3_at_2_ranks_and_at_1(
+    src: Path, local: dict[str, str], s3_endpoint: str, s3: Any, tmp_path: Path
+) -> None:
+    """Rank 1 SIGKILLed once each of 2 ranks sent a part: the parts stay in S3; --resume at 2 ranks sends
+    fewer bytes and publishes the local bytes. torchrun SIGTERMed the same way: --resume at 1 rank (parts
+    are cut by ranks: its uploads are aborted and its files sent again, objects kept) publishes them too."""
+    options = json.dumps(s3_options(s3_endpoint))
+    full = 3 * 3000 * 4096 * 2
+    for key, how, nproc in (("killed", "kill", 2), ("termed", "term", 0)):
+        url = f"s3://ckpts/{key}"
+        _killed(src, url, s3_endpoint, tmp_path / f"pause-{key}", how)
+        assert _uploads(s3, key) and s3.exists(f"ckpts/{key}/{RECORD}")
+        argv = ("dcp-to-hf", str(src), url, *ARGS, "--resume", "--json", "--storage-options", options)
+        proc = ckptconv(*argv, nproc=nproc)
+        assert proc.returncode == 0, proc.stderr
+        written = sum(r["bytes_written"] for r in json.loads(proc.stdout)["ranks"])
+        assert written < full if nproc == 2 else written <= full + 1024, (written, proc.stderr)
+        assert _objects(s3, key) == local
+        assert _uploads(s3, key) == [] and not s3.exists(f"ckpts/{key}/{RECORD}")

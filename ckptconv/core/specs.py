@@ -6,6 +6,7 @@ Key spaces: `fqn` is a runtime / DCP key (as the training job saved it), `hf_key
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -56,7 +57,8 @@ class TensorSpec:
     fqn: str
     dtype_name: str
     shape: tuple[int, ...]
-    chunks: tuple[ChunkSpec, ...] = ()
+    chunks: Sequence[ChunkSpec] = ()
+    """A tuple, or on a rank that received the checkpoint (`source.share`) records made when first read."""
 
     @property
     def dtype(self) -> torch.dtype:

@@ -22,6 +22,13 @@ def test_pack_unpack_gives_the_same_checkpoint(fsdp2_ckpt: Path, mesh2d_ckpt: Pa
             type(c) for t in ckpt.tensors.values() for c in t.chunks
         ]
         assert list(back.tensors) == list(ckpt.tensors)  # the saved order is kept
+        # the chunk records are made when a tensor's are first read, not before
+        fresh = unpack(pack(ckpt))
+        first = next(iter(fresh.tensors.values()))
+        assert all(t.chunks._raw is not None for t in fresh.tensors.values())  # type: ignore[attr-defined]
+        assert tuple(first.chunks) == tuple(ckpt.tensors[first.fqn].chunks)
+        assert first.chunks._raw is None  # type: ignore[attr-defined]
+        assert sum(t.chunks._raw is None for t in fresh.tensors.values()) == 1  # type: ignore[attr-defined]
 
 
 def test_only_rank_0_reads_the_metadata(fsdp2_ckpt: Path) -> None:

@@ -10,6 +10,8 @@ it. A store without S3's multipart API (gcs, azure, ...) is written one rank a f
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from typing import Any
 
 from ckptconv.errors import CkptconvError
@@ -32,14 +34,16 @@ def _call(url: UrlPath, method: str, **kwargs: Any) -> Any:
     return fs.call_s3(method, Bucket=bucket, Key=key, **kwargs)
 
 
-def start(url: UrlPath, names: list[str], ids: dict[str, str], tag: str | None = None) -> dict[str, str]:
+def start(
+    url: UrlPath, names: list[str], ids: dict[str, str], tag: Callable[[str], str] | None = None
+) -> dict[str, str]:
     """Rank 0: a multipart upload for each file, each recorded in `ids` {name: upload id} as it is started
     (a signal cannot fall between the two); a copy of `ids`. Those started before a failure are aborted
-    and forgotten before it is raised. `tag`: the run's fingerprint, in each object's user metadata
-    (remote_resume)."""
-    meta = {"Metadata": {META: tag}} if tag is not None else {}
+    and forgotten before it is raised. `tag(name)`: the value of each object's user metadata that says which
+    run made it (remote_resume)."""
     try:
         for name in names:
+            meta = {"Metadata": {META: tag(name)}} if tag is not None else {}
             with deferred():
                 ids[name] = _call(url / name, "create_multipart_upload", **meta)["UploadId"]
     except BaseException:
@@ -88,6 +92,12 @@ def abort_all(url: UrlPath, ids: dict[str, str]) -> list[str]:
     return left
 
 
+def same_bytes(data: bytes | bytearray, etag: str) -> bool:
+    """Whether a part S3 acknowledged with `etag` holds `data` (a plain part's ETag is its MD5; under
+    encryption with KMS it is not, and the part is sent again)."""
+    return hashlib.md5(data, usedforsecurity=False).hexdigest() == etag.strip('"')
+
+
 class PartStream:
     """This rank's piece of one file: bytes written at their offsets, each part sent once it is whole."""
 
@@ -96,7 +106,7 @@ class PartStream:
     ) -> None:
         self.url, self.upload_id, self.piece = url, upload_id, piece
         self.written = 0
-        self.kept = kept or {}  # {part number: ETag}: sent by an interrupted run (--resume), not again
+        self.kept = kept or {}  # {part number: ETag}: sent by an interrupted run (--resume): same, not again
         self.skipped = 0  # bytes of those parts
         self._tags = tags.setdefault(piece.file, [])
         self._open: dict[int, tuple[bytearray, list[int]]] = {}  # part -> (its bytes, [bytes written])
@@ -121,7 +131,7 @@ class PartStream:
     def _send(self, number: int, buf: bytearray) -> None:
         from ckptconv.publish.confirm import write_error
 
-        if number in self.kept:
+        if number in self.kept and same_bytes(buf, self.kept[number]):
             del self._open[number]
             self._tags.append((number, self.kept[number]))
             self.skipped += len(buf)

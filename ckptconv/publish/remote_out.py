@@ -13,10 +13,11 @@ Either way parts go up as they fill: memory stays within a part or two. The orde
   3. the completing object: `model.safetensors.index.json`, or for a one-file result `model.safetensors`
      itself, whose upload is held open until then.
 
-A reader that takes the completing object as the sign of a finished result never sees a partial one. On
-any failure or signal every rank aborts its multipart uploads in progress and deletes the objects it
-completed; those that cannot be deleted are named in the error. Rank 0 holds OUT's lock object for the
-whole run (remote.lock): a second run writing the same OUT stops with a line naming the first.
+A reader that takes the completing object as the sign of a finished result never sees a partial one. On any
+failure every rank aborts its multipart uploads in progress and deletes the objects it completed; those that
+cannot be deleted are named in the error. But in S3 by parts a run can be resumed (remote_resume): a signal or
+a killed rank leaves what was sent, less a completing object, for `--resume`. Rank 0 holds OUT's lock object
+for the whole run (remote.lock): a second run writing the same OUT stops with a line naming the first.
 `--overwrite` deletes the previous result's completing object first, then its other objects (only those
 directly under OUT/: a neighbouring prefix such as `release-v2/` is never touched), so old and new are never
 seen mixed as complete; after that point a failure leaves OUT visibly incomplete, and the error says so.
@@ -163,7 +164,9 @@ def publish(
                 _check(check, url)
         return world.all_gather_object(result)[0]
     except BaseException as e:
-        if _run.resumable and resume is not None and _interrupted(e) and not _run.dropped:
+        if _run.resumable and resume is not None and _interrupted(e):
+            if _run.dropped:  # after the record went: the result is complete, and stays
+                raise
             left = _leave_for_resume()
             if left:
                 resume.warn(f"could not remove {left[0]} (the run did not finish): remove it yourself")
@@ -227,6 +230,7 @@ def _start_parts(
     """Every rank: the uploads rank 0 starts (those `kept` goes on with are not started again; the files
     it keeps whole have none), and this rank's pieces. With a `fingerprint` (a run that can be resumed):
     each upload carries it, and rank 0 records the run under OUT before any part is sent."""
+    resuming = kept is not None  # an interrupted run's record is there: it stays whatever happens
     kept = kept or rr.Kept()
     pieces = [p for p in plan_pieces(files, writes) if p.file not in kept.whole]
     _run.out = url
@@ -236,12 +240,13 @@ def _start_parts(
     def start() -> dict[str, str]:
         _run.owned.update(kept.uploads)
         todo = [f.name for f in files if f.name not in kept.whole and f.name not in kept.uploads]
-        tag = rr.tag(fingerprint) if fingerprint is not None else None
+        tag = (lambda name: rr.tag(fingerprint, name)) if fingerprint is not None else None
         ids = multipart.start(url, todo, _run.owned, tag)
         if fingerprint is not None:
-            rr.put_record(url, fingerprint, world.size, ids)
-            if not kept.uploads:  # a new record: a failure removes it with the rest
-                _run.completed.append(url / rr.RECORD)
+            with deferred():  # the record and what removes it on a failure are not split by a signal
+                rr.put_record(url, fingerprint, world.size, ids)
+                if not resuming:  # a new record: a failure removes it with the rest
+                    _run.completed.append(url / rr.RECORD)
         return ids
 
     _run.uploads = from_main(world, start)
@@ -342,9 +347,10 @@ def _remove_ours() -> list[str]:
 def _drop_record(url: UrlPath) -> None:
     """Rank 0, once the completing object is there: the record goes (a kill in between leaves both: a
     complete result, which --resume then says it does not resume)."""
-    rr.drop_record(url)
-    _run.completed[:] = [u for u in _run.completed if u.name != rr.RECORD]
-    _run.dropped = True
+    with deferred():  # a signal during the removal finds the result complete, not interrupted
+        rr.drop_record(url)
+        _run.completed[:] = [u for u in _run.completed if u.name != rr.RECORD]
+        _run.dropped = True
 
 
 def _leave_for_resume() -> list[str]:

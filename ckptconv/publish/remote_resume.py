@@ -6,25 +6,29 @@ completing object:
 
   OUT/.ckptconv-resume.json   the record: the run's fingerprint, its number of ranks and {file: upload id},
                               put by rank 0 once it started the uploads (before any part is sent) and
-                              removed just before the completing object is put;
-  OUT/model-0000N-...         an object completed by the run, with the fingerprint in its user metadata
-                              (`x-amz-meta-ckptconv-fingerprint`, given when its upload was started);
+                              removed once the completing object is there;
+  OUT/model-0000N-...         an object completed by the run, with the fingerprint and its own name in its
+                              user metadata (`x-amz-meta-ckptconv-fingerprint`, given when its upload was
+                              started);
   the uploads in progress     the parts each rank sent, which S3 keeps until the upload is completed or
                               aborted (ListParts gives each part's size and ETag).
 
-A signal or a killed rank leaves all of it (one line says so); any other failure removes what the run wrote,
-as before. `--resume` (rank 0, holding OUT's lock) reads the record as an input (bounded, type-checked:
-one that is not is not trusted), refuses one made for another fingerprint, and keeps an object only when
-its size is the planned one and its metadata carries this run's fingerprint, and a part only when its
-upload is the record's, the run has the record's number of ranks (parts are cut by ranks) and its size is
-the planned part's. Every other upload of the record is aborted and its file written again. A part kept is
-not sent again (its ranks still compute its bytes: a piece is read as a whole); an object kept is neither
-read nor written.
+A signal or a killed rank leaves all of it but a completing object it made (one line says so); any other
+failure removes what the run wrote, as before (but a resumed run's record and what it kept). `--resume` (rank
+0, holding OUT's lock) reads the record as an input (bounded, type-checked, plain file names: one that is not
+is refused with one line), refuses one made for another fingerprint, and keeps an object only when its size is
+the planned one and its metadata carries this run's fingerprint and its own name, and a part only when its
+upload is the record's and S3 lists it in progress under that very key (ListMultipartUploads of OUT/), the run
+has the record's number of ranks (parts are cut by ranks) and its size is the planned part's. Every other
+upload in progress under OUT/ is aborted and its file written again. A part kept is not sent again when the
+bytes its rank computes for it have the MD5 its ETag gives (else it is sent again: the ranks still compute its
+bytes, a piece being read as a whole); an object kept is neither read nor written.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,6 +46,8 @@ if TYPE_CHECKING:
 RECORD = ".ckptconv-resume.json"
 MAX_RECORD_BYTES = 1 << 20
 MAX_UPLOADS = 100_000
+MAX_PAGES = 1_000  # of a listing S3 gives 1,000 entries at a time
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")  # a file name of OUT's, never a path
 
 
 @dataclass
@@ -59,9 +65,11 @@ class Kept:
         return sum(len(p) for p in self.parts.values())
 
 
-def tag(fingerprint: Iterable[str]) -> str:
-    """The fingerprint as one value of user metadata."""
-    return digest(*fingerprint)
+def tag(fingerprint: Iterable[str], name: str) -> str:
+    """The fingerprint and the object's own name as one value of user metadata (an object copied onto
+    another name of the same size does not pass for it)."""
+    return digest(*fingerprint, name)
+
 
 
 def put_record(url: UrlPath, fingerprint: tuple[str, ...], ranks: int, uploads: Mapping[str, str]) -> None:
@@ -86,16 +94,27 @@ def drop_record(url: UrlPath) -> None:
 
 
 def read_record(url: UrlPath) -> dict[str, Any] | None:
-    """The record under OUT, or None where there is none or it is not one (not trusted: nothing is kept).
-    Read as an input: at most MAX_RECORD_BYTES, JSON of checked types."""
-    fs = filesystem(url)
+    """The record under OUT, or None where there is none. Read as an input: at most MAX_RECORD_BYTES, JSON
+    of checked types, plain file names; one that is not: one line, exit 2 (nothing is kept on its word)."""
+    where = url / RECORD
     try:
-        with fs.open((url / RECORD).key, "rb") as f:
+        with filesystem(url).open(where.key, "rb") as f:
             raw = f.read(MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
         return None
     except Exception as e:
-        raise CkptconvError(redact(f"{url / RECORD}: cannot read ({type(e).__name__}: {e})")) from None
+        raise CkptconvError(redact(f"{where}: cannot read ({type(e).__name__}: {e})")) from None
+    record = _checked(raw)
+    if record is None:
+        raise CkptconvError(
+            f"{where}: not a record of an interrupted ckptconv run; rerun with --overwrite instead of "
+            "--resume to start over"
+        )
+    return record
+
+
+def _checked(raw: bytes) -> dict[str, Any] | None:
+    """The record `raw` holds, or None where it is not one."""
     if len(raw) > MAX_RECORD_BYTES:
         return None
     try:
@@ -111,7 +130,7 @@ def read_record(url: UrlPath) -> dict[str, Any] | None:
         return None
     if not (isinstance(uploads, dict) and len(uploads) <= MAX_UPLOADS):
         return None
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in uploads.items()):
+    if not all(isinstance(k, str) and _NAME.fullmatch(k) and isinstance(v, str) for k, v in uploads.items()):
         return None
     return {"fingerprint": tuple(fingerprint), "ranks": ranks, "uploads": uploads}
 
@@ -146,8 +165,9 @@ def resumed(
     for p in pieces:
         part_sizes.setdefault(p.file, {}).update((p.first_part + i, n) for i, n in enumerate(p.part_sizes()))
     sizes = {name: size for name, (size, _) in totals(pieces).items()}
-    kept = keep(url, record, fingerprint, ranks, sizes, part_sizes, names)
-    left = abort_all(url, stale_uploads(record, kept))
+    listed = in_progress(url)
+    kept = keep(url, record, fingerprint, ranks, sizes, part_sizes, names, listed)
+    left = abort_all(url, {n: u for n, ids in listed.items() for u in ids if kept.uploads.get(n) != u})
     if left:
         raise CkptconvError(f"{url}: --resume: cannot abort {', '.join(left[:5])}; abort them yourself")
     return kept
@@ -161,10 +181,12 @@ def keep(
     sizes: Mapping[str, int],
     part_sizes: Mapping[str, Mapping[int, int]],
     names: Iterable[str],
+    listed: Mapping[str, set[str]],
 ) -> Kept:
     """Rank 0, holding the lock: what of the interrupted run `record` describes this run keeps (`sizes`:
     {file: planned bytes}; `part_sizes`: {file: {part number: planned bytes}} at this run's ranks; `names`:
-    the objects under OUT). A record of another fingerprint: one line, exit 2, nothing changed."""
+    the objects under OUT; `listed`: the uploads in progress under OUT, `in_progress`). A record of another
+    fingerprint: one line, exit 2, nothing changed."""
     if tuple(record["fingerprint"]) != tuple(fingerprint):
         kinds = ("the source", "the options", "the plan")
         changed = [k for k, a, b in zip(kinds, fingerprint, record["fingerprint"], strict=False) if a != b]
@@ -173,10 +195,11 @@ def keep(
             "wrote there; rerun with --overwrite instead of --resume to start over"
         )
     present = set(names)
-    whole = frozenset(n for n in sizes if n in present and _complete(url / n, sizes[n], tag(fingerprint)))
+    whole = frozenset(n for n in sizes if n in present and _complete(url / n, sizes[n], tag(fingerprint, n)))
     kept = Kept(whole=whole)
     for name, upload_id in record["uploads"].items():
-        if name in whole or name not in sizes or record["ranks"] != ranks:
+        listed_here = upload_id in listed.get(name, ())  # S3's word that it is this key's, in progress
+        if name in whole or name not in sizes or record["ranks"] != ranks or not listed_here:
             continue
         parts = _parts(url / name, upload_id)
         if parts is None:
@@ -187,12 +210,33 @@ def keep(
     return kept
 
 
-def stale_uploads(record: Mapping[str, Any] | None, kept: Kept | None) -> dict[str, str]:
-    """The record's uploads a run does not go on with: {file: upload id}, for rank 0 to abort."""
-    if record is None:
-        return {}
-    going_on = kept.uploads if kept is not None else {}
-    return {n: u for n, u in record["uploads"].items() if going_on.get(n) != u}
+def in_progress(url: UrlPath) -> dict[str, set[str]]:
+    """{file name: its upload ids} of the multipart uploads S3 lists in progress directly under OUT/ (a
+    bounded number of pages, each further than the last)."""
+    fs = filesystem(url)
+    bucket, key, _ = fs.split_path(url.key)
+    prefix = key.rstrip("/") + "/"
+    found: dict[str, set[str]] = {}
+    markers: dict[str, str] = {}
+    for _ in range(MAX_PAGES):
+        try:
+            reply = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+        except Exception as e:
+            cause = f"{type(e).__name__}: {e}"
+            raise CkptconvError(redact(f"{url}: cannot list its uploads in progress ({cause})")) from None
+        for upload in reply.get("Uploads", []):
+            full, upload_id = str(upload.get("Key", "")), upload.get("UploadId")
+            name = full[len(prefix) :]
+            if full.startswith(prefix) and _NAME.fullmatch(name) and isinstance(upload_id, str):
+                found.setdefault(name, set()).add(upload_id)
+        following = {
+            "KeyMarker": reply.get("NextKeyMarker", ""),
+            "UploadIdMarker": reply.get("NextUploadIdMarker", ""),
+        }
+        if not reply.get("IsTruncated") or following == markers or not following["KeyMarker"]:
+            return found
+        markers = following
+    return found
 
 
 def _complete(url: UrlPath, size: int, fingerprint_tag: str) -> bool:
@@ -215,7 +259,7 @@ def _parts(url: UrlPath, upload_id: str) -> dict[int, tuple[int, str]] | None:
     bucket, key, _ = fs.split_path(url.key)
     found: dict[int, tuple[int, str]] = {}
     marker = 0
-    while True:
+    for _ in range(MAX_PAGES):
         try:
             reply = fs.call_s3(
                 "list_parts", Bucket=bucket, Key=key, UploadId=upload_id, PartNumberMarker=marker
@@ -229,6 +273,10 @@ def _parts(url: UrlPath, upload_id: str) -> dict[int, tuple[int, str]] | None:
             number, size, etag = part.get("PartNumber"), part.get("Size"), part.get("ETag")
             if isinstance(number, int) and 1 <= number <= MAX_PARTS and isinstance(size, int):
                 found[number] = (size, str(etag))
-        if not reply.get("IsTruncated") or len(found) >= MAX_PARTS:
+        following = reply.get("NextPartNumberMarker")
+        if not reply.get("IsTruncated") or len(found) >= MAX_PARTS or not isinstance(following, int):
             return found
-        marker = int(reply.get("NextPartNumberMarker", 0))
+        if following <= marker:  # a listing that does not go on: what it gave so far
+            return found
+        marker = following
+    return found

@@ -65,8 +65,8 @@ class RemoteTarget:
             return names
         if rr.RECORD in names and not self.overwrite:
             raise CkptconvError(
-                f"{self.url}: holds what an interrupted run wrote ({rr.RECORD}); rerun with --resume to "
-                "write only the rest, or with --overwrite to start over"
+                f"{self.url}: holds what an interrupted run wrote ({rr.RECORD}); rerun dcp-to-hf with "
+                "--resume to write only the rest, or with --overwrite to start over"
             )
         if names and self.resume and not self.overwrite:
             raise CkptconvError(
@@ -82,8 +82,12 @@ class RemoteTarget:
         then the rest of it; whether there was one."""
         names = self._checked()
         fs = filesystem(self.url)
-        if rr.RECORD in names:  # an interrupted run's uploads in progress: aborted, not left to cost
-            multipart.abort_all(self.url, rr.stale_uploads(rr.read_record(self.url), None))
+        if names and multipart.supported(self.url):  # uploads left in progress under OUT: aborted, not billed
+            listed = rr.in_progress(self.url)
+            left = multipart.abort_all(self.url, {n: u for n, ids in listed.items() for u in ids})
+            if left:
+                shown = ", ".join(left[:5])
+                raise CkptconvError(f"{self.url}: cannot abort {shown} (--overwrite); abort them yourself")
         first = [n for n in remote_out.COMPLETING if n in names]
         for group in (first, [n for n in names if n not in first]):
             if group:

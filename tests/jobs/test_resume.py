@@ -40,10 +40,10 @@ def _save(path: Path, seed: int) -> Path:
 
 
 def _stopped(
-    src: Path, out: Path, pause: Path, how: str, args: tuple[str, ...] = ("dcp-to-hf", *ARGS)
+    src: Path, out: Path | str, pause: Path, how: str, args: tuple[str, ...] = ("dcp-to-hf", *ARGS)
 ) -> subprocess.CompletedProcess[str]:
     """A 2-rank run of `paused_cli` (`args`: the command and its flags), stopped (`how`: "kill" rank 1,
-    "term" torchrun) once each rank has recorded a file."""
+    "term" torchrun) once each rank has recorded a file (into S3, `out` a URL: sent a part)."""
     pause.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
     env = {**_env(), "PAUSE_DIR": str(pause), "CKPTCONV_TIMEOUT_S": "30"}
@@ -64,7 +64,7 @@ def _stopped(
     for flag in pause.iterdir():
         flag.unlink()
     stdout, stderr = agent.communicate(timeout=120)
-    assert agent.returncode != 0 and not out.exists()
+    assert agent.returncode != 0 and (isinstance(out, str) or not out.exists())
     return subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr)
 
 

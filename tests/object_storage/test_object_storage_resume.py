@@ -8,18 +8,13 @@ rank sent a part, resumed at 2 ranks and, from a second interrupted run, at 1.""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
-from conftest import SUPPORT, _env, ckptconv, random_dcp, s3_options, tree_sha256
+from conftest import ckptconv, random_dcp, s3_options, tree_sha256
 from test_bad_input import assert_one_line
+from test_resume import _stopped
 
 from ckptconv.cli.app import main
 from ckptconv.publish import multipart
@@ -28,7 +23,6 @@ from ckptconv.publish.remote_resume import RECORD
 s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
 
 ARGS = ("--max-shard-size", "30MB")
-WORKER = SUPPORT / "workers" / "paused_cli.py"
 
 
 @pytest.fixture(scope="module")
@@ -160,34 +154,6 @@ def test_resume_is_refused_where_a_run_cannot_be_resumed(
     assert s3.find("ckpts/by-file") == []
 
 
-def _killed(src: Path, url: str, endpoint: str, pause: Path, how: str) -> subprocess.CompletedProcess[str]:
-    """A 2-rank run into S3 of `paused_cli`, stopped (`how`: "kill" rank 1, "term" torchrun) once each rank
-    has sent a part."""
-    pause.mkdir()
-    options = json.dumps(s3_options(endpoint))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
-    argv = [*cmd, "dcp-to-hf", str(src), url, *ARGS, "--storage-options", options]
-    env = {**_env(), "PAUSE_DIR": str(pause), "CKPTCONV_TIMEOUT_S": "30"}
-    pipe = subprocess.PIPE
-    agent = subprocess.Popen(argv, stdout=pipe, stderr=pipe, text=True, env=env)
-    deadline = time.monotonic() + 120
-    while not ((pause / "0").exists() and (pause / "1").exists()):
-        assert agent.poll() is None, agent.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    if how == "kill":
-        workers = sorted(psutil.Process(agent.pid).children(), key=lambda p: p.create_time())
-        os.kill(workers[1].pid, signal.SIGKILL)
-    else:
-        agent.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    for flag in pause.iterdir():
-        flag.unlink()
-    stdout, stderr = agent.communicate(timeout=120)
-    assert agent.returncode != 0
-    return subprocess.CompletedProcess(agent.args, agent.returncode, stdout, stderr)
-
-
 @pytest.mark.slow
 def test_a_killed_rank_resumes_in_s3_at_2_ranks_and_at_1(
     src: Path, local: dict[str, str], s3_endpoint: str, s3: Any, tmp_path: Path
@@ -199,7 +165,7 @@ def test_a_killed_rank_resumes_in_s3_at_2_ranks_and_at_1(
     full = 3 * 3000 * 4096 * 2
     for key, how, nproc in (("killed", "kill", 2), ("termed", "term", 0)):
         url = f"s3://ckpts/{key}"
-        _killed(src, url, s3_endpoint, tmp_path / f"pause-{key}", how)
+        _stopped(src, url, tmp_path / f"pause-{key}", how, ("dcp-to-hf", *ARGS, "--storage-options", options))
         assert _uploads(s3, key) and s3.exists(f"ckpts/{key}/{RECORD}")
         argv = ("dcp-to-hf", str(src), url, *ARGS, "--resume", "--json", "--storage-options", options)
         proc = ckptconv(*argv, nproc=nproc)

@@ -8,7 +8,6 @@ upload; S3 listings that do not go on are read a bounded number of times."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import signal
@@ -16,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ckptconv, s3_options, tree_sha256
+from conftest import ckptconv, tree_sha256
 from test_bad_input import assert_one_line
+from test_object_storage_resume import _interrupted_after_one_part, _objects, _run
 
-from ckptconv.cli.app import main
 from ckptconv.errors import CkptconvError
 from ckptconv.publish import multipart, remote_out
 from ckptconv.publish import remote_resume as rr
@@ -52,43 +51,17 @@ def local(src: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
     return tree_sha256(out)
 
 
-def _run(capsys: pytest.CaptureFixture[str], endpoint: str, *argv: str) -> tuple[int, str]:
-    try:
-        main([*argv, "--storage-options", json.dumps(s3_options(endpoint))])
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().err
-
-
-def _objects(s3: Any, key: str) -> dict[str, str]:
-    s3.invalidate_cache()
-    return {
-        p.rsplit("/", 1)[1]: hashlib.sha256(s3.cat_file(p)).hexdigest()
-        for p in s3.find(f"ckpts/{key}")
-        if not p.rsplit("/", 1)[1].startswith(".")
-    }
-
-
 def _interrupted(m: pytest.MonkeyPatch, what: str = "complete") -> None:
     """The next run is stopped (as by Ctrl-C) when it would complete its first object ("complete"), or
     after sending its first part ("part")."""
-    if what == "complete":
-
-        def stop(*a: Any, **k: Any) -> None:
-            raise KeyboardInterrupt
-
-        m.setattr(multipart, "complete", stop)
+    if what == "part":
+        _interrupted_after_one_part(m)
         return
-    send, sent = multipart.PartStream._send, []
 
-    def once(self: multipart.PartStream, number: int, buf: bytearray) -> None:
-        if sent:
-            raise KeyboardInterrupt
-        send(self, number, buf)
-        sent.append(number)
+    def stop(*a: Any, **k: Any) -> None:
+        raise KeyboardInterrupt
 
-    m.setattr(multipart.PartStream, "_send", once)
+    m.setattr(multipart, "complete", stop)
 
 
 def _upload(s3: Any, bucket: str, key: str) -> str:
@@ -127,12 +100,12 @@ def test_a_record_reaching_outside_out_touches_nothing_there(
 
     # names that are paths: the record is refused with one line, nothing changed
     _edit_record(s3, "esc", lambda r: r["uploads"].update({"../esc-v2/model.safetensors": neighbour}))
-    code, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
     assert_one_line(code, err, rr.RECORD, "not a record", "--overwrite")
     # a planned name with another prefix's upload id: not S3's upload of that key, so not gone on with
     _edit_record(s3, "esc", lambda r: r["uploads"].pop("../esc-v2/model.safetensors"))
     _edit_record(s3, "esc", lambda r: r["uploads"].update({"model-00001-of-00003.safetensors": neighbour}))
-    code, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
     assert code == 0, err
     assert _objects(s3, "esc") == local
     assert _alive(s3, "ckpts", "esc-v2/model-00001-of-00003.safetensors", neighbour)
@@ -182,7 +155,7 @@ def test_what_does_not_hold_the_planned_bytes_is_not_kept(
         names = sorted(n for n in s3.ls(f"ckpts/{key}") if n.endswith(".safetensors"))
         assert len(names) == 3
         s3.copy(names[0], names[1])
-    code, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
     assert code == 0, err
     assert _objects(s3, key) == local
 
@@ -208,7 +181,7 @@ def test_a_signal_while_the_record_goes_leaves_the_complete_result(
         m.setattr(s3fs.S3FileSystem, "_call_s3", late)
         m.setattr(s3fs.S3FileSystem, "call_s3", sync_wrapper(late))
         m.setattr(signals, "_received", [])
-        code, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS)
+        code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS)
     assert sent and code == 143 and "rerun with --resume" not in err, err
     assert _objects(s3, "dropcut") == local and not s3.exists(f"ckpts/dropcut/{rr.RECORD}")
 
@@ -230,7 +203,7 @@ def test_a_resumed_run_failing_stays_resumable(
             flags = ("--resume",) if broken is refuse else ()
             assert _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, *flags)[0] != 0
         assert s3.exists(f"ckpts/ordfail/{rr.RECORD}")
-    code, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
     assert code == 0, err
     assert _objects(s3, "ordfail") == local
 
@@ -248,7 +221,7 @@ def test_overwrite_says_when_it_cannot_abort_an_upload(
             "abort_all",
             lambda url, ids: [f"{url / n} (an unfinished multipart upload)" for n in ids],
         )
-        code, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--overwrite")
+        code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--overwrite")
     assert_one_line(code, err, "cannot abort", "abort them yourself")
     assert s3.exists(f"ckpts/noabort/{rr.RECORD}")
 

@@ -88,6 +88,8 @@ def open_dcp(path: Path) -> DcpCheckpoint:
             raise CkptconvError(
                 f"{md_path}: malformed DCP metadata ({e}); re-save or re-copy the checkpoint"
             ) from None
+        # gone by reference counting now, not walked by the collector once it is back on (a million tuples)
+        del metadata, columns
     if remote is None and is_megatron(path):  # common.pt beside, or (0.19) the common_state item inside
         common = read_common(path) or read_common_state(ckpt)
         ckpt = dataclasses.replace(ckpt, kind="megatron", common=common)

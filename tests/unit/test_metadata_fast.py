@@ -16,6 +16,7 @@ import io
 import pickle
 import random
 import sys
+from fractions import Fraction
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from ckptconv.core.specs import DcpCheckpoint
 from ckptconv.errors import CkptconvError
 from ckptconv.formats import dcp_specs
 from ckptconv.formats.dcp import open_dcp
+from ckptconv.formats.dcp_columns import load_dcp_metadata
 from ckptconv.formats.dcp_locations import Locations
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 
@@ -334,3 +336,87 @@ def test_a_chunk_state_built_twice_is_refused(tmp_path: Path) -> None:
         open_dcp(ckpt)
     assert "not a readable DCP metadata file (KeyError: 'offsets')" in str(e.value)
     assert str(ckpt / ".metadata") in str(e.value)
+
+
+class _SharedState(pickle.Pickler):
+    """Pickles the first two records of type `kind` in the storage index with one state dict (the second a
+    memo reference)."""
+
+    def __init__(self, buffer: io.BytesIO, kind: type, records: list[Any]) -> None:
+        super().__init__(buffer, protocol=4)
+        self.kind, self.targets, self.shared = kind, {id(r) for r in records[:2]}, dict(vars(records[0]))
+
+    def reducer_override(self, obj: Any) -> Any:
+        if id(obj) in self.targets:
+            return copyreg.__newobj__, (self.kind,), self.shared
+        return NotImplemented
+
+
+def _key_inside_its_value(metadata: Any) -> None:
+    """The first storage entry under a string key, its index record an extra field of its own state: built
+    between the entry's NEWOBJ and its BUILD (the pairs that follow are torch's)."""
+    (key, value), *rest = metadata.storage_data.items()
+    value.extra = key
+    metadata.storage_data = {"moved": value, **dict(rest)}
+
+
+def _a_value_without_its_key(metadata: Any) -> None:
+    """The second storage entry under a string key: no index record is built just before it."""
+    first, (_, value), *rest = metadata.storage_data.items()
+    metadata.storage_data = {first[0]: first[1], "lost": value, **dict(rest)}
+
+
+def _the_last_value_without_its_key_then_a_payload(metadata: Any) -> None:
+    """The last storage entry under a string key, and a global outside the allowlist after the index: the
+    entry, read first, is what is refused."""
+    *rest, (_, value) = metadata.storage_data.items()
+    metadata.storage_data = {**dict(rest), "lost": value}
+    metadata.all_local_plans = [Fraction(1, 3)]
+
+
+UNPAIRED = "(UnpicklingError: a storage entry without an index key of its own just before it)"
+
+
+@pytest.fixture(scope="module")
+def plan_metadata(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The `.metadata` of `scripts/bench.py plan` at one layer (12 thousand chunks: a few hundred frames)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from benchmarks.plan import make
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    ckpt = tmp_path_factory.mktemp("plan") / "plan"
+    make(ckpt, 0.0125, 512)
+    return (ckpt / ".metadata").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("craft", "needle"),
+    [
+        (_key_inside_its_value, UNPAIRED),
+        (_a_value_without_its_key, UNPAIRED),
+        (_the_last_value_without_its_key_then_a_payload, UNPAIRED),
+        (_StorageInfo, "(KeyError: 'relative_path')"),
+        (MetadataIndex, "(KeyError: 'fqn')"),
+    ],
+)
+def test_storage_records_off_torchs_layout_are_refused_as_record_by_record(
+    craft: Any, needle: str, plan_metadata: bytes
+) -> None:
+    """The storage index is taken in bulk where it is torch's `key, value` pairs, each state a dict of its
+    own: a value without a key built just before it, a key built inside its value, a state built for two
+    records (which the record-by-record hooks had cleared at the first) are refused as those hooks did, at
+    the first wrong record, among the thousands of torch's pairs of the synthetic metadata."""
+    metadata = pickle.loads(plan_metadata)
+    buffer = io.BytesIO()
+    if isinstance(craft, type):  # a state shared by the first two records of that kind
+        records = list(
+            metadata.storage_data.keys() if craft is MetadataIndex else metadata.storage_data.values()
+        )
+        _SharedState(buffer, craft, records).dump(metadata)
+    else:
+        craft(metadata)
+        pickle.dump(metadata, buffer, protocol=4)
+    with pytest.raises(CkptconvError) as e:
+        load_dcp_metadata(buffer.getvalue(), "x/.metadata")
+    assert str(e.value).startswith(f"x/.metadata: not a readable DCP metadata file {needle}")

@@ -43,7 +43,6 @@ from ckptconv.publish.parts import Piece, plan_pieces
 from ckptconv.publish.remote_lock import NAME as LOCK_NAME
 from ckptconv.publish.remote_lock import RemoteLock
 from ckptconv.publish.remote_lock import take as take_lock
-from ckptconv.publish.target import quiet
 from ckptconv.publish.upload import Ledger, Stream
 from ckptconv.remote.files import RemoteFiles, forget
 from ckptconv.remote.urls import UrlPath, filesystem
@@ -119,7 +118,6 @@ def publish(
     check: Callable[[Path], None] | None = None,
     layout: tuple[Sequence[OutFile], Sequence[Write]] | None = None,
     resume: Resume | None = None,
-    say: Callable[[str], None] = quiet,
 ) -> T | None:
     """Collective: rank 0 `clear`s OUT `url` (--overwrite), every rank streams its data files (in S3, with the
     plan's `layout` (files, writes): its pieces of them, as parts), every rank `check`s (the CRC-32s of

@@ -141,10 +141,9 @@ class RemoteTarget:
         fsync: bool = True,
         resume: Resume | None = None,
     ) -> T | None:
-        """Collective: `remote_out.publish` (`fsync` is a local OUT's; `resume`: in S3 by parts, see
-        remote_resume)."""
-        out = remote_out.publish
-        return out(world, self.url, self.clear, last, write, finish, check, layout, resume, say)
+        """Collective: `remote_out.publish` (`say` and `fsync` are a local OUT's; `resume`: in S3 by parts,
+        see remote_resume)."""
+        return remote_out.publish(world, self.url, self.clear, last, write, finish, check, layout, resume)
 
     @property
     def local_path(self) -> Path | None:

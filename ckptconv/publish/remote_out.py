@@ -241,10 +241,11 @@ def _start_parts(
         tag = (lambda name: rr.tag(fingerprint, name)) if fingerprint is not None else None
         ids = multipart.start(url, todo, _run.owned, tag)
         if fingerprint is not None:
-            with deferred():  # the record and what removes it on a failure are not split by a signal
+            with deferred():  # the record, what removes it on a failure and the run's resumability: one step
                 rr.put_record(url, fingerprint, world.size, ids)
                 if not resuming:  # a new record: a failure removes it with the rest
                     _run.completed.append(url / rr.RECORD)
+                _run.resumable = True
         return ids
 
     _run.uploads = from_main(world, start)

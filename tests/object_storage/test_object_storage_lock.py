@@ -85,7 +85,7 @@ def test_two_runs_at_once_one_writes(
 
     third = start([sys.executable, "-m", "ckptconv", *argv, "--overwrite", "--bucket-size", "8MB"])
     deadline = time.monotonic() + 60
-    while not s3.exists("ckpts/.busy.ckptconv-lock") or not _uploads_in_progress(s3):
+    while not s3.exists("ckpts/.busy.ckptconv-lock") or not s3.exists(f"ckpts/busy/{RECORD}"):
         assert third.poll() is None, third.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.02)

@@ -132,8 +132,9 @@ ResumeOpt = Annotated[
     bool,
     typer.Option(
         "--resume",
-        help="Keep the files an interrupted run of the same conversion completed (checked against their "
-        "records) and write only the rest; refused when the source or options changed since.",
+        help="Keep the files an interrupted run of the same conversion completed (in S3 also the parts it "
+        "sent), checked against their records, and write only the rest; refused when the source or options "
+        "changed since.",
     ),
 ]
 DryRunOpt = Annotated[

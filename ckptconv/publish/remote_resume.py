@@ -62,6 +62,7 @@ class Kept:
     """{file: {part number: ETag}}: the parts of those uploads not sent again."""
 
     def count(self) -> int:
+        """How many parts are kept."""
         return sum(len(p) for p in self.parts.values())
 
 
@@ -69,7 +70,6 @@ def tag(fingerprint: Iterable[str], name: str) -> str:
     """The fingerprint and the object's own name as one value of user metadata (an object copied onto
     another name of the same size does not pass for it)."""
     return digest(*fingerprint, name)
-
 
 
 def put_record(url: UrlPath, fingerprint: tuple[str, ...], ranks: int, uploads: Mapping[str, str]) -> None:
@@ -83,7 +83,7 @@ def put_record(url: UrlPath, fingerprint: tuple[str, ...], ranks: int, uploads: 
 
 
 def drop_record(url: UrlPath) -> None:
-    """Rank 0, before the completing object: the record goes (a complete OUT never holds one)."""
+    """Rank 0, once the completing object is there: the record goes (a finished OUT holds none)."""
     try:
         with deferred():
             filesystem(url).rm_file((url / RECORD).key)

@@ -82,7 +82,8 @@ class RemoteTarget:
         then the rest of it; whether there was one."""
         names = self._checked()
         fs = filesystem(self.url)
-        if names and multipart.supported(self.url):  # uploads left in progress under OUT: aborted, not billed
+        # uploads left in progress under OUT (an interrupted run's, or one killed before its record): aborted
+        if (names or self.overwrite) and multipart.supported(self.url):
             listed = rr.in_progress(self.url)
             left = multipart.abort_all(self.url, {n: u for n, ids in listed.items() for u in ids})
             if left:

@@ -226,6 +226,19 @@ def test_overwrite_says_when_it_cannot_abort_an_upload(
     assert s3.exists(f"ckpts/noabort/{rr.RECORD}")
 
 
+def test_overwrite_aborts_uploads_left_without_any_object(
+    src: Path, local: dict[str, str], s3_endpoint: str, s3: Any, capsys: Any
+) -> None:
+    """A run killed between starting its uploads and putting its record leaves uploads and no object:
+    --overwrite aborts them too."""
+    orphan = _upload(s3, "ckpts", "orphaned/model-00001-of-00003.safetensors")
+    argv = ("dcp-to-hf", str(src), "s3://ckpts/orphaned", *ARGS, "--overwrite")
+    code, _, err = _run(capsys, s3_endpoint, *argv)
+    assert code == 0, err
+    assert not _alive(s3, "ckpts", "orphaned/model-00001-of-00003.safetensors", orphan)
+    assert _objects(s3, "orphaned") == local
+
+
 class _Stuck:
     """An S3 whose listings say there is more, without going on."""
 

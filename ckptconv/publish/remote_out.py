@@ -132,21 +132,22 @@ def publish(
     _run.completing = completing
     cleared = False
     held: list[RemoteLock] = []
-    resumable = resume is not None and layout is not None and multipart.supported(url)
+    # a run that can be resumed (remote_resume): in S3 by parts, with its fingerprint
+    resumable = resume if layout is not None and multipart.supported(url) else None
     try:
         with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
             _run.local = Path(tmp)
             on_main(world, lambda: _take(url, held))
             kept = None
-            if resumable and resume is not None and resume.asked and layout is not None:
-                kept = everyone(world, from_main, world, lambda: _resumed(url, resume, layout, world.size))
-                resume.kept = kept.whole if kept is not None else frozenset()
+            if resumable is not None and resumable.asked and layout is not None:
+                kept = everyone(world, from_main, world, lambda: _resumed(url, resumable, layout, world.size))
+                resumable.kept = kept.whole if kept is not None else frozenset()
             if kept is None:
                 cleared = bool(on_main(world, clear))
             if layout is not None and multipart.supported(url):
-                fingerprint = resume.fingerprint if resumable and resume is not None else None
+                fingerprint = resumable.fingerprint if resumable is not None else None
                 everyone(world, _start_parts, world, url, *layout, kept, fingerprint)
-                _run.resumable = resumable
+                _run.resumable = resumable is not None
             everyone(world, write, url)
             if _run.uploads:
                 on_main(world, _complete_parts, url, world.all_gather_object(_run.tags))
@@ -162,14 +163,14 @@ def publish(
                 _check(check, url)
         return world.all_gather_object(result)[0]
     except BaseException as e:
-        if _run.resumable and resume is not None and _interrupted(e):
+        if _run.resumable and resumable is not None and _interrupted(e):
             if _run.dropped:  # after the record went: the result is complete, and stays
                 raise
             left = _leave_for_resume()
             if left:
-                resume.warn(f"could not remove {left[0]} (the run did not finish): remove it yourself")
+                resumable.warn(f"could not remove {left[0]} (the run did not finish): remove it yourself")
             if world.is_main:
-                resume.warn(
+                resumable.warn(
                     f"kept what the run sent so far under {url} (no {completing}: not a complete "
                     "result): rerun with --resume to send only the rest, or with --overwrite to start over"
                 )
@@ -323,9 +324,7 @@ def _complete(url: UrlPath, tmp: Path) -> None:
 
 def _remove_ours() -> list[str]:
     """This rank's uploads aborted and its completed objects deleted; what is left."""
-    for s in _run.open:
-        if s.url not in _run.completed:
-            s.discard()
+    _discard_open()
     left = list(_run.left)
     if _run.owned and _run.out is not None:  # rank 0 started the uploads: it aborts those not completed
         # (but an interrupted run's, gone on with by --resume: left as they were, with their parts)
@@ -352,13 +351,19 @@ def _drop_record(url: UrlPath) -> None:
         _run.dropped = True
 
 
+def _discard_open() -> None:
+    """This rank's streams not completed: discarded (a whole file's upload aborted, a piece's parts in
+    memory dropped)."""
+    for s in _run.open:
+        if s.url not in _run.completed:
+            s.discard()
+
+
 def _leave_for_resume() -> list[str]:
     """On an interrupt before the record went: this rank's parts in memory dropped; what was sent,
     completed or recorded stays, but the completing object, where this run completed it (OUT does not
     look complete: the run did not finish). What could not be removed."""
-    for s in _run.open:
-        if s.url not in _run.completed:
-            s.discard()
+    _discard_open()
     for url in [u for u in _run.completed if u.name == _run.completing]:
         try:
             filesystem(url).rm_file(url.key)

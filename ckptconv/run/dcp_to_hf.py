@@ -118,24 +118,19 @@ def check_inputs(
     pushed = options.push is not None
     resume = options.output.resume
     target = outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, pushed, resume=resume)
-    if options.output.resume and target.local_path is None:
-        granularity = target.granularity(options.write_granularity, bool(options.quantize))
-        if granularity != "parts":
-            raise CkptconvError(
-                f"--resume: OUT {out} is in object storage, where this run cannot be resumed: only one into "
-                "S3 written by parts (--write-granularity tensor, no --quantize) can; leave --resume out "
-                "(the run then writes every file)"
-            )
+    granularity = target.granularity(options.write_granularity, bool(options.quantize))
+    refuse_remote_resume(target, out, resume, granularity)
     return target
 
 
-def refuse_remote_resume(target: Target, out: Path, resume: bool) -> None:
-    """hf-to-dcp's --resume keeps files in a local staging directory: an OUT in object storage is refused by
-    name."""
-    if resume and target.local_path is None:
+def refuse_remote_resume(target: Target, out: Path, resume: bool, granularity: str | None = None) -> None:
+    """--resume into object storage: only a dcp-to-hf run into S3 written by parts (`granularity`) resumes
+    (remote_resume); any other (hf-to-dcp: no granularity) is refused by name."""
+    if resume and target.local_path is None and granularity != "parts":
         raise CkptconvError(
-            f"--resume: OUT {out} is in object storage, where an hf-to-dcp run cannot be resumed yet; leave "
-            "--resume out (the run then writes every file)"
+            f"--resume: OUT {out} is in object storage, where this run cannot be resumed: only dcp-to-hf "
+            "into S3 written by parts (--write-granularity tensor, no --quantize) can; leave --resume out "
+            "(the run then writes every file)"
         )
 
 

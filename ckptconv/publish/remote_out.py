@@ -15,9 +15,10 @@ Either way parts go up as they fill: memory stays within a part or two. The orde
 
 A reader that takes the completing object as the sign of a finished result never sees a partial one. On any
 failure every rank aborts its multipart uploads in progress and deletes the objects it completed; those that
-cannot be deleted are named in the error. But in S3 by parts a run can be resumed (remote_resume): a signal or
-a killed rank leaves what was sent, less a completing object, for `--resume`. Rank 0 holds OUT's lock object
-for the whole run (remote.lock): a second run writing the same OUT stops with a line naming the first.
+cannot be deleted are named in the error. But in S3 (by parts or by file) a run can be resumed
+(remote_resume): a signal or a killed rank leaves what was sent, less a completing object, for `--resume`.
+Rank 0 holds OUT's lock object for the whole run (remote.lock): a second run writing the same OUT stops with
+a line naming the first.
 `--overwrite` deletes the previous result's completing object first, then its other objects (only those
 directly under OUT/: a neighbouring prefix such as `release-v2/` is never touched), so old and new are never
 seen mixed as complete; after that point a failure leaves OUT visibly incomplete, and the error says so.
@@ -73,7 +74,7 @@ class _Run(Ledger):
         self.open: list[Stream | multipart.PartStream] = []
         self.completing = ""
         self.local: Path | None = None  # rank's temporary directory: small files, hf-to-dcp's .metadata
-        self.uploads: dict[str, str] = {}  # S3, written by parts: {file: upload id}
+        self.uploads: dict[str, str] = {}  # S3: {file: upload id}
         self.owned: dict[str, str] = {}  # rank 0: those uploads it has not completed yet
         self.out: UrlPath | None = None
         self.pieces: dict[str, Piece] = {}  # this rank's piece of each file
@@ -125,14 +126,14 @@ def publish(
     temporary directory (index, stash, copied files) and uploads those files, the `completing` object last
     (an index or `.metadata` made in that directory, or a held upload). A one-file result and a DCP are
     checked once complete (they cannot be read before). On any failure, each rank removes what this run
-    wrote; but with `resume` in S3 by parts (remote_resume), an interrupt (a signal, a rank killed) leaves
+    wrote; but with `resume` in S3 (remote_resume), an interrupt (a signal, a rank killed) leaves
     it for a `--resume`, which keeps what checks out of it."""
     global _run
     _run = _Run()
     _run.completing = completing
     cleared = False
     held: list[RemoteLock] = []
-    # a run that can be resumed (remote_resume): in S3 by parts, with its fingerprint
+    # a run that can be resumed (remote_resume): in S3 (by parts or by file), with its fingerprint
     resumable = resume if layout is not None and multipart.supported(url) else None
     try:
         with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:

@@ -1,8 +1,8 @@
 """`--resume` for an OUT in S3: what an interrupted run left under OUT/, and the check that keeps it.
 
 In S3 every output file is one multipart upload that every rank sends parts of (remote_out, "parts"
-granularity); nothing is staged, so what a resume keeps lies in OUT itself, never complete before the run's
-completing object:
+granularity), or its one owner sends all of ("file": --write-granularity file, --quantize); nothing is
+staged, so what a resume keeps lies in OUT itself, never complete before the run's completing object:
 
   OUT/.ckptconv-resume.json   the record: the run's fingerprint, its number of ranks and {file: upload id},
                               put by rank 0 once it started the uploads (before any part is sent) and

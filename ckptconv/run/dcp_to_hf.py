@@ -30,7 +30,7 @@ from ckptconv.plan.follow import follow_experts, reference_dtypes
 from ckptconv.plan.megatron_tp import saved_tp, with_tp
 from ckptconv.plan.to_hf import plan_dcp_to_hf
 from ckptconv.plan.types import HfSavePlan, RankBytes
-from ckptconv.publish import hub_push, outcheck, remote_target
+from ckptconv.publish import hub_push, multipart, outcheck, remote_target
 from ckptconv.publish.copy_from import check_copy
 from ckptconv.publish.target import Target
 from ckptconv.remote.urls import location
@@ -118,19 +118,18 @@ def check_inputs(
     pushed = options.push is not None
     resume = options.output.resume
     target = outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, pushed, resume=resume)
-    granularity = target.granularity(options.write_granularity, bool(options.quantize))
-    refuse_remote_resume(target, out, resume, granularity)
+    refuse_remote_resume(target, out, resume, dcp_to_hf=True)
     return target
 
 
-def refuse_remote_resume(target: Target, out: Path, resume: bool, granularity: str | None = None) -> None:
-    """--resume into object storage: only a dcp-to-hf run into S3 written by parts (`granularity`) resumes
-    (remote_resume); any other (hf-to-dcp: no granularity) is refused by name."""
-    if resume and target.local_path is None and granularity != "parts":
+def refuse_remote_resume(target: Target, out: Path, resume: bool, dcp_to_hf: bool = False) -> None:
+    """--resume into object storage: only a dcp-to-hf run into S3 (every file a multipart upload, by parts
+    or by file) resumes (remote_resume); any other (hf-to-dcp, another store) is refused by name."""
+    in_s3 = isinstance(target, remote_target.RemoteTarget) and multipart.supported(target.url)
+    if resume and target.local_path is None and not (dcp_to_hf and in_s3):
         raise CkptconvError(
             f"--resume: OUT {out} is in object storage, where this run cannot be resumed: only dcp-to-hf "
-            "into S3 written by parts (--write-granularity tensor, no --quantize) can; leave --resume out "
-            "(the run then writes every file)"
+            "into S3 can; leave --resume out (the run then writes every file)"
         )
 
 
@@ -225,7 +224,7 @@ def publish(
     granularity = target.granularity(options.write_granularity, bool(options.quantize))
     for note in target.notes(world.size, granularity):
         ui.info(note)
-    resume = resume_state(world, ui, job, options) if granularity == "parts" or target.local_path else None
+    resume = resume_state(world, ui, job, options)
     staged = Staging(world, ui, job, options, target, resume)
     # the object completed last: model.safetensors (or an adapter's one file), else the index
     last = INDEX_FILE if plan.sharded or not plan.files else plan.files[0].name

@@ -78,48 +78,53 @@ def _interrupted_after_one_part(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(multipart.PartStream, "_send", once)
 
 
+@pytest.mark.parametrize("extra", [(), ("--write-granularity", "file"), ("--quantize", "fp8")])
 def test_an_interrupted_run_resumes_in_s3_to_the_local_bytes(
+    extra: tuple[str, ...],
     src: Path,
-    local: dict[str, str],
+    tmp_path: Path,
     s3_endpoint: str,
     s3: Any,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    url = "s3://ckpts/resumed"
+    args, key = (*ARGS, *extra), "resumed" + "".join(extra).replace("-", "")
+    url = f"s3://ckpts/{key}"
+    local = tmp_path / "local"
+    assert ckptconv("dcp-to-hf", str(src), str(local), *args, "-q").returncode == 0
     with monkeypatch.context() as m:
         _interrupted_after_one_part(m)
-        code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS)
+        code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *args)
     assert code != 0 and "rerun with --resume to send only the rest" in err, err
     s3.invalidate_cache()
-    assert s3.exists(f"ckpts/resumed/{RECORD}")
-    assert not s3.exists("ckpts/resumed/model.safetensors.index.json")
-    uploads = _uploads(s3, "resumed")
+    assert s3.exists(f"ckpts/{key}/{RECORD}")
+    assert not s3.exists(f"ckpts/{key}/model.safetensors.index.json")
+    uploads = _uploads(s3, key)
     assert len(uploads) == 3  # one per file, the first with its part
     sent = [s3.call_s3("list_parts", Bucket="ckpts", Key=u["Key"], UploadId=u["UploadId"]) for u in uploads]
     assert sum(len(p.get("Parts", [])) for p in sent) == 1
 
     # without --resume: one line naming it, nothing changed
-    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS)
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *args)
     assert_one_line(code, err, url, "interrupted run", "--resume", "--overwrite")
     # another --dtype: the options changed; nothing changed
-    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume", "--dtype", "fp16")
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *args, "--resume", "--dtype", "fp16")
     assert_one_line(code, err, url, "the options changed", "--overwrite")
-    assert len(_uploads(s3, "resumed")) == 3
+    assert len(_uploads(s3, key)) == 3
 
-    full = 3 * 3000 * 4096 * 2
-    code, out, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume", "--json")
+    full = sum(p.stat().st_size for p in local.glob("*.safetensors"))
+    code, out, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *args, "--resume", "--json")
     assert code == 0, err
     report = json.loads(out)
     written = sum(r["bytes_written"] for r in report["ranks"])
-    assert written < full - (20 << 20)  # the part kept was not sent again
-    assert _objects(s3, "resumed") == local
-    assert _uploads(s3, "resumed") == [] and not s3.exists(f"ckpts/resumed/{RECORD}")
+    assert written <= full - (10 << 20)  # the part kept (a whole file's: 12 or 23 MiB) was not sent again
+    assert _objects(s3, key) == tree_sha256(local)
+    assert _uploads(s3, key) == [] and not s3.exists(f"ckpts/{key}/{RECORD}")
 
     # a complete result: --resume has nothing to resume (one line), and leaves it as it is
-    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--resume")
+    code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *args, "--resume")
     assert_one_line(code, err, url, "nothing to resume", "--overwrite")
-    assert _objects(s3, "resumed") == local
+    assert _objects(s3, key) == tree_sha256(local)
 
 
 def test_overwrite_over_an_interrupted_run_aborts_its_uploads(
@@ -139,19 +144,6 @@ def test_overwrite_over_an_interrupted_run_aborts_its_uploads(
     assert code == 0, err
     assert _objects(s3, "restarted") == local and _uploads(s3, "restarted") == []
     assert not s3.exists(f"ckpts/restarted/{RECORD}")
-
-
-def test_resume_is_refused_where_a_run_cannot_be_resumed(
-    src: Path, s3_endpoint: str, s3: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """--write-granularity file (each file one rank's upload, completed as it ends) cannot be resumed:
-    one line naming what can, nothing written."""
-    url = "s3://ckpts/by-file"
-    argv = ("dcp-to-hf", str(src), url, "--resume", "--write-granularity", "file")
-    code, _, err = _run(capsys, s3_endpoint, *argv)
-    assert_one_line(code, err, "--resume", url, "--write-granularity tensor")
-    s3.invalidate_cache()
-    assert s3.find("ckpts/by-file") == []
 
 
 @pytest.mark.slow
@@ -174,3 +166,37 @@ def test_a_killed_rank_resumes_in_s3_at_2_ranks_and_at_1(
         assert written < full if nproc == 2 else written <= full + 1024, (written, proc.stderr)
         assert _objects(s3, key) == local
         assert _uploads(s3, key) == [] and not s3.exists(f"ckpts/{key}/{RECORD}")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_resumes_a_quantized_release_written_by_file(
+    s3_endpoint: str, s3: Any, tmp_path: Path
+) -> None:
+    """--quantize fp8 into S3 writes each file from one rank (a weight's scale lies apart from it): rank 1
+    SIGKILLed once each rank sent a part of its file; --resume at 2 ranks keeps them and publishes the
+    local bytes (3 weights quantized, each file a weight and its scale)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(3)
+    state = {"model": {f"layers.{i}.proj.weight": torch.randn(3072, 4096, generator=g) for i in range(3)}}
+    src = tmp_path / "src"
+    dcp.save(state, checkpoint_id=str(src), no_dist=True)
+    args = ("--max-shard-size", "15MB", "--quantize", "fp8")
+    local = tmp_path / "local"
+    assert ckptconv("dcp-to-hf", str(src), str(local), *args, "-q").returncode == 0
+    weight_map = json.loads((local / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) == 3 and sum(k.endswith("_scale_inv") for k in weight_map) == 3
+    options = json.dumps(s3_options(s3_endpoint))
+    url = "s3://ckpts/quantized"
+    _stopped(src, url, tmp_path / "pause", "kill", ("dcp-to-hf", *args, "--storage-options", options))
+    uploads = _uploads(s3, "quantized")
+    assert len(uploads) == 3 and s3.exists(f"ckpts/quantized/{RECORD}")
+    argv = ("dcp-to-hf", str(src), url, *args, "--resume", "--json", "--storage-options", options)
+    proc = ckptconv(*argv, nproc=2)
+    assert proc.returncode == 0, proc.stderr
+    written = sum(r["bytes_written"] for r in json.loads(proc.stdout)["ranks"])
+    full = sum(p.stat().st_size for p in local.glob("*.safetensors"))
+    assert written <= full - (20 << 20), (written, full)  # a whole file's part kept from each rank
+    assert _objects(s3, "quantized") == tree_sha256(local)
+    assert _uploads(s3, "quantized") == [] and not s3.exists(f"ckpts/quantized/{RECORD}")

@@ -295,8 +295,15 @@ class HfToDcpOptions:
     megatron_tp: int | None = None
     """The tensor-parallel size of the Megatron job that will load the checkpoint: fused GDN tensors are
     grouped by it, the vocabulary padded for it, and fsdp_dtensor's `args` say it."""
+    max_file_size: str | int = "4GB"
+    """The largest data file a rank writes (`dcp_writer.bins`: a larger tensor chunk alone in its file);
+    its files are written a few at a time (CKPTCONV_WRITE_THREADS), so an interrupted run leaves the
+    files it finished for `--resume`."""
+    file_bytes: int = field(init=False, repr=False, compare=False)
+    """`max_file_size` in bytes (derived)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "file_bytes", parse_size(self.max_file_size, "--max-file-size"))
         if self.dtype.dtype is None:  # keep; with a reference, each key its reference's dtype (`policy`)
             # (the run step makes it fp32 for --format fsdp_dtensor: Megatron-FSDP's main weights)
             object.__setattr__(self, "dtype", replace(self.dtype, dtype="keep", defaulted=True))

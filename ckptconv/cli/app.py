@@ -230,6 +230,7 @@ def hf_to_dcp_cmd(
     verify: VerifyOpt = False,
     storage_options: StorageOptionsOpt = None,
     coalesce_gap: CoalesceGapOpt = "1MB",
+    max_file_size: opt.MaxFileOpt = "4GB",
     lora_adapter: opt.LoraAdapterOpt = None,
     lora_name: opt.LoraWrapNameOpt = "default",
     quiet: QuietOpt = False,

@@ -104,6 +104,7 @@ def hf_to_dcp_options(flags: Mapping[str, Any]) -> HfToDcpOptions:
         format=flags["format"],
         megatron_gdn=flags["megatron_gdn"],
         megatron_tp=flags["megatron_tp"],
+        max_file_size=flags["max_file_size"],
     )
 
 

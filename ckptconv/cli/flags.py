@@ -44,6 +44,14 @@ Fp32Opt = Annotated[
 MaxShardOpt = Annotated[
     str, typer.Option("--max-shard-size", help="Largest output file, HF notation ('500MB', '5GB') or bytes.")
 ]
+MaxFileOpt = Annotated[
+    str,
+    typer.Option(
+        "--max-file-size",
+        help="Largest data file a rank writes (a larger tensor chunk alone in its file), HF notation or "
+        "bytes: smaller files keep more of an interrupted run for --resume.",
+    ),
+]
 PrefixOpt = Annotated[
     str | None, typer.Option("--prefix", help="Convert only keys under this prefix, and strip it ('model.').")
 ]

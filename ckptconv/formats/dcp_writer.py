@@ -5,6 +5,12 @@ storage writer's `write_data` is ours. It writes each tensor chunk as the torch.
 expects (`torch_record`: byte-identical to torch.save, CRC-32 by zlib), reading the chunk's rows slab by slab
 as it goes, so a writer thread holds one slab, not a chunk, and the files are what `dcp.load` reads at any
 world size.
+
+A rank's items go into files of about `max_file_size` bytes each (`bins`), at least one per writer thread,
+and the threads write them in turn, so a run finishes files all along: an interrupted one leaves those for
+`--resume` (torch's own writer makes one file per thread, all finished at the very end). A signal or a
+failure stops every writer thread at its next slab: the files in progress are left unfinished (not
+recorded), the ones not begun are not begun.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -34,6 +40,7 @@ from ckptconv.formats.torch_record import fast_path, write_tensor_record
 from ckptconv.job.env import env_int
 
 SLAB_BYTES = 8 * 2**20  # read, checksummed and written at once per writer thread (4-8 MiB measured best)
+DEFAULT_FILE_BYTES = 4 * 10**9  # hf-to-dcp's --max-file-size
 ReadRows = Callable[[str, int, int, "torch.Tensor | None"], torch.Tensor]
 # a data file's item: (fqn, its chunk's offsets, MetadataIndex.index, where it starts in the file, length)
 Item = tuple[str, tuple[int, ...], "int | None", int, int]
@@ -60,6 +67,7 @@ def write_dcp(
     fsync: bool = True,
     store: ObjectStore | None = None,
     resumed: Resumed | None = None,
+    file_bytes: int = DEFAULT_FILE_BYTES,
 ) -> None:
     """Collective: `dcp.save` the `state_dict` of meta tensors / meta-backed DTensors into `directory`.
 
@@ -67,7 +75,8 @@ def write_dcp(
     output dtype, in the bytes of `scratch` (a writer thread's reused slab buffer) when they fit, or in a
     tensor of its own; the result is used before the next call. Non-tensor items are torch.save'd by DCP,
     except those in `raw_items`, whose original torch.save bytes are written verbatim.
-    CKPTCONV_WRITE_THREADS (default 2) files per rank are written at once.
+    CKPTCONV_WRITE_THREADS (default 2) files per rank are written at once, each of about `file_bytes` at
+    most (`bins`).
     `fsync` (torch's default, and ckptconv's): each writer thread fsyncs each data file as soon as it is
     written, before `dcp.save` gathers the results and writes `.metadata` (which torch fsyncs too); the
     directory entries are `outdir`'s to fsync. `--no-fsync` turns it off for scratch work.
@@ -77,7 +86,7 @@ def write_dcp(
     """
     threads = write_threads()
     single = not (dist.is_available() and dist.is_initialized())
-    writer = _RecordWriter(directory, threads, read_rows, raw_items, on_bytes, store, resumed)
+    writer = _RecordWriter(directory, threads, read_rows, raw_items, on_bytes, store, resumed, file_bytes)
     writer.sync_files = fsync
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -138,18 +147,25 @@ def _nbytes(item: Any) -> int:
     return n
 
 
-def _bins(items: list[Any], n: int) -> list[list[Any]]:
-    """Split write items over `n` files: tensors largest first onto the lightest file, then the rest."""
+def file_count(nbytes: int, threads: int, file_bytes: int) -> int:
+    """How many files a rank's `nbytes` of tensor items go into: about `file_bytes` each, at least one per
+    writer thread."""
+    return max(1, threads, -(-nbytes // file_bytes))
+
+
+def bins(items: list[Any], threads: int, file_bytes: int) -> list[list[Any]]:
+    """Split write items over `file_count` files: tensors largest first onto the lightest file (a file is
+    then at most `file_bytes` plus one chunk), then the other items round robin; empty files dropped."""
     tensors = sorted((i for i in items if i.tensor_data is not None), key=_nbytes, reverse=True)
-    bins: list[list[Any]] = [[] for _ in range(max(1, n))]
-    loads = [0] * len(bins)
+    out: list[list[Any]] = [[] for _ in range(file_count(sum(map(_nbytes, tensors)), threads, file_bytes))]
+    loads = [0] * len(out)
     for item in tensors:
         k = loads.index(min(loads))
-        bins[k].append(item)
+        out[k].append(item)
         loads[k] += _nbytes(item)
     for k, item in enumerate(i for i in items if i.tensor_data is None):
-        bins[k % len(bins)].append(item)
-    return [b for b in bins if b]
+        out[k % len(out)].append(item)
+    return [b for b in out if b]
 
 
 class _RecordWriter(FileSystemWriter):
@@ -164,6 +180,7 @@ class _RecordWriter(FileSystemWriter):
         on_bytes: Callable[[int], None],
         store: ObjectStore | None,
         resumed: Resumed | None = None,
+        file_bytes: int = DEFAULT_FILE_BYTES,
     ) -> None:
         # object storage: data files streamed to the URL, torch's `.metadata` left in the run's local
         # directory for the store to upload last
@@ -175,6 +192,8 @@ class _RecordWriter(FileSystemWriter):
         self.scratch = threading.local()  # each writer thread's slab buffer
         self.failed: OSError | None = None  # the first write error, reported as such by write_dcp
         self.resumed = resumed
+        self.file_bytes = file_bytes
+        self.stop = threading.Event()  # on a signal or a failure: each writer thread stops at its next slab
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         """torch's: `.metadata` (through `.metadata.tmp`), on rank 0; a write error names the file."""
@@ -186,10 +205,21 @@ class _RecordWriter(FileSystemWriter):
             raise
 
     def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
-        bins = _bins(plan.items, self.thread_count)
-        names = [f"{plan.storage_data.prefix}{k}.distcp" for k in range(len(bins))]
-        with ThreadPoolExecutor(max(1, len(bins))) as pool:
-            done = list(pool.map(lambda name, items: self._write_file(name, items, planner), names, bins))
+        files = bins(plan.items, self.thread_count, self.file_bytes)
+        named = [(f"{plan.storage_data.prefix}{k}.distcp", items) for k, items in enumerate(files)]
+        pool = ThreadPoolExecutor(max(1, min(self.thread_count, len(files))))
+        try:  # the files in order, `thread_count` at a time, until one fails
+            futures = [pool.submit(self._write_file, name, items, planner) for name, items in named]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f.exception() for f in futures if f.done() and f.exception()), None)
+            if failed is not None:
+                raise failed
+        except BaseException:
+            self.stop.set()  # the threads stop at their next slab, the files not begun are not begun
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown()
+        done = [f.result() for f in futures]
         future: Future[list[WriteResult]] = Future()
         future.set_result([r for results in done for r in results])
         return future
@@ -201,12 +231,16 @@ class _RecordWriter(FileSystemWriter):
             self.resumed.reused.add(name)
             self.on_bytes(sum(_nbytes(i) for i in items if i.tensor_data is not None))
             return kept
+        if self.stop.is_set():  # another file failed: this one is not begun
+            raise _Stopped
         try:
             return self._write_items(self.directory / name, name, items, planner)
-        except OSError as e:
-            if e.filename is None:
-                e.filename = str(self.directory / name)
-            self.failed = self.failed or e
+        except BaseException as e:
+            self.stop.set()  # before this thread takes the next file
+            if isinstance(e, OSError):
+                if e.filename is None:
+                    e.filename = str(self.directory / name)
+                self.failed = self.failed or e
             raise
 
     def _write_items(self, path: Path, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
@@ -253,10 +287,16 @@ class _RecordWriter(FileSystemWriter):
         if scratch is None:
             scratch = self.scratch.buffer = torch.empty(SLAB_BYTES, dtype=torch.uint8)
         for a in range(lo, hi, step):
+            if self.stop.is_set():
+                raise _Stopped
             slab = self.read_rows(fqn, a, min(hi, a + step), scratch)
             yield byte_view(slab)
             self.on_bytes(slab.numel() * slab.element_size())
             del slab
+
+
+class _Stopped(Exception):
+    """A writer thread stopped by `_RecordWriter.stop` (the run is unwinding from another error)."""
 
 
 def _item(r: WriteResult) -> Item:

@@ -67,7 +67,9 @@ class Staging:
         """This rank's rows of every tensor, but of the data files `--resume` kept (neither read nor
         written)."""
         o, plan = self.options, self.job.plan
-        self.mine = save_dcp(plan, staging, self.world, self.ui, o.output.fsync, self.target, self.resume)
+        self.mine = save_dcp(
+            plan, staging, self.world, self.ui, o.output.fsync, self.target, self.resume, o.file_bytes
+        )
 
     def check(self, staging: Path) -> None:
         """--verify: the staged output against the HF tensors the plan read."""
@@ -123,7 +125,7 @@ def resume_state(world: World, ui: Ui, job: Planned, options: HfToDcpOptions) ->
     (each safetensors file, the config), the options that change what is written, and the plan with the
     number of ranks and of files per rank (`__{rank}_{k}.distcp` and what each holds depend on both: a
     resume runs at the same number of ranks, else one line says so). A data file's size is its record's."""
-    from ckptconv.formats.dcp_writer import write_threads  # torch.distributed.checkpoint: imported to write
+    from ckptconv.formats.dcp_writer import file_count, write_threads  # torch DCP: imported to write anyway
 
     hf, plan = job.hf, job.plan
     stamps = {str(f): _stamp(f) for f in hf.files}
@@ -136,8 +138,11 @@ def resume_state(world: World, ui: Ui, job: Planned, options: HfToDcpOptions) ->
     threads = write_threads()
     layout = digest(plan.tensors, plan.nesting, plan.stash, world.size, threads)
     fingerprint = (source, options_digest(options, OUTPUT_ONLY), layout)
+    # each rank's files: as many as the largest share's bytes (rank 0's: torch.chunk's split) make at
+    # --max-file-size, at most (a name never written is never kept)
+    files = file_count(plan.nbytes_of(0), threads, options.file_bytes)
     sizes: dict[str, int | None] = {
-        f"__{rank}_{k}.distcp": None for rank in range(world.size) for k in range(threads)
+        f"__{rank}_{k}.distcp": None for rank in range(world.size) for k in range(files)
     }
     return Resume(fingerprint, sizes, options.output.resume, info=ui.info, warn=ui.warn, ranks=world.size)
 

@@ -32,12 +32,14 @@ def save_dcp(
     fsync: bool,
     target: Sinks,
     resume: Resume | None = None,
+    file_bytes: int | None = None,
 ) -> RankBytes:
     """This rank's rows of every tensor into `staging` (collective), each file fsynced as it is written
     unless not `fsync`; returns the bytes it read and the bytes of the data files it wrote. `target`: where
     the files go (`publish.target`); `resume`: the records of the data files (each written whole by this
-    rank), and the files kept from an interrupted run, neither read for nor written again."""
-    from ckptconv.formats.dcp_writer import write_dcp  # torch.distributed.checkpoint: about 1 s to import
+    rank), and the files kept from an interrupted run, neither read for nor written again. `file_bytes`: the
+    largest data file (--max-file-size; None: its default)."""
+    from ckptconv.formats.dcp_writer import DEFAULT_FILE_BYTES, write_dcp  # torch DCP: ~1 s to import
 
     sinks = target
     state_dict, raw_items, scalars = _dcp_state_dict(plan, world)
@@ -66,7 +68,8 @@ def save_dcp(
         try:
             store = sinks.store()
             advance = progress.advance
-            write_dcp(staging, state_dict, read_rows, raw_items, advance, fsync, store, resumed)
+            most = file_bytes or DEFAULT_FILE_BYTES
+            write_dcp(staging, state_dict, read_rows, raw_items, advance, fsync, store, resumed, most)
         finally:
             reader.close()
     written = sinks.written(staging, f"__{world.rank}_*.distcp")

@@ -50,8 +50,9 @@ LIBRARY_ONLY = {
     "wording",  # how messages name options: save_hf / load_hf keep their keyword names
     "dtype.wording",
     "dtype.defaulted",  # whether the command filled in its default dtype (a reference's dtypes then win)
-    "shard_bytes",  # derived from max_shard_size / bucket_size
+    "shard_bytes",  # derived from max_shard_size / bucket_size / max_file_size
     "bucket_bytes",
+    "file_bytes",
 }
 
 DCP_TO_HF = {
@@ -116,6 +117,7 @@ HF_TO_DCP = {
     "--lora-name": "lora_name",
     "--reference": "reference",
     "--allow-layout-change": "allow_layout_change",
+    "--max-file-size": "max_file_size",
 }
 VERIFY = {
     "--mapping": "mapping.mapping",

@@ -38,6 +38,8 @@ def test_sizes_are_parsed_once() -> None:
     options = DcpToHfOptions(max_shard_size="500MB", bucket_size=1024)
     assert (options.shard_bytes, options.bucket_bytes) == (500 * 10**6, 1024)
     assert DcpToHfOptions().bucket_bytes == 128 * 10**6
+    assert HfToDcpOptions().file_bytes == 4 * 10**9
+    assert HfToDcpOptions(max_file_size="50KB").file_bytes == 50_000
 
 
 @pytest.mark.parametrize(
@@ -74,6 +76,8 @@ def test_other_values_refused() -> None:
     with pytest.raises(CkptconvError, match=r"^bucket_size '0'"):
         DcpToHfOptions(bucket_size="0", wording=SAVE_HF)
     assert OutputOptions().fsync and not OutputOptions().overwrite
+    with pytest.raises(CkptconvError, match=re.escape("--max-file-size '4XB': not a size")):
+        HfToDcpOptions(max_file_size="4XB")
 
 
 def test_verify_values_refused_and_tolerance() -> None:

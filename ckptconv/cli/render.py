@@ -156,7 +156,7 @@ def _written_files(out: Any) -> list[str]:
     from ckptconv.remote.urls import UrlPath
 
     if isinstance(out, UrlPath):
-        from ckptconv.publish.remote_out import listing
+        from ckptconv.publish.remote_run import listing
 
         return sorted(listing(out))
     return sorted(p.name for p in out.iterdir())

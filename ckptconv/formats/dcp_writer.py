@@ -36,7 +36,7 @@ from ckptconv.core.crc32 import crc32
 from ckptconv.errors import CkptconvError
 from ckptconv.formats.byte_views import byte_view
 from ckptconv.formats.sinks import ObjectStore
-from ckptconv.formats.torch_record import fast_path, write_tensor_record
+from ckptconv.formats.torch_record import fast_path, record_size, write_tensor_record
 from ckptconv.job.env import env_int
 
 SLAB_BYTES = 8 * 2**20  # read, checksummed and written at once per writer thread (4-8 MiB measured best)
@@ -56,6 +56,9 @@ class Resumed:
     """record(name, size, CRC-32, items) of a data file once written whole (and fsynced)."""
     reused: set[str] = field(default_factory=set)
     """The kept files whose write results were made from their records (the others were written again)."""
+    sized: dict[str, int] = field(default_factory=dict)
+    """In object storage, {file name: its size} of the kept objects, which have no records: each item's
+    place is computed from torch's plan (`_sized_results`), the file kept when they add up to its size."""
 
 
 def write_dcp(
@@ -225,7 +228,7 @@ class _RecordWriter(FileSystemWriter):
         return future
 
     def _write_file(self, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
-        kept = _kept_results(name, items, self.resumed.kept.get(name)) if self.resumed is not None else None
+        kept = self._kept(name, items, planner)
         if kept is not None:
             assert self.resumed is not None
             self.resumed.reused.add(name)
@@ -242,6 +245,24 @@ class _RecordWriter(FileSystemWriter):
                     e.filename = str(self.directory / name)
                 self.failed = self.failed or e
             raise
+
+    def _kept(self, name: str, items: list[Any], planner: Any) -> list[WriteResult] | None:
+        """The write results of `name` when --resume keeps it (from its record, or in object storage from
+        its size), else None: it is written."""
+        if self.resumed is None:
+            return None
+        if name in self.resumed.sized:
+            return _sized_results(name, items, self.resumed.sized[name], self._byte_sizes(items, planner))
+        return _kept_results(name, items, self.resumed.kept.get(name))
+
+    def _byte_sizes(self, items: list[Any], planner: Any) -> dict[str, int]:
+        """{fqn: length} of the non-tensor items, as `_write_items` writes them."""
+        out = {}
+        for item in items:
+            if item.tensor_data is None:
+                raw = self.raw_items.get(item.index.fqn)
+                out[item.index.fqn] = len(raw if raw is not None else planner.resolve_data(item).getbuffer())
+        return out
 
     def _write_items(self, path: Path, name: str, items: list[Any], planner: Any) -> list[WriteResult]:
         results = []
@@ -318,6 +339,26 @@ def _kept_results(name: str, items: list[Any], recorded: tuple[Item, ...] | None
         results.append(WriteResult(item.index, length, _StorageInfo(name, start, length)))
         at += length
     return results
+
+
+def _sized_results(
+    name: str, items: list[Any], size: int, byte_sizes: dict[str, int]
+) -> list[WriteResult] | None:
+    """The write results of the kept object `name` of `size` bytes, each item's length computed as it
+    would be written (a tensor's record: `record_size`; a non-tensor item: `byte_sizes`), end to end; None
+    where they do not add up to `size`, or a chunk takes torch.save's own (zip64) path: written again."""
+    results, at = [], 0
+    for item in items:
+        if item.tensor_data is None:
+            length = byte_sizes[item.index.fqn]
+        else:
+            if not fast_path(_nbytes(item)):
+                return None
+            shape = tuple(int(s) for s in item.tensor_data.chunk.sizes)
+            length = record_size(item.tensor_data.properties.dtype, shape)
+        results.append(WriteResult(item.index, length, _StorageInfo(name, at, length)))
+        at += length
+    return results if at == size else None
 
 
 def _file_crc(path: Path) -> int:

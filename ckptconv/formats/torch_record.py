@@ -26,7 +26,7 @@ import pickle
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -209,15 +209,18 @@ class _Zip:
         write_pieces(self.out, data)
         self.pos += len(data)
 
-    def add(self, name: bytes, size: int, chunks: Iterable[bytes | memoryview]) -> None:
-        """One entry of `size` bytes, the concatenation of `chunks`; CRC and sizes go in a data descriptor."""
+    def add(self, name: bytes, size: int, chunks: Iterable[bytes | memoryview] | None) -> None:
+        """One entry of `size` bytes, the concatenation of `chunks`; CRC and sizes go in a data descriptor.
+        `chunks` None: the entry's place only, nothing written (`record_size`)."""
         offset, crc, done = self.pos, 0, 0
         flags = _UTF8 | (_DESCRIPTOR if size else 0)  # miniz writes no descriptor for an empty entry
         pad = -(self.pos + 30 + len(name) + 4) % ALIGNMENT
         extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra))
         self._write(header + name + extra)
-        for chunk in chunks:
+        if chunks is None:
+            self.pos, done = self.pos + size, size
+        for chunk in chunks or ():
             crc = crc32(chunk, crc)
             done += len(chunk)
             self._write(chunk)
@@ -260,14 +263,28 @@ class _Zip:
         self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
 
 
+def record_size(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The length `write_tensor_record` gives a tensor of `dtype` and `shape`, whatever its values (its
+    serialization id has 40 digits whatever the CRCs); nothing is read or written."""
+    return write_tensor_record(cast(BinaryIO, _Nowhere()), dtype, shape, None)
+
+
+class _Nowhere:
+    """A sink that keeps nothing (`record_size`)."""
+
+    def write(self, data: bytes | memoryview) -> int:
+        return len(data)
+
+
 def write_tensor_record(
     out: BinaryIO,
     dtype: torch.dtype,
     shape: tuple[int, ...],
-    slabs: Iterable[bytes | memoryview],
+    slabs: Iterable[bytes | memoryview] | None,
     serialization_id: bytes | None = None,
 ) -> int:
-    """Write the torch.save record of a contiguous tensor whose bytes `slabs` yields in order; its length.
+    """Write the torch.save record of a contiguous tensor whose bytes `slabs` yields in order; its length
+    (`slabs` None: its length only, `record_size`).
 
     Only for `fast_path(nbytes)`. `serialization_id` (40 digits) defaults to one derived from the
     contents, so the same tensor gives the same bytes (torch.save draws a random one; readers only log it).

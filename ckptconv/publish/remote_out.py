@@ -40,12 +40,11 @@ from ckptconv.job.world import World, collective_failure, everyone, from_main, o
 from ckptconv.publish import multipart
 from ckptconv.publish import remote_resume as rr
 from ckptconv.publish.confirm import confirm, write_error
-from ckptconv.publish.parts import Piece, plan_pieces
-from ckptconv.publish.remote_lock import NAME as LOCK_NAME
 from ckptconv.publish.remote_lock import RemoteLock
 from ckptconv.publish.remote_lock import take as take_lock
-from ckptconv.publish.upload import Ledger, Stream
-from ckptconv.remote.files import RemoteFiles, forget
+from ckptconv.publish.remote_run import Run, resumed, start_parts, start_whole
+from ckptconv.publish.upload import Stream
+from ckptconv.remote.files import forget
 from ckptconv.remote.urls import UrlPath, filesystem
 
 if TYPE_CHECKING:
@@ -59,35 +58,7 @@ ADAPTER_FILE = "adapter_model.safetensors"  # --lora adapter's one file
 # what makes an OUT look complete, in that order
 COMPLETING = (INDEX_FILE, ".metadata", SINGLE_FILE, ADAPTER_FILE)
 
-
-def listing(url: UrlPath) -> dict[str, int]:
-    """{name: size} of the objects under `url`, listed afresh (no cached listing)."""
-    forget(url)
-    return {n: size for n, size in RemoteFiles(url).sizes().items() if n != LOCK_NAME}  # a bucket's lock
-
-
-class _Run(Ledger):
-    """This process's objects of the current run: completed, held open, and what could not be removed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.open: list[Stream | multipart.PartStream] = []
-        self.completing = ""
-        self.local: Path | None = None  # rank's temporary directory: small files, hf-to-dcp's .metadata
-        self.uploads: dict[str, str] = {}  # S3: {file: upload id}
-        self.owned: dict[str, str] = {}  # rank 0: those uploads it has not completed yet
-        self.out: UrlPath | None = None
-        self.pieces: dict[str, Piece] = {}  # this rank's piece of each file
-        self.sizes: dict[str, tuple[int, int]] = {}  # rank 0: {file: (its bytes, its parts)}
-        self.tags: multipart.Tags = {}  # this rank's parts sent
-        self.last_tags: list[tuple[int, str]] | None = None  # rank 0: the completing file's, once gathered
-        self.resumable = False  # an interrupt leaves what was sent for a --resume (remote_resume)
-        self.dropped = False  # the record removed: the result is complete
-        self.reused: set[str] = set()  # --resume: the uploads an interrupted run started, gone on with
-        self.kept_parts: dict[str, dict[int, str]] = {}  # --resume: {file: {part: ETag}} not sent again
-
-
-_run = _Run()
+_run = Run()
 
 
 def stream(url: UrlPath) -> Stream | multipart.PartStream:
@@ -101,8 +72,9 @@ def stream(url: UrlPath) -> Stream | multipart.PartStream:
 
 
 def whole(url: UrlPath) -> Stream:
-    """The upload of all of `url` by this rank, written front to back."""
-    s = Stream(url, url.name == _run.completing, _run)
+    """The upload of all of `url` by this rank, written front to back (in a run that can be resumed, tagged
+    with its fingerprint: `remote_run.start_whole`)."""
+    s = Stream(url, url.name == _run.completing, _run, _run.tag(url.name) if _run.tag else None)
     _run.open.append(s)
     if s.hold:
         _run.held.append(s)
@@ -129,26 +101,31 @@ def publish(
     wrote; but with `resume` in S3 (remote_resume), an interrupt (a signal, a rank killed) leaves
     it for a `--resume`, which keeps what checks out of it."""
     global _run
-    _run = _Run()
+    _run = Run()
     _run.completing = completing
     cleared = False
     held: list[RemoteLock] = []
-    # a run that can be resumed (remote_resume): in S3 (by parts or by file), with its fingerprint
-    resumable = resume if layout is not None and multipart.supported(url) else None
+    # a run that can be resumed (remote_resume): in S3 (by parts or by file; a DCP's files whole), with its
+    # fingerprint
+    resumable = resume if multipart.supported(url) else None
     try:
         with tempfile.TemporaryDirectory(prefix="ckptconv-out-") as tmp:
             _run.local = Path(tmp)
             on_main(world, lambda: _take(url, held))
             kept = None
-            if resumable is not None and resumable.asked and layout is not None:
-                kept = everyone(world, from_main, world, lambda: _resumed(url, resumable, layout, world.size))
+            if resumable is not None and resumable.asked:
+                found = lambda: resumed(_run, url, resumable, layout, world.size)  # noqa: E731
+                kept = everyone(world, from_main, world, found)
                 resumable.kept = kept.whole if kept is not None else frozenset()
+                resumable.object_sizes = kept.sizes if kept is not None else {}
             if kept is None:
                 cleared = bool(on_main(world, clear))
             if layout is not None and multipart.supported(url):
                 fingerprint = resumable.fingerprint if resumable is not None else None
-                everyone(world, _start_parts, world, url, *layout, kept, fingerprint)
+                everyone(world, start_parts, _run, world, url, *layout, kept, fingerprint)
                 _run.resumable = resumable is not None
+            elif resumable is not None:  # a DCP (hf-to-dcp): each rank's files whole, tagged
+                everyone(world, start_whole, _run, world, url, kept is not None, resumable.fingerprint)
             everyone(world, write, url)
             if _run.uploads:
                 on_main(world, _complete_parts, url, world.all_gather_object(_run.tags))
@@ -191,24 +168,6 @@ def _interrupted(error: BaseException) -> bool:
     return isinstance(error, KeyboardInterrupt) or collective_failure(error, 0, 0) is not None
 
 
-def _resumed(
-    url: UrlPath, resume: Resume, layout: tuple[Sequence[OutFile], Sequence[Write]], ranks: int
-) -> rr.Kept | None:
-    """Rank 0, holding the lock, with --resume: what it keeps of the interrupted run under OUT, or None
-    where there is no record of one (OUT is then checked as without --resume; a note says so)."""
-    record = rr.read_record(url)
-    if record is None:
-        resume.info(f"--resume: no record of an interrupted run under {url}; writing every file")
-        return None
-    names = sorted(listing(url))
-    kept = rr.resumed(url, record, resume.fingerprint, ranks, *layout, names, _run.completing)
-    resume.info(
-        f"--resume: {len(kept.whole)} of {len(layout[0])} files kept whole and {kept.count()} parts of "
-        f"{len(kept.uploads)} uploads from the interrupted run under {url}; sending the rest"
-    )
-    return kept
-
-
 def _take(url: UrlPath, held: list[RemoteLock]) -> None:
     with deferred():  # the lock put and its record
         held.append(take_lock(url))
@@ -217,42 +176,6 @@ def _take(url: UrlPath, held: list[RemoteLock]) -> None:
 def _check(check: Callable[[Path], None], url: UrlPath) -> None:
     forget(url)  # listed empty when the run began
     check(url)
-
-
-def _start_parts(
-    world: World,
-    url: UrlPath,
-    files: Sequence[OutFile],
-    writes: Sequence[Write],
-    kept: rr.Kept | None,
-    fingerprint: tuple[str, str, str] | None,
-) -> None:
-    """Every rank: the uploads rank 0 starts (those `kept` goes on with are not started again; the files
-    it keeps whole have none), and this rank's pieces. With a `fingerprint` (a run that can be resumed):
-    each upload carries it, and rank 0 records the run under OUT before any part is sent."""
-    resuming = kept is not None  # an interrupted run's record is there: it stays whatever happens
-    kept = kept or rr.Kept()
-    pieces = [p for p in plan_pieces(files, writes) if p.file not in kept.whole]
-    _run.out = url
-    _run.reused = set(kept.uploads)
-    _run.kept_parts = kept.parts
-
-    def start() -> dict[str, str]:
-        _run.owned.update(kept.uploads)
-        todo = [f.name for f in files if f.name not in kept.whole and f.name not in kept.uploads]
-        tag = (lambda name: rr.tag(fingerprint, name)) if fingerprint is not None else None
-        ids = multipart.start(url, todo, _run.owned, tag)
-        if fingerprint is not None:
-            with deferred():  # the record, what removes it on a failure and the run's resumability: one step
-                rr.put_record(url, fingerprint, world.size, ids)
-                if not resuming:  # a new record: a failure removes it with the rest
-                    _run.completed.append(url / rr.RECORD)
-                _run.resumable = True
-        return ids
-
-    _run.uploads = from_main(world, start)
-    _run.pieces = {p.file: p for p in pieces if p.rank == world.rank}
-    _run.sizes = multipart.totals(pieces)
 
 
 def _complete_parts(url: UrlPath, gathered: list[multipart.Tags]) -> None:

@@ -60,6 +60,9 @@ class Kept:
     """{file: upload id}: the uploads in progress this run goes on with."""
     parts: dict[str, dict[int, str]] = field(default_factory=dict)
     """{file: {part number: ETag}}: the parts of those uploads not sent again."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """{file: its size} of the `whole` objects of a DCP (hf-to-dcp), which the ranks check against torch's
+    plan (`dcp_writer`)."""
 
     def count(self) -> int:
         """How many parts are kept."""
@@ -187,13 +190,7 @@ def keep(
     {file: planned bytes}; `part_sizes`: {file: {part number: planned bytes}} at this run's ranks; `names`:
     the objects under OUT; `listed`: the uploads in progress under OUT, `in_progress`). A record of another
     fingerprint: one line, exit 2, nothing changed."""
-    if tuple(record["fingerprint"]) != tuple(fingerprint):
-        kinds = ("the source", "the options", "the plan")
-        changed = [k for k, a, b in zip(kinds, fingerprint, record["fingerprint"], strict=False) if a != b]
-        raise CkptconvError(
-            f"{url}: --resume: {changed[0] if changed else 'the run'} changed since the interrupted run "
-            "wrote there; rerun with --overwrite instead of --resume to start over"
-        )
+    _check_fingerprint(url, record, fingerprint)
     present = set(names)
     whole = frozenset(n for n in sizes if n in present and _complete(url / n, sizes[n], tag(fingerprint, n)))
     kept = Kept(whole=whole)
@@ -208,6 +205,69 @@ def keep(
         kept.uploads[name] = upload_id
         kept.parts[name] = {n: etag for n, (size, etag) in parts.items() if planned.get(n) == size}
     return kept
+
+
+def _check_fingerprint(url: UrlPath, record: Mapping[str, Any], fingerprint: Sequence[str]) -> None:
+    """Refuse a record of another fingerprint: one line naming what changed, exit 2."""
+    if tuple(record["fingerprint"]) != tuple(fingerprint):
+        kinds = ("the source", "the options", "the plan")
+        changed = [k for k, a, b in zip(kinds, fingerprint, record["fingerprint"], strict=False) if a != b]
+        raise CkptconvError(
+            f"{url}: --resume: {changed[0] if changed else 'the run'} changed since the interrupted run "
+            "wrote there; rerun with --overwrite instead of --resume to start over"
+        )
+
+
+def resumed_whole(
+    url: UrlPath,
+    record: Mapping[str, Any],
+    fingerprint: tuple[str, ...],
+    ranks: int,
+    planned: Iterable[str],
+    names: Sequence[str],
+    completing: str,
+) -> Kept:
+    """Rank 0, holding the lock: what a DCP run (hf-to-dcp: `planned` data file names, each written whole
+    by its rank at this number of `ranks`) keeps of the interrupted run `record` describes, OUT holding
+    `names`: every `.distcp` object whose metadata carries this fingerprint and its name, with its size.
+    The other `.distcp` objects are removed and every upload in progress under OUT/ aborted (their files
+    are written again). OUT complete, holding data this run does not write, another fingerprint or another
+    number of ranks: one line, exit 2, nothing changed."""
+    if completing in names:
+        raise CkptconvError(
+            f"{url}: --resume: holds a complete result ({completing}); nothing to resume (--overwrite "
+            "replaces it)"
+        )
+    wanted = set(planned)
+    data = [n for n in names if n.endswith(".distcp")]
+    foreign = [n for n in names if "/" in n] + [n for n in data if n not in wanted]
+    if foreign:
+        raise CkptconvError(
+            f"{url}: --resume: holds {', '.join(foreign[:5])}, which this run does not write; rerun with "
+            "--overwrite to start over"
+        )
+    if record["ranks"] != ranks:
+        raise CkptconvError(
+            f"{url}: --resume: written by {record['ranks']} rank(s) and this run has {ranks}: a DCP's files "
+            f"depend on the number of ranks; rerun with {record['ranks']} rank(s), or with --overwrite "
+            "instead of --resume to start over"
+        )
+    _check_fingerprint(url, record, fingerprint)
+    sizes = {n: _tagged_size(url / n, tag(fingerprint, n)) for n in data}
+    whole = {n: size for n, size in sizes.items() if size is not None}
+    stale = [n for n in data if n not in whole]
+    left = abort_all(url, {n: u for n, ids in in_progress(url).items() for u in ids})
+    fs = filesystem(url)
+    for n in stale:
+        try:
+            fs.rm_file((url / n).key)
+        except FileNotFoundError:
+            pass
+        except Exception:
+            left.append(str(url / n))
+    if left:
+        raise CkptconvError(f"{url}: --resume: cannot remove {', '.join(left[:5])}; remove them yourself")
+    return Kept(whole=frozenset(whole), sizes=whole)
 
 
 def in_progress(url: UrlPath) -> dict[str, set[str]]:
@@ -241,15 +301,23 @@ def in_progress(url: UrlPath) -> dict[str, set[str]]:
 
 def _complete(url: UrlPath, size: int, fingerprint_tag: str) -> bool:
     """Whether the object `url` is this run's: its planned size, and this fingerprint in its metadata."""
+    return _tagged_size(url, fingerprint_tag) == size
+
+
+def _tagged_size(url: UrlPath, fingerprint_tag: str) -> int | None:
+    """The size of the object `url` when its metadata carries `fingerprint_tag`, else None."""
     fs = filesystem(url)
     bucket, key, _ = fs.split_path(url.key)
     try:
         head = fs.call_s3("head_object", Bucket=bucket, Key=key)
     except FileNotFoundError:
-        return False
+        return None
     except Exception as e:
         raise CkptconvError(redact(f"{url}: cannot read ({type(e).__name__}: {e})")) from None
-    return head.get("ContentLength") == size and head.get("Metadata", {}).get(META) == fingerprint_tag
+    size = head.get("ContentLength")
+    if head.get("Metadata", {}).get(META) != fingerprint_tag or not isinstance(size, int):
+        return None
+    return size
 
 
 def _parts(url: UrlPath, upload_id: str) -> dict[int, tuple[int, str]] | None:

@@ -15,6 +15,7 @@ from ckptconv.job.world import World
 from ckptconv.publish import multipart, remote_out
 from ckptconv.publish import remote_resume as rr
 from ckptconv.publish.remote_lock import peek as peek_lock
+from ckptconv.publish.remote_run import listing
 from ckptconv.publish.target import quiet
 from ckptconv.publish.upload import Stream
 from ckptconv.remote.files import forget
@@ -47,7 +48,7 @@ class RemoteTarget:
         """`check()`; the names of the objects there."""
         filesystem(self.url)  # a missing extra is named with OUT, not with its lock
         peek_lock(self.url)
-        names = sorted(remote_out.listing(self.url))
+        names = sorted(listing(self.url))
         # an object under a deeper prefix counts as a subdirectory would
         entries = {
             (n.split("/")[0], n.split("/")[0] + ("/" if "/" in n else ""), "/" not in n)
@@ -65,7 +66,7 @@ class RemoteTarget:
             return names
         if rr.RECORD in names and not self.overwrite:
             raise CkptconvError(
-                f"{self.url}: holds what an interrupted run wrote ({rr.RECORD}); rerun dcp-to-hf with "
+                f"{self.url}: holds what an interrupted run wrote ({rr.RECORD}); rerun with "
                 "--resume to write only the rest, or with --overwrite to start over"
             )
         if names and self.resume and not self.overwrite:
@@ -142,8 +143,8 @@ class RemoteTarget:
         fsync: bool = True,
         resume: Resume | None = None,
     ) -> T | None:
-        """Collective: `remote_out.publish` (`say` and `fsync` are a local OUT's; `resume`: in S3 by parts,
-        see remote_resume)."""
+        """Collective: `remote_out.publish` (`say` and `fsync` are a local OUT's; `resume`: in S3, see
+        remote_resume)."""
         return remote_out.publish(world, self.url, self.clear, last, write, finish, check, layout, resume)
 
     @property
@@ -151,7 +152,7 @@ class RemoteTarget:
         return None
 
     def names(self) -> list[str]:
-        return sorted(remote_out.listing(self.url))
+        return sorted(listing(self.url))
 
     def _under(self, path: Path) -> UrlPath:
         """`path`, a file written under OUT, as the URL it is."""

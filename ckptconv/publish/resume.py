@@ -153,6 +153,7 @@ class Resume:
         self.fingerprint, self.sizes, self.asked = fingerprint, dict(sizes), asked
         self.info, self.warn, self.ranks = info, warn, ranks
         self.kept: frozenset[str] = frozenset()
+        self.object_sizes: dict[str, int] = {}  # in object storage: {kept object: its size} (hf-to-dcp)
 
     def record_whole(
         self, staging: Path, rank: int, world_size: int, name: str, size: int, crc: int, items: list[Item]

@@ -87,8 +87,9 @@ class Target(Sinks, Protocol):
         """Collective: write, finish, check and publish OUT (step 3 of the module docstring); rank 0's
         `finish` result, on every rank. `last`: the file that makes OUT complete in object storage (the
         index, `.metadata` or the one data file); `layout`: the plan's (files, writes), for S3's parts;
-        `say`, `fsync` and `resume`: a local OUT's (the lock's notes; fsync all that is published; the
-        records of a resumable run, `publish.resume`: object storage refuses --resume before this)."""
+        `say` and `fsync`: a local OUT's (the lock's notes; fsync all that is published); `resume`: the
+        fingerprint and records of a resumable run (`publish.resume`; in S3 `remote_resume`; other stores
+        refuse --resume before this)."""
 
     @property
     def local_path(self) -> Path | None:

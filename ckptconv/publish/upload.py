@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ckptconv.errors import CkptconvError
 from ckptconv.job.signals import deferred
 from ckptconv.publish.confirm import confirm, write_error
+from ckptconv.publish.multipart import META
 from ckptconv.remote.urls import UrlPath, filesystem
 
 PART_BYTES = 16 << 20  # multipart part size: 10,000 parts (S3's limit) hold 160 GiB, far above a shard
@@ -32,10 +33,11 @@ class Stream:
 
     skipped = 0  # bytes written but not sent (`PartStream`'s parts kept by --resume): none here
 
-    def __init__(self, url: UrlPath, hold: bool, ledger: Ledger) -> None:
+    def __init__(self, url: UrlPath, hold: bool, ledger: Ledger, tag: str | None = None) -> None:
         self.url, self.hold, self.pos, self.ledger = url, hold, 0, ledger
+        meta = {"Metadata": {META: tag}} if tag is not None else {}  # S3's user metadata (remote_resume)
         try:
-            self._file = filesystem(url).open(url.key, "wb", block_size=PART_BYTES)
+            self._file = filesystem(url).open(url.key, "wb", block_size=PART_BYTES, **meta)
         except Exception as e:
             raise write_error(url, e) from None
 

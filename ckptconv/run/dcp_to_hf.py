@@ -118,18 +118,18 @@ def check_inputs(
     pushed = options.push is not None
     resume = options.output.resume
     target = outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, pushed, resume=resume)
-    refuse_remote_resume(target, out, resume, dcp_to_hf=True)
+    refuse_remote_resume(target, out, resume)
     return target
 
 
-def refuse_remote_resume(target: Target, out: Path, resume: bool, dcp_to_hf: bool = False) -> None:
-    """--resume into object storage: only a dcp-to-hf run into S3 (every file a multipart upload, by parts
-    or by file) resumes (remote_resume); any other (hf-to-dcp, another store) is refused by name."""
+def refuse_remote_resume(target: Target, out: Path, resume: bool) -> None:
+    """--resume into object storage: a run into S3 resumes (remote_resume); into another store it is
+    refused by name (no listing of uploads in progress, no user metadata ckptconv can check)."""
     in_s3 = isinstance(target, remote_target.RemoteTarget) and multipart.supported(target.url)
-    if resume and target.local_path is None and not (dcp_to_hf and in_s3):
+    if resume and target.local_path is None and not in_s3:
         raise CkptconvError(
-            f"--resume: OUT {out} is in object storage, where this run cannot be resumed: only dcp-to-hf "
-            "into S3 can; leave --resume out (the run then writes every file)"
+            f"--resume: OUT {out} is in object storage, where this run cannot be resumed: only a run into "
+            "S3 can; leave --resume out (the run then writes every file)"
         )
 
 

@@ -107,8 +107,9 @@ def check_inputs(
     inputs.append(outcheck.mapping_input(options.mapping.mapping))
     if options.output.dry_run:
         return None
-    target = outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, False)
-    refuse_remote_resume(target, out, options.output.resume)
+    resume = options.output.resume
+    target = outcheck.hf_target(world.is_main, out, options.output.overwrite, inputs, False, resume=resume)
+    refuse_remote_resume(target, out, resume)
     return target
 
 
@@ -199,7 +200,7 @@ def publish(
     """Write, check (with --verify) and finish the staging directory, and publish it as OUT."""
     for note in target.notes(world.size):
         ui.info(note)
-    resume = resume_state(world, ui, job, options) if target.local_path is not None else None
+    resume = resume_state(world, ui, job, options)
     staged = Staging(world, ui, job, options, target, resume)
     check = staged.check if options.output.verify else None
     with gcpause.paused():  # `.metadata` completes a DCP checkpoint: it is published last

@@ -18,6 +18,7 @@ from ckptconv.plan.types import DcpOutTensor, DcpSavePlan, RankBytes
 from ckptconv.publish.records import Item
 from ckptconv.publish.resume import Resume
 from ckptconv.publish.target import Sinks
+from ckptconv.remote.urls import UrlPath
 from ckptconv.stream.compose import expect_elsewhere, source_rows, target_rows
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ def save_dcp(
         finally:
             reader.close()
     written = sinks.written(staging, f"__{world.rank}_*.distcp")
-    if resumed is not None:
+    if resumed is not None and not isinstance(staging, UrlPath):  # (a kept object is never streamed)
         written -= sum((staging / name).stat().st_size for name in resumed.reused)
     return RankBytes(world.rank, reader.bytes_read, written, *reader.fetched())
 
@@ -86,6 +87,9 @@ def _resumed(resume: Resume | None, staging: Path, world: World) -> Resumed | No
     if resume is None:
         return None
     mine = [name for name in resume.kept if name.startswith(f"__{world.rank}_")]
+    if isinstance(staging, UrlPath):  # object storage: the kept objects and their sizes (the uploads are
+        # the records: each carries the run's fingerprint)
+        return Resumed({}, lambda *record: None, sized={n: resume.object_sizes[n] for n in mine})
     kept = resume.items(staging, mine)
 
     def record(name: str, size: int, crc: int, items: list[Item]) -> None:

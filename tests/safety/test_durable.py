@@ -468,9 +468,9 @@ def test_a_discarded_upload_is_never_committed_when_collected(
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     code, err = run(capsys, *_s3(s3_endpoint, "hf-to-dcp", str(hf), "s3://ckpts/durable-discard", "-q"))
     assert_one_line(code, err, "cannot read (test)")
-    from ckptconv.publish import remote_out
+    from ckptconv.publish import remote_out, remote_run
 
-    remote_out._run = remote_out._Run()  # the next run's: the failed run's files are garbage now
+    remote_out._run = remote_run.Run()  # the next run's: the failed run's files are garbage now
     gc.collect()
     assert unraisable == []
     s3.invalidate_cache()

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptconv.formats import dcp_writer
 from ckptconv.formats.byte_views import byte_view
-from ckptconv.formats.torch_record import data_pkl, write_tensor_record
+from ckptconv.formats.torch_record import data_pkl, record_size, write_tensor_record
 
 DTYPES = [
     torch.float64,
@@ -123,3 +123,14 @@ def test_write_dcp_loads_with_dcp_load_both_paths(tmp_path: Path, monkeypatch: p
     assert back["step"] == 7 and back["args"] == {"lr": 0.5}
     for f in (tmp_path / "out").glob("*.distcp"):
         assert f.stat().st_size > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_record_size_is_the_written_length(dtype: torch.dtype) -> None:
+    """What --resume in object storage computes a kept file's layout from: the length of a tensor's record
+    without its bytes, for every dtype and shape, equal to the record written from any values."""
+    for shape in SHAPES:
+        t = _values(shape, dtype)
+        out = io.BytesIO()
+        written = write_tensor_record(out, dtype, shape, _slabs(t, 3))
+        assert record_size(dtype, shape) == written == len(out.getvalue()), shape

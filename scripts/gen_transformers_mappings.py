@@ -24,6 +24,7 @@ when it differs (tests/interop/test_transformers_layouts.py runs that with the i
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import warnings
@@ -249,36 +250,52 @@ def check(model: Any, text: str, model_type: str) -> None:
         raise Unsupported(f"ckptconv's plan differs from save_pretrained: {sorted(set(got) ^ set(hf))[:3]}")
 
 
+def one(model_type: str) -> tuple[str, str]:
+    """What the folder says of `model_type`: ("preset", its TOML), ("identity", ""), ("skipped", why), or
+    ("none", "") for a model_type without a causal-LM or image-text-to-text class."""
+    import transformers as tf
+
+    cls = model_classes(model_type)
+    if cls is None or not hasattr(tf, cls):
+        return "none", ""
+    try:
+        model = build(model_type)
+        if not transforms(model):
+            return "identity", ""
+        rules = rules_of(model)
+        try:
+            other = build(model_type, _variant(model.config))
+        except Exception:  # the variant does not build: the default's keys only
+            other = None
+        rules += [r for r in (rules_of(other) if other is not None else []) if r not in rules]
+        text = render(model_type, cls, rules)
+        check(model, text, model_type)
+    except Unsupported as e:
+        return "skipped", str(e)
+    except Exception as e:  # a model its default config cannot build (needs weights, a sub-package, ...)
+        return "skipped", f"cannot build from its default config ({type(e).__name__})"
+    return "preset", text
+
+
 def generate() -> dict[str, str]:
-    """File name -> text of every file in the folder."""
+    """File name -> text of every file in the folder (the model_types shared out over the CPUs: forked
+    processes, each building models on the meta device)."""
+    import multiprocessing
+
     import transformers as tf
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     files, identity, skipped = {}, [], {}
-    for model_type in sorted(CONFIG_MAPPING_NAMES):
-        cls = model_classes(model_type)
-        if cls is None or not hasattr(tf, cls):
-            continue
-        try:
-            model = build(model_type)
-            if not transforms(model):
-                identity.append(model_type)
-                continue
-            rules = rules_of(model)
-            try:
-                other = build(model_type, _variant(model.config))
-            except Exception:  # the variant does not build: the default's keys only
-                other = None
-            rules += [r for r in (rules_of(other) if other is not None else []) if r not in rules]
-            text = render(model_type, cls, rules)
-            check(model, text, model_type)
-        except Unsupported as e:
-            skipped[model_type] = str(e)
-            continue
-        except Exception as e:  # a model its default config cannot build (needs weights, a sub-package, ...)
-            skipped[model_type] = f"cannot build from its default config ({type(e).__name__})"
-            continue
-        files[f"{model_type}.toml"] = text
+    types = sorted(CONFIG_MAPPING_NAMES)
+    with multiprocessing.get_context("fork").Pool(min(4, os.cpu_count() or 1)) as pool:
+        found = pool.map(one, types, chunksize=1)
+    for model_type, (kind, what) in zip(types, found, strict=True):
+        if kind == "identity":
+            identity.append(model_type)
+        elif kind == "skipped":
+            skipped[model_type] = what
+        elif kind == "preset":
+            files[f"{model_type}.toml"] = what
     index = [
         "# The model_types scripts/gen_transformers_mappings.py found (transformers "
         f"{tf.__version__}): a preset each, the same",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,8 +196,12 @@ def test_presets_are_what_transformers_gives(tmp_path: Path) -> None:
     )
     assert spec is not None and spec.loader is not None
     gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    assert gen.main(["--check"]) == 0
+    sys.modules["gen"] = gen  # its model_types are shared out over forked processes, which find it by name
+    try:
+        spec.loader.exec_module(gen)
+        assert gen.main(["--check"]) == 0
+    finally:
+        del sys.modules["gen"]
 
 
 # -- chosen by the reference, without --mapping --------------------------------------------------------------

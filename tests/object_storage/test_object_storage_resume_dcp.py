@@ -13,25 +13,15 @@ from typing import Any
 import pytest
 from conftest import ckptconv, s3_options
 from test_bad_input import assert_one_line
+from test_object_storage_resume import _run
 from test_resume import _hf_source, _same_dcp, _stopped
 
-from ckptconv.cli.app import main
 from ckptconv.publish import upload
 from ckptconv.publish.remote_resume import RECORD
 
 s3fs = pytest.importorskip("s3fs", reason="the [s3] extra (s3fs) is part of the test extras")
 
 SMALL = ("--max-file-size", "50KB")  # 4 tensors of 96 KiB: 4 data files
-
-
-def _run(capsys: pytest.CaptureFixture[str], endpoint: str, *argv: str) -> tuple[int, str, str]:
-    try:
-        main([*argv, "--storage-options", json.dumps(s3_options(endpoint))])
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _interrupted_after_one_file(monkeypatch: pytest.MonkeyPatch) -> None:

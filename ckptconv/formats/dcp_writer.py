@@ -9,8 +9,9 @@ world size.
 A rank's items go into files of about `max_file_size` bytes each (`bins`), at least one per writer thread,
 and the threads write them in turn, so a run finishes files all along: an interrupted one leaves those for
 `--resume` (torch's own writer makes one file per thread, all finished at the very end). A signal or a
-failure stops every writer thread at its next slab: the files in progress are left unfinished (not
-recorded), the ones not begun are not begun.
+failure stops every writer thread at its next slab (a chunk of 4 GiB or more, which torch.save writes whole,
+is finished first): the files in progress are left unfinished (not recorded), the ones not begun are not
+begun, and the error said is the one that stopped them.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def _one_error(e: BaseException, failed: OSError | None, directory: Path) -> Bas
     # every rank raises the same CheckpointException: rank 0 alone prints it
     agreed = isinstance(e, CheckpointException) and dist.is_initialized()
     for rank, exc in failures:
+        if isinstance(exc, _Stopped):  # a writer thread another failure stopped: that one is said
+            continue
         prefix = f"rank {rank}: " if rank >= 0 and dist.is_initialized() and dist.get_rank() != rank else ""
         if isinstance(exc, KeyboardInterrupt):
             return exc
@@ -150,17 +153,18 @@ def _nbytes(item: Any) -> int:
     return n
 
 
-def file_count(nbytes: int, threads: int, file_bytes: int) -> int:
-    """How many files a rank's `nbytes` of tensor items go into: about `file_bytes` each, at least one per
-    writer thread."""
-    return max(1, threads, -(-nbytes // file_bytes))
+def file_count(nbytes: int, tensors: int, threads: int, file_bytes: int) -> int:
+    """How many files a rank's `tensors` items of `nbytes` in all go into: about `file_bytes` each, at least
+    one per writer thread, at most one per item (however small `file_bytes`)."""
+    return min(max(1, threads, -(-nbytes // file_bytes)), max(1, threads, tensors))
 
 
 def bins(items: list[Any], threads: int, file_bytes: int) -> list[list[Any]]:
     """Split write items over `file_count` files: tensors largest first onto the lightest file (a file is
     then at most `file_bytes` plus one chunk), then the other items round robin; empty files dropped."""
     tensors = sorted((i for i in items if i.tensor_data is not None), key=_nbytes, reverse=True)
-    out: list[list[Any]] = [[] for _ in range(file_count(sum(map(_nbytes, tensors)), threads, file_bytes))]
+    count = file_count(sum(map(_nbytes, tensors)), len(tensors), threads, file_bytes)
+    out: list[list[Any]] = [[] for _ in range(count)]
     loads = [0] * len(out)
     for item in tensors:
         k = loads.index(min(loads))
@@ -197,6 +201,7 @@ class _RecordWriter(FileSystemWriter):
         self.resumed = resumed
         self.file_bytes = file_bytes
         self.stop = threading.Event()  # on a signal or a failure: each writer thread stops at its next slab
+        self.first: BaseException | None = None  # the first failure of a writer thread (not a `_Stopped`)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         """torch's: `.metadata` (through `.metadata.tmp`), on rank 0; a write error names the file."""
@@ -215,8 +220,8 @@ class _RecordWriter(FileSystemWriter):
             futures = [pool.submit(self._write_file, name, items, planner) for name, items in named]
             wait(futures, return_when=FIRST_EXCEPTION)
             failed = next((f.exception() for f in futures if f.done() and f.exception()), None)
-            if failed is not None:
-                raise failed
+            if failed is not None:  # the failure that stopped the others, not a thread it stopped
+                raise self.first or failed
         except BaseException:
             self.stop.set()  # the threads stop at their next slab, the files not begun are not begun
             pool.shutdown(wait=True, cancel_futures=True)
@@ -239,6 +244,8 @@ class _RecordWriter(FileSystemWriter):
         try:
             return self._write_items(self.directory / name, name, items, planner)
         except BaseException as e:
+            if self.first is None and not isinstance(e, _Stopped):
+                self.first = e  # (before `stop`: every `_Stopped` comes after it)
             self.stop.set()  # before this thread takes the next file
             if isinstance(e, OSError):
                 if e.filename is None:
@@ -268,8 +275,10 @@ class _RecordWriter(FileSystemWriter):
         results = []
         f: Any
         sink = self.store.whole(path) if self.store is not None else None
+        recording = self.resumed is not None and self.store is None  # (in object storage the uploads are
+        # the records: nothing to checksum)
         with sink if sink is not None else open(path, "wb") as opened:
-            f = _Crc32Writer(opened) if self.resumed is not None else opened
+            f = _Crc32Writer(opened) if recording else opened
             for item in items:
                 offset = f.tell()
                 if item.tensor_data is None:
@@ -284,7 +293,7 @@ class _RecordWriter(FileSystemWriter):
                 f.flush()
                 os.fsync(f.fileno())
             size = f.tell()
-        if self.resumed is not None:  # closed (and fsynced): what the record says of it is on the device
+        if recording and self.resumed is not None:  # closed (and fsynced): its bytes are on the device
             crc = f.crc if f.exact else _file_crc(path)
             self.resumed.record(name, size, crc, [_item(r) for r in results])
         return results
@@ -295,7 +304,9 @@ class _RecordWriter(FileSystemWriter):
         lo, hi = _rows(item)
         if fast_path(_nbytes(item)):
             write_tensor_record(f, dtype, shape, self._slabs(fqn, lo, hi, _nbytes(item)))
-        else:  # 4 GiB and more: torch.save's own zip64 layout, the chunk whole in memory
+        else:  # 4 GiB and more: torch.save's zip64 layout, the chunk whole in memory (a stop waits for it)
+            if self.stop.is_set():
+                raise _Stopped
             tensor = self.read_rows(fqn, lo, hi, None)
             torch.save(tensor, f)
             self.on_bytes(_nbytes(item))

@@ -11,7 +11,7 @@ it. A store without S3's multipart API (gcs, azure, ...) is written one rank a f
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckptconv.errors import CkptconvError
@@ -47,7 +47,7 @@ def start(
             with deferred():
                 ids[name] = _call(url / name, "create_multipart_upload", **meta)["UploadId"]
     except BaseException:
-        abort_all(url, ids)
+        abort_all(url, ids.items())
         ids.clear()
         raise
     return dict(ids)
@@ -79,10 +79,11 @@ def complete(url: UrlPath, upload_id: str, tags: list[tuple[int, str]]) -> None:
     filesystem(url).invalidate_cache(url.key)
 
 
-def abort_all(url: UrlPath, ids: dict[str, str]) -> list[str]:
-    """Abort the uploads `ids` of the files under `url`; the names of those the store kept."""
+def abort_all(url: UrlPath, ids: Iterable[tuple[str, str]]) -> list[str]:
+    """Abort the uploads `ids`, (file name, upload id) pairs of the files under `url` (a file may have
+    several in progress); the names of those the store kept."""
     left = []
-    for name, upload_id in ids.items():
+    for name, upload_id in ids:
         try:
             _call(url / name, "abort_multipart_upload", UploadId=upload_id)
         except FileNotFoundError:

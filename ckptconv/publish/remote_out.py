@@ -252,7 +252,7 @@ def _remove_ours() -> list[str]:
     left = list(_run.left)
     if _run.owned and _run.out is not None:  # rank 0 started the uploads: it aborts those not completed
         # (but an interrupted run's, gone on with by --resume: left as they were, with their parts)
-        left += multipart.abort_all(_run.out, {n: u for n, u in _run.owned.items() if n not in _run.reused})
+        left += multipart.abort_all(_run.out, [(n, u) for n, u in _run.owned.items() if n not in _run.reused])
     if _run.completed:
         fs = filesystem(_run.completed[0])
         for url in _run.completed:

@@ -170,7 +170,7 @@ def resumed(
     sizes = {name: size for name, (size, _) in totals(pieces).items()}
     listed = in_progress(url)
     kept = keep(url, record, fingerprint, ranks, sizes, part_sizes, names, listed)
-    left = abort_all(url, {n: u for n, ids in listed.items() for u in ids if kept.uploads.get(n) != u})
+    left = abort_all(url, [(n, u) for n, ids in listed.items() for u in ids if kept.uploads.get(n) != u])
     if left:
         raise CkptconvError(f"{url}: --resume: cannot abort {', '.join(left[:5])}; abort them yourself")
     return kept
@@ -256,7 +256,7 @@ def resumed_whole(
     sizes = {n: _tagged_size(url / n, tag(fingerprint, n)) for n in data}
     whole = {n: size for n, size in sizes.items() if size is not None}
     stale = [n for n in data if n not in whole]
-    left = abort_all(url, {n: u for n, ids in in_progress(url).items() for u in ids})
+    left = abort_all(url, [(n, u) for n, ids in in_progress(url).items() for u in ids])
     fs = filesystem(url)
     for n in stale:
         try:

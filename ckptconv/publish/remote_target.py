@@ -86,7 +86,7 @@ class RemoteTarget:
         # uploads left in progress under OUT (an interrupted run's, or one killed before its record): aborted
         if (names or self.overwrite) and multipart.supported(self.url):
             listed = rr.in_progress(self.url)
-            left = multipart.abort_all(self.url, {n: u for n, ids in listed.items() for u in ids})
+            left = multipart.abort_all(self.url, [(n, u) for n, ids in listed.items() for u in ids])
             if left:
                 shown = ", ".join(left[:5])
                 raise CkptconvError(f"{self.url}: cannot abort {shown} (--overwrite); abort them yourself")

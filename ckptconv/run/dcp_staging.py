@@ -138,9 +138,11 @@ def resume_state(world: World, ui: Ui, job: Planned, options: HfToDcpOptions) ->
     threads = write_threads()
     layout = digest(plan.tensors, plan.nesting, plan.stash, world.size, threads)
     fingerprint = (source, options_digest(options, OUTPUT_ONLY), layout)
-    # each rank's files: as many as the largest share's bytes (rank 0's: torch.chunk's split) make at
-    # --max-file-size, at most (a name never written is never kept)
-    files = file_count(plan.nbytes_of(0), threads, options.file_bytes)
+    # each rank's files: at most as many as the largest share (rank 0's: torch.chunk's split), with every
+    # stashed 0-d tensor (8 bytes at most; torch's planner may give any rank one), makes at --max-file-size
+    scalars = sum(1 for item in plan.stash if item.tensor is not None and item.has_value)
+    most = plan.nbytes_of(0) + 8 * scalars
+    files = file_count(most, len(plan.tensors) + scalars, threads, options.file_bytes)
     sizes: dict[str, int | None] = {
         f"__{rank}_{k}.distcp": None for rank in range(world.size) for k in range(files)
     }

@@ -140,6 +140,8 @@ def test_overwrite_over_an_interrupted_run_aborts_its_uploads(
         _interrupted_after_one_part(m)
         code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS)
     assert code != 0 and len(_uploads(s3, "restarted")) == 3
+    key = _uploads(s3, "restarted")[0]["Key"]
+    s3.call_s3("create_multipart_upload", Bucket="ckpts", Key=key)  # a second one on that key: aborted too
     code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--overwrite")
     assert code == 0, err
     assert _objects(s3, "restarted") == local and _uploads(s3, "restarted") == []

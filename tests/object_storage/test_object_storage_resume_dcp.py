@@ -78,6 +78,8 @@ def test_an_interrupted_hf_to_dcp_resumes_in_s3_to_the_local_checkpoint(
     assert proc.returncode != 0 and line in proc.stderr, proc.stderr  # traceback follows it)
     assert _names(s3, "dcp") == left
 
+    for _ in range(2):  # two uploads in progress on one key (a killed run's, say): both aborted
+        s3.call_s3("create_multipart_upload", Bucket="ckpts", Key="dcp/__0_3.distcp")
     code, out, err = _run(capsys, s3_endpoint, "hf-to-dcp", str(src), url, *SMALL, "--resume", "--json")
     assert code == 0, err
     report = json.loads(out)

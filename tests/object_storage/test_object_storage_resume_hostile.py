@@ -219,7 +219,7 @@ def test_overwrite_says_when_it_cannot_abort_an_upload(
         m.setattr(
             multipart,
             "abort_all",
-            lambda url, ids: [f"{url / n} (an unfinished multipart upload)" for n in ids],
+            lambda url, ids: [f"{url / n} (an unfinished multipart upload)" for n, _ in ids],
         )
         code, _, err = _run(capsys, s3_endpoint, "dcp-to-hf", str(src), url, *ARGS, "--overwrite")
     assert_one_line(code, err, "cannot abort", "abort them yourself")

@@ -36,14 +36,16 @@ def test_bins_cut_a_ranks_items_into_files_of_about_the_size() -> None:
     fewer files than writer threads, nor empty ones."""
     items = [_item(f"t{i}", 25 * (i + 1)) for i in range(10)] + [_bytes_item(f"b{i}") for i in range(3)]
     files = dcp_writer.bins(items, 2, 1000)
-    assert len(files) == dcp_writer.file_count(5500, 2, 1000) == 6
+    assert len(files) == dcp_writer.file_count(5500, 10, 2, 1000) == 6
     assert sorted(i.index.fqn for f in files for i in f) == sorted(i.index.fqn for i in items)
     loads = [sum(dcp_writer._nbytes(i) for i in f if i.tensor_data is not None) for f in files]
     assert sum(loads) == 5500 and max(loads) <= 1000 + 1000
     assert [sum(i.tensor_data is None for i in f) for f in files] == [1, 1, 1, 0, 0, 0]
     assert len(dcp_writer.bins(items[:1], 4, 10**9)) == 1  # one item: one file, not 4 empty ones
-    assert dcp_writer.file_count(5500, 8, 1000) == 8
-    assert dcp_writer.file_count(0, 2, 1000) == 2
+    assert dcp_writer.file_count(5500, 10, 8, 1000) == 8
+    assert dcp_writer.file_count(0, 0, 2, 1000) == 2
+    assert dcp_writer.file_count(10**12, 10, 2, 1) == 10  # a file an item at most, however small the size
+    assert len(dcp_writer.bins(items, 2, 1)) == 10  # the byte items spread over them
 
 
 def _state(full: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -108,3 +110,36 @@ def test_a_failing_file_stops_the_other_threads_and_begins_no_other_file(
         dcp_writer.write_dcp(tmp_path / "out", _state(full), read_rows, {}, file_bytes=4 << 20)
     assert len(reads) == 2 and all(n == 1 for n in reads.values()), reads  # one slab each, no more
     assert len(list((tmp_path / "out").glob("*.distcp"))) <= 2  # the 6 others never begun
+
+
+def test_the_failure_said_is_the_one_that_stopped_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """File 1's read fails while file 0's thread is in its first slab; file 0's thread, stopped, ends its
+    future too (here before anything looks: every future waited for). The error raised is file 1's, one
+    line, never the stop of a thread it caused."""
+    import concurrent.futures
+
+    monkeypatch.setattr(dcp_writer, "SLAB_BYTES", 1 << 20)
+    monkeypatch.setattr(dcp_writer, "wait", lambda futures, return_when: concurrent.futures.wait(futures))
+    full = {"w0": torch.zeros(2048, 1024), "w1": torch.zeros(1024, 1024)}  # file 0: w0, file 1: w1
+    writers: list[Any] = []
+    real = dcp_writer._RecordWriter.write_data
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        writers.append(self)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(dcp_writer._RecordWriter, "write_data", write_data)
+    both = threading.Barrier(2)
+
+    def read_rows(fqn: str, lo: int, hi: int, scratch: torch.Tensor | None) -> torch.Tensor:
+        if lo == 0:
+            both.wait(30)
+        if fqn == "model.w1":
+            raise CkptconvError(f"{fqn}: cannot read (the test's failure)")
+        assert writers[0].stop.wait(30), "the writer was never stopped"
+        return full[fqn.split(".", 1)[1]][lo:hi].clone()
+
+    with pytest.raises(CkptconvError, match="the test's failure"):
+        dcp_writer.write_dcp(tmp_path / "out", _state(full), read_rows, {}, file_bytes=4 << 20)

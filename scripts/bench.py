@@ -12,6 +12,7 @@ usage (from the repository root):
   .venv/bin/python scripts/bench.py save-hf --gb 1 --runs 3
   .venv/bin/python scripts/bench.py durable --shapes dense --sizes 1 --runs 1
   .venv/bin/python scripts/bench.py dequant --gb 1 --runs 3
+  .venv/bin/python scripts/bench.py resume --size 4 --at 50,75    # a run stopped, then --resume
   .venv/bin/python scripts/bench.py scaling --sizes 0.05 --ranks 1,2    # scripts/scaling.sh: 16 GB, 1-8 ranks
 """
 
@@ -21,7 +22,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from benchmarks import convert, dequant, durable, lora, memory, plan, s3, save_hf, scaling
+from benchmarks import convert, dequant, durable, lora, memory, plan, resume, s3, save_hf, scaling
 
 BENCHMARKS = {
     "convert": convert,
@@ -32,6 +33,7 @@ BENCHMARKS = {
     "s3": s3,
     "save-hf": save_hf,
     "dequant": dequant,
+    "resume": resume,
     "scaling": scaling,
 }
 

@@ -149,6 +149,21 @@ def _dequant_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _resume_table(results: list[dict[str, Any]]) -> list[str]:
+    """A run stopped by SIGTERM once some of its files were finished, then finished with --resume or run
+    again: one row per direction and stopping point."""
+    columns = ("direction", "files", "stopped at", "kept", "full run (s)", "--resume (s)", "run again (s)")
+    ratios = ("--resume / run again", "--resume / full")
+    lines = ["| " + " | ".join((*columns, *ratios)) + " |", "|" + " --- |" * (len(columns) + 2)]
+    for r in results:
+        for s in r["stopped"]:
+            cells = (r["direction"], r["files"], f"{s['at_percent']}%", s["kept_files"], f"{r['full_s']:.2f}")
+            cells += (f"{s['resumed_s']:.2f}", f"{s['rerun_s']:.2f}", f"{s['resumed_over_rerun']:.2f}x")
+            cells += (f"{s['resumed_over_full']:.2f}x",)
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return lines
+
+
 def _scaling_table(results: list[dict[str, Any]]) -> list[str]:
     """Scaling: per direction, size and rank count the median seconds, the speedup over the fewest ranks and
     the peak RSS per rank; then the GPU rows (save_hf / load_hf against their baselines) and the notes."""
@@ -300,6 +315,7 @@ TABLES = {
     "dequant": _dequant_table,
     "durable": _durable_table,
     "scaling": _scaling_table,
+    "resume": _resume_table,
 }
 TITLES = {
     "planning": "Planning at scale",
@@ -311,6 +327,7 @@ TITLES = {
     "dequant": "Dequantizing quantized releases",
     "durable": "Durable output: fsync against fsync, no fsync against no fsync",
     "scaling": "Scaling with ranks, and save_hf / load_hf on GPUs",
+    "resume": "Resuming an interrupted conversion",
 }
 
 

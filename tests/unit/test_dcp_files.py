@@ -72,6 +72,19 @@ def test_small_files_load_back_with_dcp_load(tmp_path: Path) -> None:
     assert all(bytes(byte_view(back["model"][k])) == bytes(byte_view(v)) for k, v in full.items())
 
 
+def _watched(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The writers `write_dcp` makes (a test waits on their `stop`), as they start writing."""
+    writers: list[Any] = []
+    real = dcp_writer._RecordWriter.write_data
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        writers.append(self)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(dcp_writer._RecordWriter, "write_data", write_data)
+    return writers
+
+
 def test_a_failing_file_stops_the_other_threads_and_begins_no_other_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -81,14 +94,7 @@ def test_a_failing_file_stops_the_other_threads_and_begins_no_other_file(
     monkeypatch.setattr(dcp_writer, "SLAB_BYTES", 1 << 20)
     shape = (1024, 1024)
     full = {f"w{i}": torch.full(shape, float(i)) for i in range(8)}
-    writers: list[Any] = []
-    real = dcp_writer._RecordWriter.write_data
-
-    def write_data(self: Any, plan: Any, planner: Any) -> Any:
-        writers.append(self)
-        return real(self, plan, planner)
-
-    monkeypatch.setattr(dcp_writer._RecordWriter, "write_data", write_data)
+    writers = _watched(monkeypatch)
     first: list[str] = []  # the tensor the first thread met: it fails once the other thread is reading
     reads: dict[str, int] = {}
     lock = threading.Lock()
@@ -123,14 +129,7 @@ def test_the_failure_said_is_the_one_that_stopped_the_others(
     monkeypatch.setattr(dcp_writer, "SLAB_BYTES", 1 << 20)
     monkeypatch.setattr(dcp_writer, "wait", lambda futures, return_when: concurrent.futures.wait(futures))
     full = {"w0": torch.zeros(2048, 1024), "w1": torch.zeros(1024, 1024)}  # file 0: w0, file 1: w1
-    writers: list[Any] = []
-    real = dcp_writer._RecordWriter.write_data
-
-    def write_data(self: Any, plan: Any, planner: Any) -> Any:
-        writers.append(self)
-        return real(self, plan, planner)
-
-    monkeypatch.setattr(dcp_writer._RecordWriter, "write_data", write_data)
+    writers = _watched(monkeypatch)
     both = threading.Barrier(2)
 
     def read_rows(fqn: str, lo: int, hi: int, scratch: torch.Tensor | None) -> torch.Tensor:

@@ -20,7 +20,6 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, is_dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -186,10 +185,7 @@ class Resume:
             self._same(staging, record)
             if self._fits(record):
                 by_file.setdefault(record.file, []).append(record)
-        # the files read back for their CRC-32s several at once (reads and ISA-L's CRC let go of the GIL)
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-            trusted = pool.map(lambda item: _trusted(staging / item[0], item[1]), by_file.items())
-            kept = frozenset(name for name, ok in zip(by_file, trusted, strict=True) if ok)
+        kept = frozenset(name for name, records in by_file.items() if _trusted(staging / name, records))
         _clear(staging, kept)
         if fsync:  # an earlier run with --no-fsync may have left them in the page cache only
             for name in sorted(kept):

@@ -293,7 +293,8 @@ class _RecordWriter(FileSystemWriter):
                 f.flush()
                 os.fsync(f.fileno())
             size = f.tell()
-        if recording and self.resumed is not None:  # closed (and fsynced): its bytes are on the device
+        if recording:  # closed (and fsynced): its bytes are on the device
+            assert self.resumed is not None
             crc = f.crc if f.exact else _file_crc(path)
             self.resumed.record(name, size, crc, [_item(r) for r in results])
         return results

@@ -151,18 +151,7 @@ def resumed(
     """Rank 0, holding the lock: what this run (`fingerprint`, `ranks`, its `files` and `writes`) keeps of
     the interrupted run `record` describes, OUT holding `names`; the record's other uploads aborted. OUT
     complete, or holding data this run does not write: one line, exit 2, nothing changed."""
-    if completing in names:
-        raise CkptconvError(
-            f"{url}: --resume: holds a complete result ({completing}); nothing to resume (--overwrite "
-            "replaces it)"
-        )
-    planned = {f.name for f in files}
-    foreign = [n for n in names if (n.endswith(".safetensors") and n not in planned) or "/" in n]
-    if foreign:
-        raise CkptconvError(
-            f"{url}: --resume: holds {', '.join(foreign[:5])}, which this run does not write; rerun with "
-            "--overwrite to start over"
-        )
+    _check_out(url, names, completing, ".safetensors", {f.name for f in files})
     pieces = plan_pieces(files, writes)
     part_sizes: dict[str, dict[int, int]] = {}
     for p in pieces:
@@ -207,6 +196,22 @@ def keep(
     return kept
 
 
+def _check_out(url: UrlPath, names: Sequence[str], completing: str, suffix: str, planned: set[str]) -> None:
+    """Refuse an OUT holding a complete result (`completing`), or data files (`suffix`) or a deeper prefix
+    this run does not write: one line, exit 2."""
+    if completing in names:
+        raise CkptconvError(
+            f"{url}: --resume: holds a complete result ({completing}); nothing to resume (--overwrite "
+            "replaces it)"
+        )
+    foreign = [n for n in names if (n.endswith(suffix) and n not in planned) or "/" in n]
+    if foreign:
+        raise CkptconvError(
+            f"{url}: --resume: holds {', '.join(foreign[:5])}, which this run does not write; rerun with "
+            "--overwrite to start over"
+        )
+
+
 def _check_fingerprint(url: UrlPath, record: Mapping[str, Any], fingerprint: Sequence[str]) -> None:
     """Refuse a record of another fingerprint: one line naming what changed, exit 2."""
     if tuple(record["fingerprint"]) != tuple(fingerprint):
@@ -233,19 +238,8 @@ def resumed_whole(
     The other `.distcp` objects are removed and every upload in progress under OUT/ aborted (their files
     are written again). OUT complete, holding data this run does not write, another fingerprint or another
     number of ranks: one line, exit 2, nothing changed."""
-    if completing in names:
-        raise CkptconvError(
-            f"{url}: --resume: holds a complete result ({completing}); nothing to resume (--overwrite "
-            "replaces it)"
-        )
-    wanted = set(planned)
+    _check_out(url, names, completing, ".distcp", set(planned))
     data = [n for n in names if n.endswith(".distcp")]
-    foreign = [n for n in names if "/" in n] + [n for n in data if n not in wanted]
-    if foreign:
-        raise CkptconvError(
-            f"{url}: --resume: holds {', '.join(foreign[:5])}, which this run does not write; rerun with "
-            "--overwrite to start over"
-        )
     if record["ranks"] != ranks:
         raise CkptconvError(
             f"{url}: --resume: written by {record['ranks']} rank(s) and this run has {ranks}: a DCP's files "
